@@ -1,0 +1,49 @@
+"""Link and device emulation for local simulation: profiles, clocks, a FIFO link model, a delay line
+that delivers items when the emulated link would, and a compute throttle for slower devices.
+
+Pure Python (no gRPC, no torch), so any layer can use it.
+"""
+
+from fedpipe.link.clock import Clock, FakeClock, RealClock
+from fedpipe.link.delay_line import DelayLine, DelayLineClosed, DelayLineStats
+from fedpipe.link.direction import DuplexLink, LinkDirection, LinkStats, Transfer
+from fedpipe.link.profiles import (
+    DEVICE_PROFILES,
+    REFERENCE_LINKS,
+    DeviceProfile,
+    Direction,
+    LinkProfile,
+    UnknownProfileError,
+    device_profile_names,
+    get_device_profile,
+    get_link,
+    link_names,
+)
+from fedpipe.link.spec import parse_link
+from fedpipe.link.throttle import ComputeThrottle, ThrottleStats
+
+__all__ = [
+    "DEVICE_PROFILES",
+    "REFERENCE_LINKS",
+    "Clock",
+    "ComputeThrottle",
+    "DelayLine",
+    "DelayLineClosed",
+    "DelayLineStats",
+    "DeviceProfile",
+    "Direction",
+    "DuplexLink",
+    "FakeClock",
+    "LinkDirection",
+    "LinkProfile",
+    "LinkStats",
+    "RealClock",
+    "ThrottleStats",
+    "Transfer",
+    "UnknownProfileError",
+    "device_profile_names",
+    "get_device_profile",
+    "get_link",
+    "link_names",
+    "parse_link",
+]
