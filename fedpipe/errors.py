@@ -1,0 +1,41 @@
+"""Errors fedpipe raises across layers; the transport maps each to a gRPC status code."""
+
+from __future__ import annotations
+
+__all__ = [
+    "AuthError",
+    "FedpipeError",
+    "MessageTooLargeError",
+    "SessionStateError",
+    "StageCapacityError",
+    "StageLinkError",
+    "UnknownSessionError",
+]
+
+
+class FedpipeError(Exception):
+    """Base class of fedpipe's own errors."""
+
+
+class UnknownSessionError(FedpipeError, LookupError):
+    """A message or call names a session the StageServer does not hold (NOT_FOUND)."""
+
+
+class AuthError(FedpipeError, PermissionError):
+    """A session token or control secret was missing, forged or for another round."""
+
+
+class SessionStateError(FedpipeError):
+    """A message arrived out of order: wrong step, duplicate or unknown microbatch."""
+
+
+class MessageTooLargeError(FedpipeError):
+    """A message is larger than the configured limit (RESOURCE_EXHAUSTED)."""
+
+
+class StageCapacityError(FedpipeError):
+    """The StageServer is full: too many sessions or microbatches in flight."""
+
+
+class StageLinkError(FedpipeError, ConnectionError):
+    """The stage link failed on the device side: the server aborted or the stream broke."""

@@ -1,0 +1,202 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CODEC_UNSPECIFIED: _ClassVar[Codec]
+    FP32: _ClassVar[Codec]
+    BF16: _ClassVar[Codec]
+    FP16: _ClassVar[Codec]
+    INT8: _ClassVar[Codec]
+
+class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KIND_UNSPECIFIED: _ClassVar[Kind]
+    ACTIVATION: _ClassVar[Kind]
+    OUTPUT: _ClassVar[Kind]
+    OUTPUT_GRAD: _ClassVar[Kind]
+    INPUT_GRAD: _ClassVar[Kind]
+    STEP_END: _ClassVar[Kind]
+    STEP_DONE: _ClassVar[Kind]
+    ERROR: _ClassVar[Kind]
+CODEC_UNSPECIFIED: Codec
+FP32: Codec
+BF16: Codec
+FP16: Codec
+INT8: Codec
+KIND_UNSPECIFIED: Kind
+ACTIVATION: Kind
+OUTPUT: Kind
+OUTPUT_GRAD: Kind
+INPUT_GRAD: Kind
+STEP_END: Kind
+STEP_DONE: Kind
+ERROR: Kind
+
+class Tensor(_message.Message):
+    __slots__ = ("codec", "shape", "data", "scales")
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    SCALES_FIELD_NUMBER: _ClassVar[int]
+    codec: Codec
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    scales: bytes
+    def __init__(self, codec: _Optional[_Union[Codec, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., scales: _Optional[bytes] = ...) -> None: ...
+
+class StageMessage(_message.Message):
+    __slots__ = ("session_id", "step", "microbatch", "kind", "tensor", "labels", "loss_scale", "loss_sum", "tokens", "error", "compute_s")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCH_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_SCALE_FIELD_NUMBER: _ClassVar[int]
+    LOSS_SUM_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    step: int
+    microbatch: int
+    kind: Kind
+    tensor: Tensor
+    labels: Tensor
+    loss_scale: float
+    loss_sum: float
+    tokens: int
+    error: str
+    compute_s: float
+    def __init__(self, session_id: _Optional[str] = ..., step: _Optional[int] = ..., microbatch: _Optional[int] = ..., kind: _Optional[_Union[Kind, str]] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ..., labels: _Optional[_Union[Tensor, _Mapping]] = ..., loss_scale: _Optional[float] = ..., loss_sum: _Optional[float] = ..., tokens: _Optional[int] = ..., error: _Optional[str] = ..., compute_s: _Optional[float] = ...) -> None: ...
+
+class SplitSpec(_message.Message):
+    __slots__ = ("model", "num_layers", "head_layers", "tail_layers", "mode", "hidden_size", "dtype")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    TAIL_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    num_layers: int
+    head_layers: int
+    tail_layers: int
+    mode: str
+    hidden_size: int
+    dtype: str
+    def __init__(self, model: _Optional[str] = ..., num_layers: _Optional[int] = ..., head_layers: _Optional[int] = ..., tail_layers: _Optional[int] = ..., mode: _Optional[str] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class OpenSessionRequest(_message.Message):
+    __slots__ = ("device_id", "token", "round", "uplink_codec", "downlink_codec", "microbatch_size", "seq_len", "learning_rate", "weight_decay")
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    UPLINK_CODEC_FIELD_NUMBER: _ClassVar[int]
+    DOWNLINK_CODEC_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
+    LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    device_id: str
+    token: str
+    round: int
+    uplink_codec: Codec
+    downlink_codec: Codec
+    microbatch_size: int
+    seq_len: int
+    learning_rate: float
+    weight_decay: float
+    def __init__(self, device_id: _Optional[str] = ..., token: _Optional[str] = ..., round: _Optional[int] = ..., uplink_codec: _Optional[_Union[Codec, str]] = ..., downlink_codec: _Optional[_Union[Codec, str]] = ..., microbatch_size: _Optional[int] = ..., seq_len: _Optional[int] = ..., learning_rate: _Optional[float] = ..., weight_decay: _Optional[float] = ...) -> None: ...
+
+class OpenSessionReply(_message.Message):
+    __slots__ = ("session_id", "split", "max_message_bytes")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    split: SplitSpec
+    max_message_bytes: int
+    def __init__(self, session_id: _Optional[str] = ..., split: _Optional[_Union[SplitSpec, _Mapping]] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
+
+class CloseSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class CloseSessionReply(_message.Message):
+    __slots__ = ("steps",)
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    steps: int
+    def __init__(self, steps: _Optional[int] = ...) -> None: ...
+
+class BeginRoundRequest(_message.Message):
+    __slots__ = ("round", "secret")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    SECRET_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    secret: str
+    def __init__(self, round: _Optional[int] = ..., secret: _Optional[str] = ...) -> None: ...
+
+class BeginRoundReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DeviceWeight(_message.Message):
+    __slots__ = ("device_id", "weight")
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    device_id: str
+    weight: float
+    def __init__(self, device_id: _Optional[str] = ..., weight: _Optional[float] = ...) -> None: ...
+
+class CommitRoundRequest(_message.Message):
+    __slots__ = ("round", "secret", "finished")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    SECRET_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    secret: str
+    finished: _containers.RepeatedCompositeFieldContainer[DeviceWeight]
+    def __init__(self, round: _Optional[int] = ..., secret: _Optional[str] = ..., finished: _Optional[_Iterable[_Union[DeviceWeight, _Mapping]]] = ...) -> None: ...
+
+class CommitRoundReply(_message.Message):
+    __slots__ = ("merged", "discarded")
+    MERGED_FIELD_NUMBER: _ClassVar[int]
+    DISCARDED_FIELD_NUMBER: _ClassVar[int]
+    merged: int
+    discarded: int
+    def __init__(self, merged: _Optional[int] = ..., discarded: _Optional[int] = ...) -> None: ...
+
+class AdapterRequest(_message.Message):
+    __slots__ = ("secret",)
+    SECRET_FIELD_NUMBER: _ClassVar[int]
+    secret: str
+    def __init__(self, secret: _Optional[str] = ...) -> None: ...
+
+class AdapterReply(_message.Message):
+    __slots__ = ("safetensors",)
+    SAFETENSORS_FIELD_NUMBER: _ClassVar[int]
+    safetensors: bytes
+    def __init__(self, safetensors: _Optional[bytes] = ...) -> None: ...
+
+class LoadAdapterRequest(_message.Message):
+    __slots__ = ("secret", "safetensors")
+    SECRET_FIELD_NUMBER: _ClassVar[int]
+    SAFETENSORS_FIELD_NUMBER: _ClassVar[int]
+    secret: str
+    safetensors: bytes
+    def __init__(self, secret: _Optional[str] = ..., safetensors: _Optional[bytes] = ...) -> None: ...
+
+class LoadAdapterReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -1,0 +1,303 @@
+"""Tensors to and from the wire: the ``fedpipe.proto.Tensor`` message and its codecs.
+
+This is the only module besides the gRPC transport that touches protobuf tensors. A float tensor
+(activation, output or gradient at the cut) is sent with one of ``CODECS``. Error bound of a decoded
+value ``y`` against the sent value ``x`` (taken as fp32):
+
+- ``fp32`` (4 bytes/value): exact for fp32 input; other float dtypes are cast to fp32 exactly.
+- ``bf16`` (2 bytes/value): ``|y - x| <= 2**-8 * |x|`` (round to nearest even, 8-bit significand).
+  bf16 has fp32's exponent range, so this holds for all normal values up to ``3.38e38``.
+- ``fp16`` (2 bytes/value): ``|y - x| <= 2**-11 * |x|`` in fp16's normal range
+  ``6.1e-5 <= |x| <= 65504``. Below it the absolute error is at most ``2**-25``; above it values
+  overflow to ``inf`` -- use bf16 for such tensors.
+- ``int8`` (1 byte/value + one fp32 scale per row, a row being the last dimension): symmetric
+  per-row quantization with ``scale = max|row| / 127``, so ``|y - x| <= 0.5 * max|row| / 127``
+  per element; an all-zero row decodes to zeros. Inputs must be finite.
+
+Integer tensors (labels, token ids) are not compressed: ``labels_to_proto`` and
+``labels_from_proto`` carry them as little-endian int64 with ``codec = CODEC_UNSPECIFIED`` (the
+proto has no integer codec, and an unspecified codec on a float tensor is an error, so the two
+cannot be confused).
+
+Decoding validates everything a peer could get wrong -- codec, shape, byte counts, scales -- and
+raises ``TensorFormatError`` (a ``ValueError``; the server maps it to ``INVALID_ARGUMENT``) with the
+numbers and what was expected. Decoded tensors are contiguous, writable and own their memory.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Sequence
+
+import torch
+
+from fedpipe.proto import stage_pb2 as pb
+
+__all__ = [
+    "CODECS",
+    "MAX_NDIM",
+    "TensorFormatError",
+    "bytes_per_value",
+    "codec_from_proto",
+    "codec_to_proto",
+    "encoded_nbytes",
+    "labels_from_proto",
+    "labels_to_proto",
+    "tensor_from_proto",
+    "tensor_to_proto",
+]
+
+if sys.byteorder != "little":  # the wire is little-endian and the codec reinterprets bytes in place
+    raise ImportError("fedpipe.transport.codec supports little-endian hosts only")
+
+CODECS: tuple[str, ...] = ("fp32", "bf16", "fp16", "int8")
+MAX_NDIM = 64  # more dimensions than any real activation; bounds work spent on hostile shapes
+# Bound on the product of a shape's dims with zeros counted as ones: torch computes strides that
+# way even for empty tensors and overflows int64 on hostile shapes such as (2**62, 2**62, 0).
+_MAX_SPAN = 2**48
+
+_TO_PROTO: dict[str, pb.Codec] = {
+    "fp32": pb.FP32,
+    "bf16": pb.BF16,
+    "fp16": pb.FP16,
+    "int8": pb.INT8,
+}
+_FROM_PROTO: dict[int, str] = {v: k for k, v in _TO_PROTO.items()}
+_WIRE_DTYPE: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "int8": torch.int8,
+}
+_LABEL_DTYPE = torch.int64
+_SCALE_BYTES = 4  # one fp32 scale per int8 row
+_INT8_MAX = 127.0
+
+
+class TensorFormatError(ValueError):
+    """A tensor message that cannot be decoded as expected (bad codec, shape, or byte count)."""
+
+
+# --- codec names ---------------------------------------------------------------------------------
+
+
+def _check_codec(codec: str) -> str:
+    if codec not in _TO_PROTO:
+        raise ValueError(f"unknown codec {codec!r}; choose one of {', '.join(CODECS)}")
+    return codec
+
+
+def codec_to_proto(name: str) -> int:
+    """The ``fedpipe.proto.Codec`` value of a codec name such as ``"bf16"``."""
+    return _TO_PROTO[_check_codec(name)]
+
+
+def codec_from_proto(value: int) -> str:
+    """The codec name of a ``fedpipe.proto.Codec`` value received from a peer."""
+    name = _FROM_PROTO.get(value)
+    if name is None:
+        raise TensorFormatError(
+            f"codec {_codec_label(value)} is not a tensor codec; expected one of "
+            + ", ".join(f"{n.upper()} ({v})" for n, v in _TO_PROTO.items())
+        )
+    return name
+
+
+def _codec_label(value: int) -> str:
+    try:
+        return f"{pb.Codec.Name(value)} ({value})"
+    except ValueError:
+        return f"<unknown> ({value})"
+
+
+def bytes_per_value(codec: str) -> int:
+    """Payload bytes per tensor element under ``codec`` (int8's per-row scales not included)."""
+    return _WIRE_DTYPE[_check_codec(codec)].itemsize
+
+
+def encoded_nbytes(shape: Sequence[int], codec: str) -> int:
+    """Payload bytes (``data`` plus ``scales``) of a tensor of ``shape`` encoded with ``codec``."""
+    nbytes = math.prod(shape) * bytes_per_value(codec)
+    if codec == "int8":
+        nbytes += _num_rows(shape) * _SCALE_BYTES
+    return nbytes
+
+
+def _num_rows(shape: Sequence[int]) -> int:
+    """Rows of a tensor for int8 scales: all dims but the last (a 0-d tensor is one row)."""
+    return math.prod(shape[:-1]) if len(shape) > 0 else 1
+
+
+# --- encoding ------------------------------------------------------------------------------------
+
+
+def tensor_to_proto(t: torch.Tensor, codec: str) -> pb.Tensor:
+    """Encode a float tensor of any float dtype, on any device, with ``codec``.
+
+    Casting and quantization run on ``t``'s device; only the encoded bytes move to the CPU.
+    """
+    _check_codec(codec)
+    if not t.is_floating_point():
+        raise TypeError(
+            f"tensor_to_proto encodes float tensors, got {t.dtype}; "
+            "send integer tensors (labels, token ids) with labels_to_proto"
+        )
+    t = t.detach()
+    msg = pb.Tensor(codec=_TO_PROTO[codec], shape=t.shape)
+    if codec == "int8":
+        q, scales = _quantize_int8(t)
+        msg.data = _to_bytes(q)
+        msg.scales = _to_bytes(scales)
+    else:
+        msg.data = _to_bytes(t.to(_WIRE_DTYPE[codec]))
+    return msg
+
+
+def _quantize_int8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8: returns (q int8 of t's shape, scales fp32 of shape (rows,))."""
+    rows = _num_rows(t.shape)
+    if t.numel() == 0:  # no values to scale; rows may still exist, e.g. shape (3, 0)
+        return t.to(torch.int8), torch.zeros(rows, dtype=torch.float32, device=t.device)
+    x = t.to(torch.float32).reshape(rows, -1)  # (rows, last)
+    # max|x| from max and min: two reductions, no |x| temporary as large as the tensor.
+    scales = torch.maximum(x.amax(dim=1), x.amin(dim=1).neg_()).div_(_INT8_MAX)  # (rows,)
+    # An all-zero row has scale 0; dividing by 1 instead keeps it exactly zero.
+    inv = torch.where(scales > 0, scales, torch.ones_like(scales)).reciprocal_()
+    # One full-size temporary, then in place: fresh large buffers cost page faults on CPU.
+    q = x.mul(inv[:, None]).round_().clamp_(-_INT8_MAX, _INT8_MAX).to(torch.int8)
+    return q.reshape(t.shape), scales
+
+
+def _to_bytes(t: torch.Tensor) -> bytes:
+    """Raw little-endian bytes of ``t`` (row-major), via a numpy view of a CPU copy."""
+    t = t.contiguous().cpu()
+    if t.dtype == torch.bfloat16:  # numpy has no bfloat16; the bit pattern is what we send
+        t = t.view(torch.int16)
+    return t.numpy().tobytes()
+
+
+def labels_to_proto(t: torch.Tensor) -> pb.Tensor:
+    """Encode an integer tensor (labels, token ids) as little-endian int64, codec unspecified."""
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise TypeError(f"labels_to_proto encodes integer tensors, got {t.dtype}")
+    data = _to_bytes(t.detach().to(_LABEL_DTYPE))
+    return pb.Tensor(codec=pb.CODEC_UNSPECIFIED, shape=t.shape, data=data)
+
+
+# --- decoding ------------------------------------------------------------------------------------
+
+
+def tensor_from_proto(
+    msg: pb.Tensor,
+    *,
+    expect_shape: Sequence[int | None] | None = None,
+    dtype: torch.dtype = torch.float32,
+    max_elements: int | None = None,
+    name: str = "tensor",
+) -> torch.Tensor:
+    """Decode and validate a float tensor; returns a contiguous, writable tensor of ``dtype``.
+
+    ``expect_shape`` pins the shape (``None`` in a dimension accepts any size there);
+    ``max_elements`` bounds the element count; ``name`` (e.g. ``"ACTIVATION tensor"``) starts
+    every error message. Raises ``TensorFormatError`` for anything a peer could have sent wrong.
+    """
+    if not dtype.is_floating_point:
+        raise TypeError(f"tensor_from_proto decodes to a float dtype, got {dtype}")
+    try:
+        codec = codec_from_proto(msg.codec)
+    except TensorFormatError as exc:
+        raise TensorFormatError(f"{name}: {exc}") from None
+    shape = _checked_shape(msg, name, expect_shape, max_elements)
+    numel = math.prod(shape)
+    _check_nbytes(name, "data", len(msg.data), numel * bytes_per_value(codec), shape, codec)
+    if codec == "int8":
+        rows = _num_rows(shape)
+        _check_nbytes(name, "scales", len(msg.scales), rows * _SCALE_BYTES, shape, codec)
+        return _dequantize_int8(msg.data, msg.scales, shape, dtype)
+    if msg.scales:
+        raise TensorFormatError(
+            f"{name}: codec {codec.upper()} carries no scales, got {len(msg.scales)} scale bytes"
+        )
+    return _from_bytes(msg.data, _WIRE_DTYPE[codec], shape).to(dtype)
+
+
+def labels_from_proto(
+    msg: pb.Tensor,
+    *,
+    expect_shape: Sequence[int | None] | None = None,
+    max_elements: int | None = None,
+    name: str = "labels",
+) -> torch.Tensor:
+    """Decode and validate an int64 tensor written by ``labels_to_proto``."""
+    if msg.codec != pb.CODEC_UNSPECIFIED:
+        raise TensorFormatError(
+            f"{name}: expected codec CODEC_UNSPECIFIED (0) for int64 labels, "
+            f"got {_codec_label(msg.codec)}"
+        )
+    shape = _checked_shape(msg, name, expect_shape, max_elements)
+    itemsize = _LABEL_DTYPE.itemsize
+    _check_nbytes(name, "data", len(msg.data), math.prod(shape) * itemsize, shape, "int64")
+    if msg.scales:
+        raise TensorFormatError(f"{name}: labels carry no scales, got {len(msg.scales)} bytes")
+    return _from_bytes(msg.data, _LABEL_DTYPE, shape)
+
+
+def _checked_shape(
+    msg: pb.Tensor,
+    name: str,
+    expect_shape: Sequence[int | None] | None,
+    max_elements: int | None,
+) -> tuple[int, ...]:
+    shape = tuple(msg.shape)
+    if len(shape) > MAX_NDIM:
+        raise TensorFormatError(f"{name}: {len(shape)} dimensions, at most {MAX_NDIM} allowed")
+    if any(d < 0 for d in shape):
+        raise TensorFormatError(f"{name}: shape {shape} has a negative dimension")
+    if math.prod(max(d, 1) for d in shape) > _MAX_SPAN:
+        raise TensorFormatError(
+            f"{name}: shape {shape} is too large (over 2**48 elements, zero dimensions aside)"
+        )
+    if expect_shape is not None and not _shape_matches(shape, expect_shape):
+        expected = "(" + ", ".join("*" if d is None else str(d) for d in expect_shape) + ")"
+        if len(expect_shape) == 1:
+            expected = expected[:-1] + ",)"
+        raise TensorFormatError(f"{name}: expected shape {expected}, got {shape}")
+    numel = math.prod(shape)
+    if max_elements is not None and numel > max_elements:
+        raise TensorFormatError(
+            f"{name}: shape {shape} has {numel} elements, more than the limit of {max_elements}"
+        )
+    return shape
+
+
+def _shape_matches(shape: tuple[int, ...], expect: Sequence[int | None]) -> bool:
+    return len(shape) == len(expect) and all(
+        e is None or e == d for d, e in zip(shape, expect, strict=True)
+    )
+
+
+def _check_nbytes(
+    name: str, field: str, got: int, expected: int, shape: tuple[int, ...], codec: str
+) -> None:
+    if got != expected:
+        raise TensorFormatError(
+            f"{name}: {field} has {got} bytes, expected {expected} for shape {shape} as {codec}"
+        )
+
+
+def _from_bytes(data: bytes, wire_dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A writable tensor that owns a copy of ``data`` (torch.frombuffer rejects empty buffers)."""
+    if len(data) == 0:
+        return torch.zeros(shape, dtype=wire_dtype)
+    return torch.frombuffer(bytearray(data), dtype=wire_dtype).reshape(shape)
+
+
+def _dequantize_int8(
+    data: bytes, scales: bytes, shape: tuple[int, ...], dtype: torch.dtype
+) -> torch.Tensor:
+    if math.prod(shape) == 0:
+        return torch.zeros(shape, dtype=dtype)
+    q = _from_bytes(data, torch.int8, shape).reshape(_num_rows(shape), -1)  # (rows, last)
+    s = _from_bytes(scales, torch.float32, (_num_rows(shape),))  # (rows,)
+    return q.to(torch.float32).mul_(s[:, None]).reshape(shape).to(dtype)

@@ -1,0 +1,287 @@
+"""Tensor codec: round trips within the documented error bounds, and validation that teaches."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fedpipe.proto import stage_pb2 as pb
+from fedpipe.transport.codec import (
+    CODECS,
+    MAX_NDIM,
+    TensorFormatError,
+    bytes_per_value,
+    codec_from_proto,
+    codec_to_proto,
+    encoded_nbytes,
+    labels_from_proto,
+    labels_to_proto,
+    tensor_from_proto,
+    tensor_to_proto,
+)
+
+SHAPES = [(), (7,), (3, 5), (2, 4, 16), (0, 4), (3, 0), (2, 3, 1, 9)]
+FLOAT_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+
+
+def _round_trip(x: torch.Tensor, codec: str, **kwargs: object) -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # e.g. torch's non-writable-buffer warning
+        msg = pb.Tensor.FromString(tensor_to_proto(x, codec).SerializeToString())
+        return tensor_from_proto(msg, **kwargs)  # type: ignore[arg-type]
+
+
+def _assert_within_bound(x: torch.Tensor, y: torch.Tensor, codec: str) -> None:
+    """The error bounds stated in the codec's module docstring."""
+    x = x.to(torch.float32)
+    err = (y - x).abs()
+    if codec == "fp32":
+        assert torch.equal(y, x)
+    elif codec == "bf16":
+        assert (err <= 2**-8 * x.abs()).all()
+    elif codec == "fp16":
+        assert (err <= 2**-11 * x.abs() + 2**-25).all()  # + subnormal spacing below 6.1e-5
+    elif x.numel() == 0:
+        assert y.shape == x.shape
+    else:
+        rows = x.reshape(-1, x.shape[-1] if x.dim() else 1)
+        bound = 0.5 * rows.abs().amax(dim=1, keepdim=True) / 127
+        # fp32 arithmetic in quantize and dequantize adds a few ulps on top of the bound.
+        assert (err.reshape(rows.shape) <= bound * (1 + 1e-5) + 1e-30).all()
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_round_trip_within_bound(codec: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(shape, generator=gen) * 3).to(dtype)
+    y = _round_trip(x, codec)
+    assert y.shape == x.shape and y.dtype == torch.float32
+    assert y.is_contiguous()
+    _assert_within_bound(x, y, codec)
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_wide_magnitudes_within_bound(codec: str) -> None:
+    gen = torch.Generator().manual_seed(1)
+    # Rows of very different scales: per-row int8 scales keep small rows precise.
+    scale = 10.0 ** torch.arange(-4, 5, dtype=torch.float32)[:, None]  # (9, 1)
+    x = torch.randn(9, 64, generator=gen) * scale  # fp16's normal range: 6.1e-5 .. 65504
+    _assert_within_bound(x, _round_trip(x, codec), codec)
+
+
+def test_bf16_keeps_fp32_range() -> None:
+    x = torch.tensor([1e-30, -3e38, 1e38, 12345.678])
+    _assert_within_bound(x, _round_trip(x, "bf16"), "bf16")
+
+
+def test_fp16_overflow_is_inf_as_documented() -> None:
+    assert torch.isinf(_round_trip(torch.tensor([1e5, -1e6]), "fp16")).all()
+
+
+def test_int8_zero_rows_and_extremes() -> None:
+    x = torch.zeros(3, 8)
+    x[1] = torch.linspace(-1e30, 1e30, 8)
+    y = _round_trip(x, "int8")
+    assert torch.equal(y[0], torch.zeros(8)) and torch.equal(y[2], torch.zeros(8))
+    assert torch.isfinite(y).all()
+    _assert_within_bound(x, y, "int8")
+    assert y[1].abs().max() == pytest.approx(1e30, rel=1e-6)  # max|row| is exact: 127 * scale
+
+
+def test_int8_wire_format() -> None:
+    msg = tensor_to_proto(torch.tensor([[0.5, -1.0, 0.25], [0.0, 0.0, 0.0]]), "int8")
+    assert list(torch.frombuffer(bytearray(msg.data), dtype=torch.int8)) == [64, -127, 32, 0, 0, 0]
+    scales = torch.frombuffer(bytearray(msg.scales), dtype=torch.float32)
+    assert scales.tolist() == pytest.approx([1 / 127, 0.0])
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_encodes_views_and_grad_tensors(codec: str) -> None:
+    base = torch.randn(4, 6, requires_grad=True)
+    x = base.t()[1:, ::2] * 2  # non-contiguous, part of an autograd graph
+    _assert_within_bound(x.detach(), _round_trip(x, codec), codec)
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_decoded_tensor_is_writable_and_owns_its_memory(codec: str) -> None:
+    msg = tensor_to_proto(torch.ones(2, 3), codec)
+    y = tensor_from_proto(msg)
+    y.add_(1)
+    assert torch.equal(tensor_from_proto(msg), torch.ones(2, 3))
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_decodes_to_requested_dtype(codec: str, dtype: torch.dtype) -> None:
+    x = torch.randn(2, 5)
+    y = _round_trip(x, codec, dtype=dtype)
+    assert y.dtype == dtype
+    assert torch.equal(y, _round_trip(x, codec).to(dtype))
+
+
+def test_rejects_non_float_types() -> None:
+    with pytest.raises(TypeError, match="labels_to_proto"):
+        tensor_to_proto(torch.arange(4), "fp32")
+    with pytest.raises(TypeError, match="float dtype"):
+        tensor_from_proto(tensor_to_proto(torch.ones(1), "fp32"), dtype=torch.int64)
+    with pytest.raises(ValueError, match="choose one of fp32, bf16, fp16, int8"):
+        tensor_to_proto(torch.ones(1), "fp8")
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("codec", CODECS)
+def test_encoded_nbytes_matches_payload(shape: tuple[int, ...], codec: str) -> None:
+    msg = tensor_to_proto(torch.randn(shape), codec)
+    assert encoded_nbytes(shape, codec) == len(msg.data) + len(msg.scales)
+
+
+def test_codec_names() -> None:
+    assert [bytes_per_value(c) for c in CODECS] == [4, 2, 2, 1]
+    assert [codec_to_proto(c) for c in CODECS] == [pb.FP32, pb.BF16, pb.FP16, pb.INT8]
+    assert [codec_from_proto(codec_to_proto(c)) for c in CODECS] == list(CODECS)
+    with pytest.raises(ValueError, match="unknown codec 'int4'"):
+        codec_to_proto("int4")
+    for bad in (pb.CODEC_UNSPECIFIED, 99):
+        with pytest.raises(TensorFormatError, match=rf"\({bad}\) is not a tensor codec"):
+            codec_from_proto(bad)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8, torch.int16])
+def test_labels_round_trip(dtype: torch.dtype) -> None:
+    x = torch.randint(0, 200, (3, 17), dtype=dtype)
+    if dtype.is_signed:
+        x[0, 0] = -100  # the ignore index
+    msg = pb.Tensor.FromString(labels_to_proto(x).SerializeToString())
+    assert msg.codec == pb.CODEC_UNSPECIFIED
+    y = labels_from_proto(msg, expect_shape=(3, None))
+    assert y.dtype == torch.int64 and torch.equal(y, x.to(torch.int64))
+    y[0, 0] = 1  # writable
+
+
+def test_labels_reject_floats_and_float_codecs() -> None:
+    with pytest.raises(TypeError, match="integer tensors"):
+        labels_to_proto(torch.ones(2))
+    with pytest.raises(TensorFormatError, match=r"expected codec CODEC_UNSPECIFIED .* got FP32"):
+        labels_from_proto(tensor_to_proto(torch.ones(2), "fp32"))
+    with pytest.raises(TensorFormatError, match="expected 16"):
+        labels_from_proto(pb.Tensor(shape=[2], data=b"\0" * 15))
+    with pytest.raises(TensorFormatError, match="not a tensor codec"):
+        tensor_from_proto(labels_to_proto(torch.ones(2, dtype=torch.int64)))
+
+
+def _msg(enc: str = "fp32", size: tuple[int, ...] = (2, 3), **fields: object) -> pb.Tensor:
+    """A valid message of ``size`` encoded with ``enc``, then with ``fields`` overwritten."""
+    msg = tensor_to_proto(torch.ones(size), enc)
+    for key, value in fields.items():
+        if key == "shape":
+            del msg.shape[:]
+            msg.shape.extend(value)  # type: ignore[arg-type]
+        else:
+            setattr(msg, key, value)
+    return msg
+
+
+INVALID = [
+    ("codec-99", _msg(codec=99), {}, r"tensor: codec <unknown> \(99\) is not a tensor codec"),
+    ("unspecified", _msg(codec=0), {}, r"CODEC_UNSPECIFIED \(0\) is not a tensor codec"),
+    ("negative-dim", _msg(shape=[2, -3]), {}, r"shape \(2, -3\) has a negative dimension"),
+    (
+        "wrong-shape",
+        _msg("bf16", (2, 128, 65)),
+        {"expect_shape": (2, 128, 64), "name": "ACTIVATION tensor"},
+        r"^ACTIVATION tensor: expected shape \(2, 128, 64\), got \(2, 128, 65\)$",
+    ),
+    (
+        "wrong-ndim",
+        _msg(size=(2, 3)),
+        {"expect_shape": (2, None, 3)},
+        r"expected shape \(2, \*, 3\), got \(2, 3\)",
+    ),
+    ("wrong-1d", _msg(size=(4,)), {"expect_shape": (5,)}, r"expected shape \(5,\), got \(4,\)"),
+    ("short-data", _msg(data=b"\0" * 20), {}, r"data has 20 bytes, expected 24 for shape"),
+    ("long-data", _msg("fp16", data=b"\0" * 13), {}, r"data has 13 bytes, expected 12 .* as fp16"),
+    ("int8-scales", _msg("int8", scales=b"\0" * 4), {}, r"scales has 4 bytes, expected 8"),
+    ("int8-no-scales", _msg("int8", scales=b""), {}, r"scales has 0 bytes, expected 8"),
+    ("stray-scales", _msg("fp32", scales=b"\0" * 8), {}, r"FP32 carries no scales, got 8"),
+    (
+        "too-many",
+        _msg(size=(100, 100)),
+        {"max_elements": 9999},
+        r"has 10000 elements, more than the limit of 9999",
+    ),
+    ("too-many-dims", _msg(shape=[1] * (MAX_NDIM + 1)), {}, rf"at most {MAX_NDIM} allowed"),
+    ("huge-shape", _msg(shape=[2**40, 2**40]), {}, r"shape \(1099511627776, .* is too large"),
+    ("huge-empty", _msg(shape=[2**62, 2**62, 0], data=b""), {}, r"too large"),
+    ("huge-empty-0", _msg(shape=[0, 2**63 - 1, 2**63 - 1], data=b""), {}, r"too large"),
+]
+
+
+@pytest.mark.parametrize(
+    ("msg", "kwargs", "pattern"), [c[1:] for c in INVALID], ids=[c[0] for c in INVALID]
+)
+def test_invalid_messages_teach(msg: pb.Tensor, kwargs: dict, pattern: str) -> None:
+    with pytest.raises(TensorFormatError, match=pattern):
+        tensor_from_proto(msg, **kwargs)
+
+
+def test_expect_shape_wildcards_accept_any_size() -> None:
+    msg = tensor_to_proto(torch.ones(3, 7, 2), "fp16")
+    assert tensor_from_proto(msg, expect_shape=(None, None, 2), max_elements=42).shape == (3, 7, 2)
+
+
+_int64 = st.integers(-(2**63), 2**63 - 1)
+_dim = st.one_of(st.integers(-2, 6), st.integers(0, 2**40), _int64, st.just(2**63 - 1))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    codec=st.one_of(st.sampled_from([0, 1, 2, 3, 4]), st.integers(-(2**31), 2**31 - 1)),
+    shape=st.lists(_dim, max_size=5) | st.lists(st.integers(0, 1), max_size=MAX_NDIM + 3),
+    data=st.binary(max_size=200) | st.just(b""),
+    scales=st.binary(max_size=40),
+    expect_shape=st.none() | st.lists(st.none() | st.integers(0, 6), max_size=5),
+    max_elements=st.none() | st.integers(0, 100),
+    dtype=st.sampled_from(FLOAT_DTYPES),
+)
+def test_fuzz_only_tensor_format_errors(
+    codec: int,
+    shape: list[int],
+    data: bytes,
+    scales: bytes,
+    expect_shape: list[int | None] | None,
+    max_elements: int | None,
+    dtype: torch.dtype,
+) -> None:
+    msg = pb.Tensor(codec=codec, shape=shape, data=data, scales=scales)
+    try:
+        y = tensor_from_proto(
+            msg, expect_shape=expect_shape, dtype=dtype, max_elements=max_elements
+        )
+    except TensorFormatError:
+        return
+    assert tuple(y.shape) == tuple(shape) and y.dtype == dtype and y.is_contiguous()
+    assert math.prod(shape) * bytes_per_value(codec_from_proto(codec)) == len(data)
+
+
+@settings(max_examples=100, deadline=None)
+@given(shape=st.lists(_dim, max_size=4), data=st.binary(max_size=64), codec=st.integers(-5, 5))
+def test_fuzz_labels_only_tensor_format_errors(shape: list[int], data: bytes, codec: int) -> None:
+    try:
+        y = labels_from_proto(pb.Tensor(codec=codec, shape=shape, data=data))
+    except TensorFormatError:
+        return
+    assert tuple(y.shape) == tuple(shape) and y.dtype == torch.int64
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("codec", CODECS)
+def test_encodes_cuda_tensors(codec: str) -> None:
+    x = torch.randn(4, 33, device="cuda", dtype=torch.bfloat16)
+    _assert_within_bound(x.cpu(), _round_trip(x, codec), codec)
