@@ -1,0 +1,141 @@
+"""PNG plots of a run: losses per round, a pipelined step's timeline, step times per device.
+
+matplotlib is imported inside each function, so importing this module costs nothing. Figures
+are drawn on their own Agg canvas (no pyplot, no global backend switch), which is safe in
+headless processes and in threads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+__all__ = ["plot_losses", "plot_step_times", "plot_timeline"]
+
+_LANE_ORDER = ("device", "uplink", "server", "downlink")
+# By the first letter of an event's name (fedpipe.pipeline.device_runtime's F0, T0, B0, Sf0, ...).
+_KIND_COLOURS = {
+    "F": ("forward", "tab:blue"),
+    "T": ("tail", "tab:purple"),
+    "B": ("backward", "tab:orange"),
+    "O": ("optimizer", "tab:green"),
+    "S": ("server", "tab:red"),
+}
+_OTHER = ("other", "tab:gray")
+_MAX_LABELLED_EVENTS = 80  # above this, names on bars are unreadable clutter
+
+
+class _Event(Protocol):
+    """What a timeline needs of an event (fedpipe.pipeline.trace.Event has it)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def lane(self) -> str: ...
+    @property
+    def start(self) -> float: ...
+    @property
+    def end(self) -> float: ...
+
+
+def plot_losses(rounds: list[dict], path: Path) -> Path:
+    """Eval and train loss per round (round 0 is the initial evaluation, without train loss)."""
+    fig, ax = _figure(7, 4)
+    for key, label, marker in (("train_loss", "train", "o"), ("eval_loss", "eval", "s")):
+        points = sorted((r["round"], r[key]) for r in rounds if r.get(key) is not None)
+        if points:
+            xs, ys = zip(*points, strict=True)
+            ax.plot(xs, ys, marker=marker, label=f"{label} loss")
+    if ax.lines:
+        ax.legend()
+    else:
+        _no_data(ax)
+    _integer_x(ax)
+    ax.set(title="Loss per round", xlabel="round", ylabel="loss (nats / token)")
+    ax.grid(True, alpha=0.3)
+    return _save(fig, path)
+
+
+def plot_timeline(events: Sequence[_Event], path: Path, *, title: str = "") -> Path:
+    """One row per lane (device, uplink, server, downlink, then others); x in ms from the start."""
+    from matplotlib.patches import Patch
+
+    lanes = _lane_order({e.lane for e in events})
+    t0 = min((e.start for e in events), default=0.0)
+    fig, ax = _figure(11, 1.0 + 0.7 * max(len(lanes), 1))
+    used: dict[str, str] = {}
+    for row, lane in enumerate(lanes):
+        groups: dict[tuple[str, str], list[tuple[float, float]]] = {}
+        for e in events:
+            if e.lane == lane:
+                kind = _KIND_COLOURS.get(e.name[:1], _OTHER)
+                groups.setdefault(kind, []).append(((e.start - t0) * 1e3, (e.end - e.start) * 1e3))
+        for (kind_name, colour), spans in groups.items():
+            ax.broken_barh(spans, (row - 0.4, 0.8), facecolors=colour, edgecolor="white", lw=0.5)
+            used[kind_name] = colour
+    if len(events) <= _MAX_LABELLED_EVENTS:
+        for e in events:
+            mid = ((e.start + e.end) / 2 - t0) * 1e3
+            ax.text(mid, lanes.index(e.lane), e.name, ha="center", va="center", fontsize=7)
+    ax.set_yticks(range(len(lanes)), lanes)
+    ax.set_ylim(max(len(lanes), 1) - 0.5, -0.5)  # first lane on top
+    ax.set(title=title or "Pipeline timeline", xlabel="time since first event (ms)")
+    ax.grid(True, axis="x", alpha=0.3)
+    if used:
+        order = [kind for kind in (*_KIND_COLOURS.values(), _OTHER) if kind[0] in used]
+        handles = [Patch(facecolor=colour, label=name) for name, colour in order]
+        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
+    else:
+        _no_data(ax)
+    return _save(fig, path)
+
+
+def plot_step_times(per_device: dict[str, list[float]], path: Path) -> Path:
+    """A box per device of its step times (seconds), with the individual steps as dots."""
+    names = list(per_device)
+    fig, ax = _figure(max(5, 0.8 * len(names) + 2), 4)
+    filled = [(i, per_device[n]) for i, n in enumerate(names, start=1) if per_device[n]]
+    if filled:
+        positions, data = zip(*filled, strict=True)
+        ax.boxplot(data, positions=positions, widths=0.5, showmeans=True)
+        for x, times in filled:
+            ax.plot([x] * len(times), times, ".", color="tab:blue", alpha=0.4)
+    else:
+        _no_data(ax)
+    ax.set_xticks(range(1, len(names) + 1), names, rotation=30 if len(names) > 6 else 0)
+    ax.set_xlim(0.5, max(len(names), 1) + 0.5)
+    ax.set(title="Step time per device", xlabel="device", ylabel="step time (s)")
+    ax.grid(True, axis="y", alpha=0.3)
+    return _save(fig, path)
+
+
+def _figure(width: float, height: float) -> tuple[Any, Any]:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig, fig.add_subplot()
+
+
+def _lane_order(lanes: set[str]) -> list[str]:
+    known = [lane for lane in _LANE_ORDER if lane in lanes]
+    return known + sorted(lanes - set(_LANE_ORDER))
+
+
+def _integer_x(ax: Any) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def _no_data(ax: Any) -> None:
+    ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="gray")
+
+
+def _save(fig: Any, path: Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png", dpi=100)
+    return path
