@@ -1,0 +1,17 @@
+"""Loading causal LMs: HF folders, GGUF files, the bundled SmolLM2, and tiny named test configs."""
+
+from fedpipe.models.loading import load_causal_lm, load_config, load_tokenizer, model_family
+from fedpipe.models.registry import NAMED_CONFIGS, cache_root, named_config, resolve_model
+from fedpipe.models.tokenizer import build_byte_tokenizer
+
+__all__ = [
+    "NAMED_CONFIGS",
+    "build_byte_tokenizer",
+    "cache_root",
+    "load_causal_lm",
+    "load_config",
+    "load_tokenizer",
+    "model_family",
+    "named_config",
+    "resolve_model",
+]

@@ -1,0 +1,50 @@
+"""Splitting a causal LM into stages that hold only their own weights, with LoRA adapters."""
+
+from fedpipe.split.adapters import GLOBAL_ADAPTER, AdapterBank
+from fedpipe.split.build import build_device_stages, build_stage, stage_blocks
+from fedpipe.split.lora import (
+    LoraSettings,
+    apply_lora,
+    average_state_dicts,
+    global_name,
+    load_lora_state_dict,
+    lora_parameters,
+    lora_state_dict,
+    set_active_adapter,
+)
+from fedpipe.split.memory import device_memory_report
+from fedpipe.split.plan import SplitMode, SplitPlan, plan_split
+from fedpipe.split.stages import (
+    IGNORE_INDEX,
+    HeadStage,
+    MiddleStage,
+    ServerLossStage,
+    TailStage,
+    shifted_loss_sum,
+)
+
+__all__ = [
+    "GLOBAL_ADAPTER",
+    "IGNORE_INDEX",
+    "AdapterBank",
+    "HeadStage",
+    "LoraSettings",
+    "MiddleStage",
+    "ServerLossStage",
+    "SplitMode",
+    "SplitPlan",
+    "TailStage",
+    "apply_lora",
+    "average_state_dicts",
+    "build_device_stages",
+    "build_stage",
+    "device_memory_report",
+    "global_name",
+    "load_lora_state_dict",
+    "lora_parameters",
+    "lora_state_dict",
+    "plan_split",
+    "set_active_adapter",
+    "shifted_loss_sum",
+    "stage_blocks",
+]

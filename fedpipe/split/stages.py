@@ -1,0 +1,166 @@
+"""Stage modules: each holds only its own blocks and weights, under global block indices.
+
+Block containers keep the Hugging Face names (``layers`` for the Llama family, ``h`` for GPT-2)
+keyed by the global block index, so ``layers.5.self_attn.q_proj`` names the same module in every
+stage and in the unsplit model (after its ``model.`` / ``transformer.`` prefix). Positions are
+``arange(T)``; attention is causal sdpa with no mask (right padding, pads masked out of the loss by
+label -100).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+from transformers.models.llama import modeling_llama
+from transformers.models.mistral import modeling_mistral
+from transformers.models.qwen2 import modeling_qwen2
+
+from fedpipe.models.loading import model_family
+
+__all__ = [
+    "IGNORE_INDEX",
+    "HeadStage",
+    "MiddleStage",
+    "TailStage",
+    "ServerLossStage",
+    "shifted_loss_sum",
+]
+
+IGNORE_INDEX = -100
+
+# model_type -> (decoder layer, RMSNorm, rotary embedding) classes of the Llama layout.
+_LLAMA_LAYOUT: dict[str, tuple[Any, Any, Any]] = {
+    "llama": (
+        modeling_llama.LlamaDecoderLayer,
+        modeling_llama.LlamaRMSNorm,
+        modeling_llama.LlamaRotaryEmbedding,
+    ),
+    "qwen2": (
+        modeling_qwen2.Qwen2DecoderLayer,
+        modeling_qwen2.Qwen2RMSNorm,
+        modeling_qwen2.Qwen2RotaryEmbedding,
+    ),
+    "mistral": (
+        modeling_mistral.MistralDecoderLayer,
+        modeling_mistral.MistralRMSNorm,
+        modeling_mistral.MistralRotaryEmbedding,
+    ),
+}
+
+
+def rotary_embedding(config: Any) -> nn.Module:
+    """A fresh rotary embedding for a Llama-family config (its buffers are computed, not loaded)."""
+    return _LLAMA_LAYOUT[config.model_type][2](config=config)
+
+
+def shifted_loss_sum(logits: Tensor, labels: Tensor) -> tuple[Tensor, int]:
+    """Sum of next-token cross-entropy (logits[:, :-1] vs labels[:, 1:]) and the tokens counted."""
+    targets = labels[:, 1:].reshape(-1)  # (B*(T-1),)
+    flat = logits[:, :-1].float().reshape(-1, logits.shape[-1])  # (B*(T-1), V)
+    loss = F.cross_entropy(flat, targets, ignore_index=IGNORE_INDEX, reduction="sum")
+    return loss, int((targets != IGNORE_INDEX).sum().item())
+
+
+class _Stage(nn.Module):
+    """Common part of every stage: the blocks it owns and how to run them."""
+
+    def __init__(self, config: Any, blocks: Sequence[int]) -> None:
+        super().__init__()
+        self.config = config
+        self.family = model_family(config)
+        self.block_indices = tuple(int(i) for i in blocks)
+        if self.family == "llama":
+            layer_cls = _LLAMA_LAYOUT[config.model_type][0]
+            self.layers = nn.ModuleDict({str(i): layer_cls(config, i) for i in self.block_indices})
+            if self.block_indices:
+                self.rotary_emb = rotary_embedding(config)
+        else:
+            self.h = nn.ModuleDict({str(i): GPT2Block(config, layer_idx=i) for i in blocks})
+
+    @property
+    def blocks(self) -> nn.ModuleDict:
+        return self.layers if self.family == "llama" else self.h
+
+    def run_blocks(self, hidden: Tensor) -> Tensor:
+        """Run this stage's blocks on ``hidden`` (B, T, C) at positions arange(T)."""
+        if not self.block_indices:
+            return hidden
+        if self.family == "gpt2":
+            for block in self.h.values():
+                hidden = block(hidden)
+            return hidden
+        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)  # (1, T)
+        cos_sin = self.rotary_emb(hidden, position_ids=positions)
+        for block in self.layers.values():
+            hidden = block(
+                hidden, attention_mask=None, position_ids=positions, position_embeddings=cos_sin
+            )
+        return hidden
+
+
+class HeadStage(_Stage):
+    """Device side, first: token (+ GPT-2 position) embeddings and the head blocks."""
+
+    def __init__(self, config: Any, blocks: Sequence[int]) -> None:
+        super().__init__(config, blocks)
+        vocab, width = config.vocab_size, config.hidden_size
+        if self.family == "llama":
+            self.embed_tokens = nn.Embedding(vocab, width, config.pad_token_id)
+        else:
+            self.wte = nn.Embedding(vocab, width)
+            self.wpe = nn.Embedding(config.max_position_embeddings, width)
+            self.drop = nn.Dropout(config.embd_pdrop)
+
+    @property
+    def embedding(self) -> nn.Embedding:
+        return self.embed_tokens if self.family == "llama" else self.wte
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        """(B, T) token ids -> (B, T, C) hidden states after the head blocks."""
+        hidden = self.embedding(input_ids)  # (B, T, C)
+        if self.family == "gpt2":
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+            hidden = self.drop(hidden + self.wpe(positions))
+        return self.run_blocks(hidden)
+
+
+class MiddleStage(_Stage):
+    """Server side in U mode: the middle blocks, hidden states in and out."""
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        """(B, T, C) -> (B, T, C)."""
+        return self.run_blocks(hidden)
+
+
+class TailStage(_Stage):
+    """Device side, last: tail blocks, final norm, LM head and the loss (labels never leave)."""
+
+    def __init__(self, config: Any, blocks: Sequence[int]) -> None:
+        super().__init__(config, blocks)
+        width = config.hidden_size
+        if self.family == "llama":
+            self.norm = _LLAMA_LAYOUT[config.model_type][1](width, eps=config.rms_norm_eps)
+        else:
+            self.ln_f = nn.LayerNorm(width, eps=config.layer_norm_epsilon)
+        self.lm_head = nn.Linear(width, config.vocab_size, bias=False)
+
+    @property
+    def final_norm(self) -> nn.Module:
+        return self.norm if self.family == "llama" else self.ln_f
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """(B, T, C) hidden states from the previous stage -> (B, T, V) logits."""
+        return self.lm_head(self.final_norm(self.run_blocks(hidden)))
+
+    def forward(self, hidden: Tensor, labels: Tensor) -> tuple[Tensor, int]:
+        """(sum of shifted token cross-entropy, number of counted tokens); pads carry label -100."""
+        return shifted_loss_sum(self.logits(hidden), labels)
+
+
+class ServerLossStage(TailStage):
+    """Server side in mode "two": every block after the head, final norm, LM head and the loss."""

@@ -1,0 +1,166 @@
+"""fedpipe.split: plans, stages holding only their weights, exactness against the unsplit model."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from fedpipe.models import load_causal_lm, load_config, resolve_model
+from fedpipe.split import (
+    IGNORE_INDEX,
+    SplitPlan,
+    build_device_stages,
+    build_stage,
+    plan_split,
+)
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(1)
+MODELS = ["tiny-llama", "tiny-gpt2"]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    cache = tmp_path_factory.mktemp("cache")
+    return {name: resolve_model(name, cache_dir=cache) for name in MODELS}
+
+
+def split_loss(folder: Path, plan: SplitPlan, ids: torch.Tensor, labels: torch.Tensor):
+    if plan.mode == "u":
+        head, tail = build_device_stages(folder, plan)
+        return tail(build_stage(folder, plan, "middle")(head(ids)), labels)
+    head = build_stage(folder, plan, "head")
+    return build_stage(folder, plan, "server_loss")(head(ids), labels)
+
+
+@pytest.mark.parametrize("mode", ["u", "two"])
+@pytest.mark.parametrize("name", MODELS)
+def test_split_loss_equals_unsplit(folders: dict[str, Path], name: str, mode: str) -> None:
+    folder = folders[name]
+    ids = torch.randint(0, 258, (2, 16), generator=torch.Generator().manual_seed(0))
+    reference = load_causal_lm(folder)(ids, labels=ids).loss
+    plan = plan_split(load_config(folder), head_layers=1, tail_layers=2, mode=mode)
+    loss_sum, count = split_loss(folder, plan, ids, ids)
+    assert count == 2 * 15
+    torch.testing.assert_close(loss_sum / count, reference, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_right_padding_is_ignored_in_the_loss(folders: dict[str, Path], name: str) -> None:
+    folder = folders[name]
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
+    labels = ids.clone()
+    labels[1, 7:] = IGNORE_INDEX  # row 1 is 7 tokens then pads
+    reference = load_causal_lm(folder)(ids, labels=labels).loss
+    loss_sum, count = split_loss(folder, plan_split(load_config(folder)), ids, labels)
+    assert count == 11 + 6
+    torch.testing.assert_close(loss_sum / count, reference, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_tail_logits_match_unsplit(folders: dict[str, Path], name: str) -> None:
+    folder = folders[name]
+    ids = torch.randint(0, 258, (1, 9), generator=torch.Generator().manual_seed(2))
+    plan = plan_split(load_config(folder), head_layers=2, tail_layers=1)
+    head, tail = build_device_stages(folder, plan)
+    assert tail is not None
+    logits = tail.logits(build_stage(folder, plan, "middle")(head(ids)))
+    torch.testing.assert_close(logits, load_causal_lm(folder)(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def _whole_params(folder: Path) -> dict[str, torch.Tensor]:
+    return dict(load_causal_lm(folder).named_parameters())  # tied weights appear once
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_each_stage_holds_only_its_blocks(folders: dict[str, Path], name: str) -> None:
+    folder = folders[name]
+    plan = plan_split(load_config(folder), head_layers=1, tail_layers=1)
+    whole = _whole_params(folder)
+    blocks = "model.layers." if name == "tiny-llama" else "transformer.h."
+
+    def block_numel(indices: range) -> int:
+        return sum(p.numel() for n, p in whole.items() for i in indices if f"{blocks}{i}." in n)
+
+    middle = build_stage(folder, plan, "middle")
+    assert sum(p.numel() for p in middle.parameters()) == block_numel(plan.server_blocks)
+    assert sorted(middle.blocks) == ["1", "2"]
+    assert any(n.startswith(("layers.2.", "h.2.")) for n, _ in middle.named_parameters())
+    head, tail = build_device_stages(folder, plan)
+    assert tail is not None
+    embed = head.embedding.weight.numel()
+    positions = head.wpe.weight.numel() if name == "tiny-gpt2" else 0
+    assert (
+        sum(p.numel() for p in head.parameters())
+        == block_numel(plan.head_blocks) + embed + positions
+    )
+    norm = sum(p.numel() for p in tail.final_norm.parameters())
+    # The tail's LM head is the head's embedding (tied): counted on the head side only.
+    assert tail.lm_head.weight is head.embedding.weight
+    tail_own = sum(p.numel() for n, p in tail.named_parameters() if n != "lm_head.weight")
+    assert tail_own == block_numel(plan.tail_blocks) + norm
+    total = sum(p.numel() for p in whole.values())
+    assert total == sum(p.numel() for p in head.parameters()) + tail_own + sum(
+        p.numel() for p in middle.parameters()
+    )
+
+
+def test_base_weights_are_frozen_and_tail_alone_loads_tied_head(folders: dict[str, Path]) -> None:
+    folder = folders["tiny-llama"]
+    plan = plan_split(load_config(folder))
+    tail = build_stage(folder, plan, "tail")
+    head = build_stage(folder, plan, "head")
+    assert not any(p.requires_grad for p in tail.parameters())
+    assert torch.equal(tail.lm_head.weight, head.embedding.weight)
+    assert tail.lm_head.weight is not head.embedding.weight  # separate builds, separate copies
+    assert all(p.device.type == "cpu" for p in tail.parameters())
+
+
+def test_stage_dtype(folders: dict[str, Path]) -> None:
+    folder = folders["tiny-llama"]
+    middle = build_stage(folder, plan_split(load_config(folder)), "middle", dtype=torch.bfloat16)
+    assert {p.dtype for p in middle.parameters()} == {torch.bfloat16}
+    out = middle(torch.randn(1, 5, 64, dtype=torch.bfloat16))
+    assert out.shape == (1, 5, 64) and out.dtype == torch.bfloat16
+
+
+def test_plan_ranges() -> None:
+    plan = SplitPlan(num_layers=6, head_layers=2, tail_layers=1)
+    assert (plan.head_blocks, plan.server_blocks, plan.tail_blocks) == (
+        range(0, 2),
+        range(2, 5),
+        range(5, 6),
+    )
+    two = SplitPlan(num_layers=6, head_layers=2, tail_layers=0, mode="two")
+    assert two.server_blocks == range(2, 6) and len(two.tail_blocks) == 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"num_layers": 4, "head_layers": 2, "tail_layers": 2}, "0 of 4 blocks.*<= 3"),
+        (
+            {"num_layers": 4, "head_layers": 1, "tail_layers": 1, "mode": "two"},
+            "tail_layers must be 0",
+        ),
+        ({"num_layers": 4, "head_layers": -1, "tail_layers": 1}, ">= 0"),
+        ({"num_layers": 0, "head_layers": 0, "tail_layers": 0}, "num_layers must be >= 1"),
+        ({"num_layers": 4, "head_layers": 1, "tail_layers": 1, "mode": "x"}, "mode"),
+    ],
+)
+def test_plan_validation_errors(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SplitPlan(**kwargs)
+
+
+def test_plan_split_and_part_errors(folders: dict[str, Path]) -> None:
+    folder = folders["tiny-llama"]
+    config = load_config(folder)
+    assert plan_split(config, mode="two") == SplitPlan(4, 1, 0, "two")
+    with pytest.raises(ValueError, match="does not exist in mode 'two'"):
+        build_stage(folder, plan_split(config, mode="two"), "middle")
+    with pytest.raises(ValueError, match="plan is for 6 blocks.*has 4"):
+        build_stage(folder, SplitPlan(6, 1, 1), "head")
