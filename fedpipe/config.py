@@ -1,0 +1,230 @@
+"""Typed, validated settings, and the one place that maps TOML, CLI flags and Flower keys to them.
+
+Every setting has a dotted name (``section.key``, e.g. ``pipeline.microbatches``); the same
+names are used in TOML files (``[pipeline] microbatches = 8``), in ``--set`` flags
+(``--set pipeline.microbatches=8``) and in Flower's run config, so a value means the same
+thing wherever it is given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, get_type_hints
+
+__all__ = [
+    "FedpipeConfig",
+    "FederatedConfig",
+    "ModelConfig",
+    "PipelineConfig",
+    "ServerConfig",
+    "TrainConfig",
+    "load_config",
+    "parse_overrides",
+]
+
+CODECS = ("fp32", "bf16", "fp16", "int8")
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which model, where it is cut, and the LoRA adapters trained on it."""
+
+    name: str = "tiny-llama"  # tiny-llama | tiny-gpt2 | small-llama | default | HF folder | .gguf
+    head_layers: int = 1
+    tail_layers: int = 1
+    split: str = "u"  # "u": labels stay on the device; "two": the server computes the loss
+    lora_r: int = 8
+    lora_alpha: int = 16
+    lora_targets: str = ""  # comma-separated module names; "" = the family's default
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check(self.split in ("u", "two"), f"model.split must be 'u' or 'two', got {self.split!r}")
+        _check(self.head_layers >= 1, f"model.head_layers must be >= 1, got {self.head_layers}")
+        _check(self.tail_layers >= 0, f"model.tail_layers must be >= 0, got {self.tail_layers}")
+        _check(self.lora_r >= 1, f"model.lora_r must be >= 1, got {self.lora_r}")
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """How a step is cut into microbatches and scheduled, and how tensors are encoded."""
+
+    microbatches: int = 4
+    schedule: str = "greedy"  # sequential | gpipe | 1f1b | greedy
+    max_in_flight: int = 0  # 0 = no cap (greedy) or min(M, 4) (1f1b)
+    uplink_codec: str = "fp32"
+    downlink_codec: str = "fp32"
+    timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        from fedpipe.pipeline.schedule import SCHEDULES
+
+        _check(self.microbatches >= 1, f"pipeline.microbatches must be >= 1, got {self.microbatches}")
+        _check(
+            self.schedule in SCHEDULES,
+            f"pipeline.schedule {self.schedule!r} unknown; choose one of {', '.join(SCHEDULES)}",
+        )
+        for name in ("uplink_codec", "downlink_codec"):
+            value = getattr(self, name)
+            _check(value in CODECS, f"pipeline.{name} {value!r} unknown; choose one of {CODECS}")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Local training on each device."""
+
+    batch_size: int = 8
+    seq_len: int = 128
+    local_steps: int = 4
+    lr: float = 2e-3
+    weight_decay: float = 0.0
+    eval_batches: int = 4
+
+    def __post_init__(self) -> None:
+        _check(self.batch_size >= 1, f"train.batch_size must be >= 1, got {self.batch_size}")
+        _check(self.seq_len >= 2, f"train.seq_len must be >= 2, got {self.seq_len}")
+        _check(self.local_steps >= 1, f"train.local_steps must be >= 1, got {self.local_steps}")
+        _check(self.lr > 0, f"train.lr must be > 0, got {self.lr}")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The StageServer: where it listens, on what hardware, and its limits."""
+
+    host: str = "127.0.0.1"
+    port: int = 50051
+    device: str = "auto"  # auto | cpu | cuda
+    max_message_mb: float = 64.0
+    max_sessions: int = 64
+    max_in_flight: int = 64
+    threads: int = 1  # torch threads for the server's compute
+    tls_cert: str = ""
+    tls_key: str = ""
+
+    def __post_init__(self) -> None:
+        _check(
+            self.device in ("auto", "cpu", "cuda"),
+            f"server.device must be auto, cpu or cuda, got {self.device!r}",
+        )
+        _check(self.max_message_mb > 0, "server.max_message_mb must be > 0")
+
+    @property
+    def max_message_bytes(self) -> int:
+        return int(self.max_message_mb * 1024 * 1024)
+
+
+@dataclass(frozen=True)
+class FederatedConfig:
+    """Flower rounds, devices and their data."""
+
+    rounds: int = 3
+    strategy: str = "fedavg"  # fedavg | fedprox | fedadam | ...
+    fraction_train: float = 1.0
+    num_devices: int = 4
+    profiles: str = "jetson-ethernet,rpi-wifi,phone-lte,laptop-wifi"  # cycled over devices
+    data: str = ""  # "" = the bundled public-domain corpus; else a file or folder
+    partition: str = "by-source"  # iid | by-source | dirichlet
+    dirichlet_alpha: float = 0.5
+    eval_fraction: float = 0.1
+    proximal_mu: float = 0.01
+    server_lr: float = 0.1
+
+    def __post_init__(self) -> None:
+        _check(self.rounds >= 1, f"federated.rounds must be >= 1, got {self.rounds}")
+        _check(self.num_devices >= 1, f"federated.num_devices must be >= 1, got {self.num_devices}")
+        _check(0 < self.fraction_train <= 1, "federated.fraction_train must be in (0, 1]")
+        _check(
+            self.partition in ("iid", "by-source", "dirichlet"),
+            f"federated.partition must be iid, by-source or dirichlet, got {self.partition!r}",
+        )
+
+
+@dataclass(frozen=True)
+class FedpipeConfig:
+    """All settings of a run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    federated: FederatedConfig = field(default_factory=FederatedConfig)
+
+    def __post_init__(self) -> None:
+        _check(
+            self.pipeline.microbatches <= self.train.batch_size,
+            f"pipeline.microbatches ({self.pipeline.microbatches}) must not exceed "
+            f"train.batch_size ({self.train.batch_size})",
+        )
+        if self.model.split == "two":
+            _check(self.model.tail_layers == 0, "model.split='two' needs model.tail_layers=0")
+
+    def to_flat(self) -> dict[str, Any]:
+        """``{"section.key": value}`` for every setting (Flower run config, summaries)."""
+        return {
+            f"{section.name}.{f.name}": getattr(getattr(self, section.name), f.name)
+            for section in fields(self)
+            for f in fields(getattr(self, section.name))
+        }
+
+    def with_overrides(self, flat: dict[str, Any]) -> FedpipeConfig:
+        """A copy with ``{"section.key": value}`` applied (strings are converted to the type)."""
+        sections = {s.name: dataclasses.asdict(getattr(self, s.name)) for s in fields(self)}
+        for key, value in flat.items():
+            section, _, name = key.partition(".")
+            if section not in sections or name not in sections[section]:
+                raise ValueError(f"unknown setting {key!r}; known: {', '.join(self.to_flat())}")
+            sections[section][name] = _coerce(type(self), section, name, value)
+        types = get_type_hints(type(self))
+        return replace(self, **{k: types[k](**v) for k, v in sections.items()})
+
+
+def _coerce(cls: type, section: str, name: str, value: Any) -> Any:
+    kind = get_type_hints(get_type_hints(cls)[section])[name]
+    if isinstance(value, str) and kind is not str:
+        text = value.strip()
+        if kind is bool:
+            return text.lower() in ("1", "true", "yes", "on")
+        try:
+            return kind(text)
+        except ValueError:
+            raise ValueError(f"{section}.{name} must be {kind.__name__}, got {value!r}") from None
+    if kind is float and isinstance(value, int):
+        return float(value)
+    if kind is int and isinstance(value, float) and value.is_integer():
+        return int(value)
+    if not isinstance(value, kind):
+        raise ValueError(f"{section}.{name} must be {kind.__name__}, got {value!r}")
+    return value
+
+
+def parse_overrides(items: list[str]) -> dict[str, str]:
+    """``["pipeline.microbatches=8"]`` -> ``{"pipeline.microbatches": "8"}``."""
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set expects section.key=value, got {item!r}")
+        out[key.strip()] = value.strip().strip('"')
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> FedpipeConfig:
+    """Defaults, then a TOML file's tables, then overrides (CLI flags win)."""
+    flat: dict[str, Any] = {}
+    if path is not None:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+        for section, table in data.items():
+            if not isinstance(table, dict):
+                raise ValueError(f"{path}: top-level key {section!r} must be a [table]")
+            flat.update({f"{section}.{k}": v for k, v in table.items()})
+    flat.update(overrides or {})
+    return FedpipeConfig().with_overrides(flat)

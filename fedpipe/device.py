@@ -1,0 +1,179 @@
+"""One device's side of split training: its stages, adapters, optimizer and runs over the link.
+
+A :class:`DeviceTrainer` holds only the device's layers (embeddings + head blocks, and in
+the U-shaped split the tail blocks + final norm + LM head), with LoRA adapters on them. Each
+round it opens a session on the StageServer, runs its local steps as pipelined split training,
+and hands back its adapters and metrics; Flower aggregates the adapters.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from fedpipe.config import FedpipeConfig
+from fedpipe.link import ComputeThrottle, DeviceProfile, RealClock
+from fedpipe.models import load_config, model_family, resolve_model
+from fedpipe.pipeline.device_runtime import DeviceRuntime, StepResult
+from fedpipe.pipeline.trace import Tracer
+from fedpipe.split import (
+    LoraSettings,
+    apply_lora,
+    build_device_stages,
+    load_lora_state_dict,
+    lora_state_dict,
+    plan_split,
+)
+from fedpipe.transport.client import StageClient
+
+__all__ = ["DeviceTrainer", "RoundReport", "lora_settings"]
+
+log = logging.getLogger(__name__)
+
+
+def lora_settings(config: FedpipeConfig) -> LoraSettings:
+    """The LoRA settings both sides derive from one config."""
+    targets = tuple(t.strip() for t in config.model.lora_targets.split(",") if t.strip())
+    return LoraSettings(
+        r=config.model.lora_r,
+        alpha=config.model.lora_alpha,
+        targets=targets or None,
+        seed=config.model.seed,
+    )
+
+
+@dataclass
+class RoundReport:
+    """What a device did in one round."""
+
+    steps: list[StepResult] = field(default_factory=list)
+    bytes_up: int = 0
+    bytes_down: int = 0
+    examples: int = 0
+    wall_s: float = 0.0
+
+    @property
+    def mean_loss(self) -> float:
+        return statistics.fmean(s.loss for s in self.steps) if self.steps else float("nan")
+
+    def metrics(self) -> dict[str, float | int]:
+        """Flat metrics for Flower's MetricRecord (same keys from every device)."""
+        times = [s.wall_s for s in self.steps] or [0.0]
+        return {
+            "num-examples": self.examples,
+            "train-loss": self.mean_loss,
+            "step-time-median-s": statistics.median(times),
+            "step-time-max-s": max(times),
+            "bytes-up": self.bytes_up,
+            "bytes-down": self.bytes_down,
+            "steps": len(self.steps),
+            "wall-s": self.wall_s,
+        }
+
+
+class DeviceTrainer:
+    """The device's half of the split model and its training loop."""
+
+    def __init__(
+        self,
+        config: FedpipeConfig,
+        *,
+        device_id: str,
+        profile: DeviceProfile | None = None,
+        folder: Path | None = None,
+    ) -> None:
+        self.config = config
+        self.device_id = device_id
+        self.profile = profile
+        self.folder = folder or resolve_model(config.model.name)
+        hf_config = load_config(self.folder)
+        self.family = model_family(hf_config)
+        self.plan = plan_split(
+            hf_config,
+            head_layers=config.model.head_layers,
+            tail_layers=config.model.tail_layers,
+            mode=config.model.split,  # type: ignore[arg-type]
+        )
+        head, tail = build_device_stages(self.folder, self.plan)
+        settings = lora_settings(config)
+        self.head = apply_lora(head, settings, self.family)
+        self.tail = apply_lora(tail, settings, self.family) if tail is not None else None
+        self.tracer = Tracer()
+        slowdown = profile.compute_slowdown if profile else 1.0
+        self.throttle = ComputeThrottle(slowdown, RealClock()) if slowdown > 1.0 else None
+
+    # -- adapters ---------------------------------------------------------------------------
+    def adapters(self) -> dict[str, torch.Tensor]:
+        """The device's LoRA tensors (head and tail) under global keys."""
+        state = lora_state_dict(self.head)
+        if self.tail is not None:
+            state.update(lora_state_dict(self.tail))
+        return {k: v.detach().clone() for k, v in state.items()}
+
+    def load_adapters(self, state: dict[str, torch.Tensor]) -> None:
+        head_keys = set(lora_state_dict(self.head))
+        load_lora_state_dict(self.head, {k: v for k, v in state.items() if k in head_keys})
+        if self.tail is not None:
+            load_lora_state_dict(self.tail, {k: v for k, v in state.items() if k not in head_keys})
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        params = [p for p in self.head.parameters() if p.requires_grad]
+        if self.tail is not None:
+            params += [p for p in self.tail.parameters() if p.requires_grad]
+        return params
+
+    # -- training ---------------------------------------------------------------------------
+    def train_round(
+        self,
+        client: StageClient,
+        batches: list[dict[str, torch.Tensor]],
+        *,
+        round_: int = 0,
+        token: str = "",
+    ) -> RoundReport:
+        """Run one round's local steps as pipelined split training; returns metrics."""
+        cfg = self.config
+        optimizer = torch.optim.AdamW(self.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+        report = RoundReport()
+        start = time.perf_counter()
+        session = client.open_session(
+            device_id=self.device_id,
+            token=token,
+            round_=round_,
+            lr=cfg.train.lr,
+            weight_decay=cfg.train.weight_decay,
+            uplink_codec=cfg.pipeline.uplink_codec,
+            downlink_codec=cfg.pipeline.downlink_codec,
+            link=self.profile.link if self.profile else None,
+            link_seed=f"{self.device_id}/{round_}",
+            tracer=self.tracer,
+            timeout_s=cfg.pipeline.timeout_s,
+        )
+        with session:
+            runtime = DeviceRuntime(
+                self.head,
+                self.tail,
+                session,
+                optimizer=optimizer,
+                schedule=cfg.pipeline.schedule,
+                microbatches=cfg.pipeline.microbatches,
+                max_in_flight=cfg.pipeline.max_in_flight or None,
+                throttle=self.throttle,
+                tracer=self.tracer,
+            )
+            for step, batch in enumerate(batches):
+                result = runtime.train_step(batch, step=step)
+                report.steps.append(result)
+                report.examples += int(batch["input_ids"].shape[0])
+                log.info(
+                    "[device %s] round %d step %d loss %.4f in %.2f s",
+                    self.device_id, round_, step, result.loss, result.wall_s,
+                )
+        report.bytes_up, report.bytes_down = session.stats.bytes_up, session.stats.bytes_down
+        report.wall_s = time.perf_counter() - start
+        return report

@@ -1,0 +1,103 @@
+"""Building a StageServer from settings: model, server stage, adapters, runtime, gRPC."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from fedpipe.config import FedpipeConfig
+from fedpipe.device import lora_settings
+from fedpipe.errors import AuthError
+from fedpipe.models import load_config, model_family, resolve_model
+from fedpipe.pipeline.server_runtime import StageRuntime
+from fedpipe.split import AdapterBank, build_stage, plan_split
+from fedpipe.transport.server import SplitInfo, StageServer
+
+__all__ = ["build_runtime", "build_stage_server", "pick_device"]
+
+log = logging.getLogger(__name__)
+
+
+def pick_device(name: str) -> tuple[torch.device, torch.dtype]:
+    """``auto``: CUDA in bf16 when a GPU is present, else CPU in fp32."""
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda was asked for, but torch sees no CUDA GPU; use auto or cpu")
+    if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda"), torch.bfloat16
+    return torch.device("cpu"), torch.float32
+
+
+def build_runtime(config: FedpipeConfig, *, folder: Path | None = None) -> tuple[StageRuntime, SplitInfo]:
+    """The server's stage (only its own layers) with an adapter bank, in a runtime."""
+    folder = folder or resolve_model(config.model.name)
+    hf_config = load_config(folder)
+    family = model_family(hf_config)
+    plan = plan_split(
+        hf_config,
+        head_layers=config.model.head_layers,
+        tail_layers=config.model.tail_layers,
+        mode=config.model.split,  # type: ignore[arg-type]
+    )
+    device, dtype = pick_device(config.server.device)
+    part = "middle" if plan.mode == "u" else "server_loss"
+    stage = build_stage(folder, plan, part, dtype=dtype, device=device)  # type: ignore[arg-type]
+    if device.type == "cpu":
+        torch.set_num_threads(config.server.threads)
+    runtime = StageRuntime(
+        AdapterBank(stage, lora_settings(config), family=family),
+        mode=plan.mode,
+        hidden_size=int(hf_config.hidden_size),
+        device=device,
+        dtype=dtype,
+        max_sessions=config.server.max_sessions,
+        max_in_flight=config.server.max_in_flight,
+    )
+    split = SplitInfo(
+        model=config.model.name,
+        num_layers=plan.num_layers,
+        head_layers=plan.head_layers,
+        tail_layers=plan.tail_layers,
+        mode=plan.mode,
+        hidden_size=int(hf_config.hidden_size),
+        dtype=str(dtype).removeprefix("torch."),
+    )
+    log.info("server stage: %s on %s (%s)", plan, device, split.dtype)
+    return runtime, split
+
+
+def _authenticator(secret: str):  # type: ignore[no-untyped-def]
+    from fedpipe.tokens import InvalidTokenError, verify_token
+
+    def authenticate(token: str, round_: int, device_id: str) -> None:
+        try:
+            verify_token(secret, token, round=round_, device_id=device_id)
+        except InvalidTokenError as exc:
+            raise AuthError(f"session token refused for device {device_id!r}: {exc}") from None
+
+    return authenticate
+
+
+def build_stage_server(
+    config: FedpipeConfig,
+    *,
+    secret: str | None = None,
+    port: int | None = None,
+    folder: Path | None = None,
+) -> StageServer:
+    """A ready-to-start StageServer; with ``secret``, sessions need tokens issued for the round."""
+    runtime, split = build_runtime(config, folder=folder)
+    tls = None
+    if config.server.tls_cert:
+        tls = (Path(config.server.tls_cert).read_bytes(), Path(config.server.tls_key).read_bytes())
+    return StageServer(
+        runtime,
+        split,
+        host=config.server.host,
+        port=config.server.port if port is None else port,
+        secret=secret,
+        authenticate=_authenticator(secret) if secret else None,
+        max_message_bytes=config.server.max_message_bytes,
+        tls=tls,
+    )

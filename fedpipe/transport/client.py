@@ -1,0 +1,282 @@
+"""The device's end of the stage link: a gRPC client and one streaming session per round.
+
+A :class:`StageSession` is the :class:`~fedpipe.pipeline.device_runtime.StageChannel` the
+device runtime walks its schedule over. Sends return at once: an encoder thread turns
+messages into protobuf, the uplink emulator holds them for as long as the emulated link
+would, and gRPC's request iterator takes them. A reader thread takes replies off the stream,
+holds them in the downlink emulator, decodes them and files them in a mailbox keyed by
+``(kind, step, microbatch)``. Emulating both directions here keeps the server untouched and
+works on loopback without privileges.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from fedpipe.errors import StageLinkError
+from fedpipe.link import DelayLine, DuplexLink, LinkProfile, RealClock
+from fedpipe.pipeline.messages import Kind, StageMsg
+from fedpipe.pipeline.trace import Tracer
+from fedpipe.proto import stage_pb2 as pb
+from fedpipe.proto import stage_pb2_grpc as pb_grpc
+from fedpipe.transport.codec import codec_to_proto
+from fedpipe.transport.errors import retry_call
+from fedpipe.transport.serde import msg_from_proto, msg_to_proto
+
+__all__ = ["SessionStats", "StageClient", "StageSession", "channel_options"]
+
+log = logging.getLogger(__name__)
+
+SESSION_HEADER = "fedpipe-session-id"
+_END = object()
+
+
+def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """gRPC options used by both ends: message limits set on purpose, keepalive on."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", 20_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
+@dataclass
+class SessionStats:
+    """Traffic of one session as seen on the wire (encoded protobuf bytes)."""
+
+    bytes_up: int = 0
+    bytes_down: int = 0
+    messages_up: int = 0
+    messages_down: int = 0
+
+
+class StageClient:
+    """A connection to a StageServer; opens sessions and checks health."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        max_message_bytes: int = 64 * 1024 * 1024,
+        root_certificates: bytes | None = None,
+    ) -> None:
+        self.address = address
+        self.max_message_bytes = max_message_bytes
+        options = channel_options(max_message_bytes)
+        if root_certificates is not None:
+            creds = grpc.ssl_channel_credentials(root_certificates=root_certificates)
+            self.channel = grpc.secure_channel(address, creds, options=options)
+        else:
+            self.channel = grpc.insecure_channel(address, options=options)
+        self.stub = pb_grpc.StageLinkStub(self.channel)
+
+    def open_session(
+        self,
+        *,
+        device_id: str,
+        token: str = "",
+        round_: int = 0,
+        lr: float = 1e-3,
+        weight_decay: float = 0.0,
+        uplink_codec: str = "fp32",
+        downlink_codec: str = "fp32",
+        link: LinkProfile | None = None,
+        link_seed: int | str | None = None,
+        tracer: Tracer | None = None,
+        timeout_s: float = 120.0,
+    ) -> StageSession:
+        """Open a session (retrying while the server is unavailable) and start its stream."""
+        request = pb.OpenSessionRequest(
+            device_id=device_id,
+            token=token,
+            round=round_,
+            uplink_codec=codec_to_proto(uplink_codec),
+            downlink_codec=codec_to_proto(downlink_codec),
+            learning_rate=lr,
+            weight_decay=weight_decay,
+        )
+        reply = retry_call(lambda: self.stub.OpenSession(request, timeout=30))
+        duplex = DuplexLink.from_profile(link or LinkProfile.unlimited(), seed=link_seed)
+        return StageSession(
+            self, reply, duplex, codec=uplink_codec, tracer=tracer, timeout_s=timeout_s
+        )
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> StageClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class StageSession:
+    """One device session's stream; implements the runtime's ``StageChannel``."""
+
+    def __init__(
+        self,
+        client: StageClient,
+        reply: pb.OpenSessionReply,
+        link: DuplexLink,
+        *,
+        codec: str,
+        tracer: Tracer | None,
+        timeout_s: float,
+    ) -> None:
+        self.client = client
+        self.session_id = reply.session_id
+        self.split = reply.split
+        self.link = link
+        self.codec = codec
+        self.timeout_s = timeout_s
+        self.tracer = tracer
+        self.stats = SessionStats()
+        self._clock = RealClock()
+        self._outgoing: queue.Queue[object] = queue.Queue()
+        self._wire: queue.Queue[object] = queue.Queue()
+        self._mailbox: dict[tuple[int, int, int], StageMsg] = {}
+        self._arrived = threading.Condition()
+        self._failure: StageLinkError | None = None
+        self._closed = False
+        self._up = DelayLine(link.up, self._clock, self._wire.put, name="uplink")
+        self._down = DelayLine(link.down, self._clock, self._file, name="downlink")
+        self._call = client.stub.Exchange(
+            self._requests(), metadata=((SESSION_HEADER, self.session_id),)
+        )
+        self._threads = [
+            threading.Thread(target=self._encode_loop, name="stage-encode", daemon=True),
+            threading.Thread(target=self._read_loop, name="stage-read", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    # -- StageChannel -----------------------------------------------------------------------
+    def send(self, msg: StageMsg) -> None:
+        self._raise_if_failed()
+        self._outgoing.put(msg)
+
+    def ready(self, kind: Kind, step: int, microbatch: int) -> bool:
+        with self._arrived:
+            self._raise_if_failed()
+            return (int(kind), step, microbatch) in self._mailbox
+
+    def receive(self, kind: Kind, step: int, microbatch: int) -> StageMsg:
+        key = (int(kind), step, microbatch)
+        deadline = time.monotonic() + self.timeout_s
+        with self._arrived:
+            while key not in self._mailbox:
+                self._raise_if_failed()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise StageLinkError(
+                        f"no {kind.name} for step {step} microbatch {microbatch} within "
+                        f"{self.timeout_s:.0f} s from {self.client.address}; the server may be "
+                        "overloaded or gone (raise pipeline.timeout_s if it is just slow)"
+                    )
+                self._arrived.wait(min(left, 1.0))
+            return self._mailbox.pop(key)
+
+    def wait_any(self, timeout: float) -> None:
+        with self._arrived:
+            self._raise_if_failed()
+            self._arrived.wait(timeout)
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def close(self) -> None:
+        """Finish the stream after everything queued is sent, then close the session."""
+        if self._closed:
+            return
+        self._closed = True
+        self._outgoing.put(_END)
+        self._threads[0].join(timeout=self.timeout_s)
+        self._up.close(drop=self._failure is not None)
+        self._wire.put(_END)
+        self._threads[1].join(timeout=self.timeout_s)
+        self._down.close(drop=True)
+        if self._failure is None:
+            try:
+                self.client.stub.CloseSession(
+                    pb.CloseSessionRequest(session_id=self.session_id), timeout=10
+                )
+            except grpc.RpcError as exc:
+                log.warning("closing session %s: %s", self.session_id, exc.details())
+
+    def abort(self) -> None:
+        """Drop the stream at once (a device that vanishes mid-step)."""
+        self._closed = True
+        self._call.cancel()
+
+    def __enter__(self) -> StageSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- threads ----------------------------------------------------------------------------
+    def _requests(self):  # type: ignore[no-untyped-def]
+        while (item := self._wire.get()) is not _END:
+            yield item
+
+    def _encode_loop(self) -> None:
+        while (item := self._outgoing.get()) is not _END:
+            assert isinstance(item, StageMsg)
+            try:
+                raw = msg_to_proto(item, session_id=self.session_id, codec=self.codec)
+            except Exception as exc:  # a bug or a bad tensor on our side
+                self._fail(StageLinkError(f"cannot encode {item}: {exc}"))
+                continue
+            size = raw.ByteSize()
+            self.stats.bytes_up += size
+            self.stats.messages_up += 1
+            sent = self._clock.now()
+            at = self._up.put(raw, size)
+            if self.tracer is not None:
+                self.tracer.add(f"{item.kind.name[0]}{item.microbatch}", "uplink", sent, at)
+
+    def _read_loop(self) -> None:
+        try:
+            for raw in self._call:
+                size = raw.ByteSize()
+                self.stats.bytes_down += size
+                self.stats.messages_down += 1
+                sent = self._clock.now()
+                at = self._down.put(raw, size)
+                if self.tracer is not None:
+                    self.tracer.add(f"{Kind(raw.kind).name[0]}{raw.microbatch}", "downlink", sent, at)
+        except grpc.RpcError as exc:
+            if not self._closed or exc.code() != grpc.StatusCode.CANCELLED:
+                code = exc.code().name if exc.code() else "UNKNOWN"
+                self._fail(StageLinkError(f"stage link {code}: {exc.details()}"))
+        except Exception as exc:
+            self._fail(StageLinkError(f"stage link failed: {exc}"))
+
+    def _file(self, raw: pb.StageMessage) -> None:
+        try:
+            msg = msg_from_proto(raw, max_elements=self.client.max_message_bytes)
+        except Exception as exc:
+            self._fail(StageLinkError(f"bad message from the server: {exc}"))
+            return
+        with self._arrived:
+            self._mailbox[msg.key] = msg
+            self._arrived.notify_all()
+
+    def _fail(self, error: StageLinkError) -> None:
+        log.warning("session %s: %s", self.session_id, error)
+        with self._arrived:
+            if self._failure is None:
+                self._failure = error
+            self._arrived.notify_all()
+
+    def _raise_if_failed(self) -> None:
+        if self._failure is not None:
+            raise self._failure

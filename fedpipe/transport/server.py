@@ -1,0 +1,264 @@
+"""The StageServer's gRPC face: thin servicers over a :class:`StageRuntime`.
+
+``StageLink`` carries per-step traffic (one bidirectional stream per device session),
+``StageControl`` lets the ServerApp begin and commit rounds, and the standard
+``grpc.health.v1.Health`` service reports readiness. Servicers only decode, check and map
+errors to status codes; all compute happens in the runtime's worker.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from fedpipe.errors import AuthError
+from fedpipe.pipeline.messages import StageMsg
+from fedpipe.pipeline.server_runtime import StageRuntime
+from fedpipe.proto import stage_pb2 as pb
+from fedpipe.proto import stage_pb2_grpc as pb_grpc
+from fedpipe.transport.client import SESSION_HEADER, channel_options
+from fedpipe.transport.codec import codec_from_proto
+from fedpipe.transport.errors import status_for
+from fedpipe.transport.serde import msg_from_proto, msg_to_proto
+
+__all__ = ["SplitInfo", "StageServer"]
+
+log = logging.getLogger(__name__)
+
+Authenticator = Callable[[str, int, str], None]  # (token, round, device_id); raises AuthError
+_END = object()
+
+
+@dataclass(frozen=True)
+class SplitInfo:
+    """What devices must know of the server's half (sent back on OpenSession)."""
+
+    model: str
+    num_layers: int
+    head_layers: int
+    tail_layers: int
+    mode: str
+    hidden_size: int
+    dtype: str
+
+    def to_proto(self) -> pb.SplitSpec:
+        return pb.SplitSpec(
+            model=self.model,
+            num_layers=self.num_layers,
+            head_layers=self.head_layers,
+            tail_layers=self.tail_layers,
+            mode=self.mode,
+            hidden_size=self.hidden_size,
+            dtype=self.dtype,
+        )
+
+
+class _RoundState:
+    """The round the ServerApp has begun; tokens are only valid for it."""
+
+    def __init__(self) -> None:
+        self.current = 0
+        self.lock = threading.Lock()
+
+
+class _LinkServicer(pb_grpc.StageLinkServicer):
+    def __init__(
+        self,
+        runtime: StageRuntime,
+        split: SplitInfo,
+        rounds: _RoundState,
+        authenticate: Authenticator | None,
+        max_message_bytes: int,
+    ) -> None:
+        self.runtime = runtime
+        self.split = split
+        self.rounds = rounds
+        self.authenticate = authenticate
+        self.max_message_bytes = max_message_bytes
+        self.codecs: dict[str, str] = {}  # session -> downlink codec
+
+    def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.ServicerContext):  # noqa: N802
+        try:
+            if not request.device_id:
+                raise AuthError("OpenSession needs a device_id")
+            if self.authenticate is not None:
+                with self.rounds.lock:
+                    current = self.rounds.current
+                if request.round != current:
+                    raise AuthError(
+                        f"session for round {request.round}, but the server is in round {current}"
+                    )
+                self.authenticate(request.token, request.round, request.device_id)
+            codec = codec_from_proto(request.downlink_codec or pb.FP32)
+            session_id = self.runtime.open_session(
+                request.device_id,
+                request.round,
+                lr=request.learning_rate or 1e-3,
+                weight_decay=request.weight_decay,
+            )
+        except Exception as exc:
+            context.abort(status_for(exc), str(exc))
+        self.codecs[session_id] = codec
+        return pb.OpenSessionReply(
+            session_id=session_id,
+            split=self.split.to_proto(),
+            max_message_bytes=self.max_message_bytes,
+        )
+
+    def CloseSession(self, request: pb.CloseSessionRequest, context: grpc.ServicerContext):  # noqa: N802
+        try:
+            steps = self.runtime.close_session(request.session_id)
+        except Exception as exc:
+            context.abort(status_for(exc), str(exc))
+        return pb.CloseSessionReply(steps=steps)
+
+    def Exchange(self, request_iterator, context: grpc.ServicerContext) -> Iterator[pb.StageMessage]:  # noqa: N802
+        session_id = dict(context.invocation_metadata()).get(SESSION_HEADER, "")
+        try:
+            self.runtime.session(session_id)
+        except Exception as exc:
+            context.abort(status_for(exc), str(exc))
+        outbox: queue.Queue[object] = queue.Queue()
+        self.runtime.attach(session_id, outbox.put)
+        reader = threading.Thread(
+            target=self._read, args=(session_id, request_iterator, outbox), daemon=True
+        )
+        reader.start()
+        codec = self.codecs.get(session_id, "fp32")
+        try:
+            while (item := outbox.get()) is not _END:
+                if isinstance(item, BaseException):
+                    context.abort(status_for(item), str(item))
+                assert isinstance(item, StageMsg)
+                yield msg_to_proto(item, session_id=session_id, codec=codec)
+        finally:
+            self.runtime.detach(session_id)
+
+    def _read(self, session_id: str, requests, outbox: queue.Queue[object]) -> None:  # type: ignore[no-untyped-def]
+        try:
+            for raw in requests:
+                msg = msg_from_proto(
+                    raw,
+                    hidden_size=self.split.hidden_size,
+                    max_elements=self.max_message_bytes,
+                )
+                self.runtime.submit(session_id, msg)
+        except grpc.RpcError:
+            pass  # the device went away; the finally below cleans up
+        except Exception as exc:
+            outbox.put(exc)
+            return
+        outbox.put(_END)
+
+
+class _ControlServicer(pb_grpc.StageControlServicer):
+    def __init__(self, runtime: StageRuntime, rounds: _RoundState, secret: str | None) -> None:
+        self.runtime = runtime
+        self.rounds = rounds
+        self.secret = secret
+
+    def _check(self, secret: str, context: grpc.ServicerContext) -> None:
+        if self.secret is not None and not hmac.compare_digest(secret, self.secret):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "wrong control secret")
+
+    def BeginRound(self, request: pb.BeginRoundRequest, context: grpc.ServicerContext):  # noqa: N802
+        self._check(request.secret, context)
+        with self.rounds.lock:
+            self.rounds.current = request.round
+        log.info("round %d begun", request.round)
+        return pb.BeginRoundReply()
+
+    def CommitRound(self, request: pb.CommitRoundRequest, context: grpc.ServicerContext):  # noqa: N802
+        self._check(request.secret, context)
+        weights = {f.device_id: f.weight for f in request.finished}
+        merged, discarded = self.runtime.commit_round(request.round, weights)
+        log.info("round %d committed: %d merged, %d discarded", request.round, merged, discarded)
+        return pb.CommitRoundReply(merged=merged, discarded=discarded)
+
+    def GetAdapter(self, request: pb.AdapterRequest, context: grpc.ServicerContext):  # noqa: N802
+        self._check(request.secret, context)
+        state = {k: v.contiguous() for k, v in self.runtime.bank.global_state().items()}
+        return pb.AdapterReply(safetensors=st_save(state))
+
+    def LoadAdapter(self, request: pb.LoadAdapterRequest, context: grpc.ServicerContext):  # noqa: N802
+        self._check(request.secret, context)
+        try:
+            self.runtime.bank.set_global_state(st_load(request.safetensors))
+        except Exception as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad adapter: {exc}")
+        return pb.LoadAdapterReply()
+
+
+class StageServer:
+    """Hosts a StageRuntime on gRPC with health checks; ``start()`` binds, ``stop()`` ends."""
+
+    def __init__(
+        self,
+        runtime: StageRuntime,
+        split: SplitInfo,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        secret: str | None = None,
+        authenticate: Authenticator | None = None,
+        max_message_bytes: int = 64 * 1024 * 1024,
+        tls: tuple[bytes, bytes] | None = None,
+        workers: int = 64,
+    ) -> None:
+        self.runtime = runtime
+        self.split = split
+        self.rounds = _RoundState()
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="stage-grpc"),
+            options=channel_options(max_message_bytes),
+        )
+        self._link = _LinkServicer(runtime, split, self.rounds, authenticate, max_message_bytes)
+        pb_grpc.add_StageLinkServicer_to_server(self._link, self._server)
+        pb_grpc.add_StageControlServicer_to_server(
+            _ControlServicer(runtime, self.rounds, secret), self._server
+        )
+        self._health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        bind = f"{host}:{port}"
+        if tls is not None:
+            creds = grpc.ssl_server_credentials([(tls[1], tls[0])])  # [(key, cert)]
+            self.port = self._server.add_secure_port(bind, creds)
+        else:
+            self.port = self._server.add_insecure_port(bind)
+        if self.port == 0:
+            raise OSError(f"could not bind the StageServer to {bind}")
+        self.address = f"{host}:{self.port}"
+
+    def start(self) -> StageServer:
+        self._server.start()
+        serving = health_pb2.HealthCheckResponse.SERVING
+        for service in ("", "fedpipe.proto.StageLink", "fedpipe.proto.StageControl"):
+            self._health.set(service, serving)
+        log.info("StageServer listening on %s", self.address)
+        return self
+
+    def stop(self, grace: float | None = 1.0) -> None:
+        self._health.enter_graceful_shutdown()
+        self._server.stop(grace).wait()
+        self.runtime.stop()
+
+    def wait(self) -> None:
+        self._server.wait_for_termination()
+
+    def __enter__(self) -> StageServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+

@@ -1,0 +1,194 @@
+"""Exactness: a pipelined step over real loopback gRPC equals the unsplit model's step.
+
+For every schedule and 1..8 microbatches, with the lossless codec: the same loss, the same
+LoRA gradients on both sides, and the same adapter weights after two AdamW steps as the
+unsplit model on the same batches (fp32 tolerance), for a GPT-2 and a Llama-family model, in
+the U-shaped and the two-part split. Lossy codecs stay within a stated error of the loss.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fedpipe.config import FedpipeConfig, ModelConfig, PipelineConfig, TrainConfig
+from fedpipe.device import DeviceTrainer, lora_settings
+from fedpipe.models import load_causal_lm, model_family, resolve_model
+from fedpipe.pipeline.device_runtime import DeviceRuntime
+from fedpipe.pipeline.schedule import SCHEDULES
+from fedpipe.serving import build_runtime
+from fedpipe.split import apply_lora, load_lora_state_dict, lora_parameters, lora_state_dict
+from fedpipe.transport.client import StageClient
+from fedpipe.transport.server import StageServer
+
+LR = 1e-2
+BATCH, SEQ = 8, 16
+
+
+class RecordingAdamW(torch.optim.AdamW):
+    """AdamW that keeps a copy of every gradient it applies (in parameter order)."""
+
+    def __init__(self, params, **kw):  # type: ignore[no-untyped-def]
+        super().__init__(params, **kw)
+        self.grads: list[list[torch.Tensor]] = []
+
+    def step(self, closure=None):  # type: ignore[no-untyped-def]
+        self.grads.append([p.grad.detach().clone() for g in self.param_groups for p in g["params"]])
+        return super().step(closure)
+
+
+def _config(model: str, split: str, schedule: str = "gpipe", m: int = 1, codec: str = "fp32") -> FedpipeConfig:
+    return FedpipeConfig(
+        model=ModelConfig(name=model, head_layers=1, tail_layers=0 if split == "two" else 1, split=split),
+        pipeline=PipelineConfig(microbatches=m, schedule=schedule, uplink_codec=codec, downlink_codec=codec),
+        train=TrainConfig(batch_size=BATCH, seq_len=SEQ, lr=LR),
+    )
+
+
+def _batches(vocab: int, n: int = 2) -> list[dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, vocab, (BATCH, SEQ), generator=gen)
+        labels = ids.clone()
+        labels[0, 10:] = -100  # padding that must not count
+        out.append({"input_ids": ids, "labels": labels})
+    return out
+
+
+def _random_adapter(keys: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(7)
+    return {k: torch.randn(v.shape, generator=gen) * 0.1 for k, v in keys.items()}
+
+
+class Setup:
+    """A StageServer on port 0 and the unsplit reference, sharing one random adapter."""
+
+    def __init__(self, model: str, split: str) -> None:
+        self.model, self.split = model, split
+        self.folder = resolve_model(model)
+        config = _config(model, split)
+        self.runtime, info = build_runtime(config, folder=self.folder)
+        self.server_opts: list[RecordingAdamW] = []
+
+        def factory(params, lr, wd):  # type: ignore[no-untyped-def]
+            opt = RecordingAdamW(params, lr=lr, weight_decay=wd)
+            self.server_opts.append(opt)
+            return opt
+
+        self.runtime.optimizer_factory = factory
+        self.server = StageServer(self.runtime, info, port=0).start()
+        full = load_causal_lm(self.folder)
+        self.reference = apply_lora(full, lora_settings(config), model_family(full.config))
+        self.adapter = _random_adapter(lora_state_dict(self.reference))
+        load_lora_state_dict(self.reference, self.adapter)
+        server_keys = set(self.runtime.bank.global_state())
+        self.runtime.bank.set_global_state({k: self.adapter[k] for k in server_keys})
+        self.server_keys = server_keys
+        self.vocab = int(self.reference.get_input_embeddings().num_embeddings)
+
+    def reference_run(self, batches):  # type: ignore[no-untyped-def]
+        model = self.reference
+        load_lora_state_dict(model, self.adapter)
+        params = lora_parameters(model)
+        opt = RecordingAdamW(list(params.values()), lr=LR, weight_decay=0.0)
+        losses = []
+        for batch in batches:
+            out = model(input_ids=batch["input_ids"], labels=batch["labels"])
+            out.loss.backward()
+            losses.append(float(out.loss.detach()))
+            opt.step()
+            opt.zero_grad()
+        grads = dict(zip(params, opt.grads[0], strict=True))
+        return losses, grads, {k: v.detach().clone() for k, v in lora_state_dict(model).items()}
+
+
+SETUPS: dict[tuple[str, str], Setup] = {}
+
+
+@pytest.fixture(scope="module")
+def setups():
+    yield SETUPS
+    for setup in SETUPS.values():
+        setup.server.stop(grace=None)
+    SETUPS.clear()
+
+
+def _setup(setups, model: str, split: str) -> Setup:  # type: ignore[no-untyped-def]
+    if (model, split) not in setups:
+        setups[(model, split)] = Setup(model, split)
+    return setups[(model, split)]
+
+
+def _pipelined(setup: Setup, config: FedpipeConfig, batches):  # type: ignore[no-untyped-def]
+    """Run the batches through the split model; returns losses, first-step grads, final weights."""
+    trainer = DeviceTrainer(config, device_id=f"dev-{config.pipeline.schedule}", folder=setup.folder)
+    trainer.load_adapters({k: v for k, v in setup.adapter.items() if k not in setup.server_keys})
+    params = lora_parameters(trainer.head) | (lora_parameters(trainer.tail) if trainer.tail else {})
+    opt = RecordingAdamW(list(params.values()), lr=LR, weight_decay=0.0)
+    setup.server_opts.clear()
+    losses = []
+    with StageClient(setup.server.address) as client:
+        session = client.open_session(
+            device_id=trainer.device_id,
+            lr=LR,
+            uplink_codec=config.pipeline.uplink_codec,
+            downlink_codec=config.pipeline.downlink_codec,
+        )
+        with session:
+            runtime = DeviceRuntime(
+                trainer.head,
+                trainer.tail,
+                session,
+                optimizer=opt,
+                schedule=config.pipeline.schedule,
+                microbatches=config.pipeline.microbatches,
+            )
+            for step, batch in enumerate(batches):
+                losses.append(runtime.train_step(batch, step=step).loss)
+    (server_session,) = [s for s in setup.runtime.sessions() if s.device_id == trainer.device_id]
+    (server_opt,) = setup.server_opts
+    server_params = lora_parameters(setup.runtime.bank.stage, server_session.session_id)
+    grads = dict(zip(params, opt.grads[0], strict=True))
+    grads |= dict(zip(server_params, server_opt.grads[0], strict=True))
+    weights = trainer.adapters() | setup.runtime.bank.state_dict(server_session.session_id)
+    return losses, grads, weights
+
+
+MODELS = ["tiny-llama", "tiny-gpt2"]
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("split", ["u", "two"])
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8])
+def test_pipelined_step_equals_unsplit(setups, model: str, split: str, schedule: str, m: int) -> None:
+    setup = _setup(setups, model, split)
+    batches = _batches(setup.vocab)
+    ref_losses, ref_grads, ref_weights = setup.reference_run(batches)
+    losses, grads, weights = _pipelined(setup, _config(model, split, schedule, m), batches)
+    assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
+    assert set(grads) == set(ref_grads)
+    for key, grad in ref_grads.items():
+        torch.testing.assert_close(grads[key], grad, rtol=1e-4, atol=1e-6, msg=f"grad {key}")
+    assert set(weights) == set(ref_weights)
+    for key, value in ref_weights.items():
+        # AdamW divides by sqrt(v): a gradient element near 0 turns fp32 rounding into up to
+        # ~1e-5 of weight change, so weights get 1% of one step (lr) as absolute tolerance.
+        torch.testing.assert_close(weights[key], value, rtol=1e-4, atol=LR * 1e-2, msg=key)
+
+
+# Lossy codecs: the loss of one step stays within these relative errors of the fp32 loss.
+LOSSY_BOUNDS = {"bf16": 2e-2, "fp16": 2e-3, "int8": 3e-2}
+
+
+@pytest.mark.parametrize("codec", list(LOSSY_BOUNDS))
+def test_lossy_codecs_stay_within_stated_error(setups, codec: str) -> None:
+    setup = _setup(setups, "tiny-llama", "u")
+    batches = _batches(setup.vocab, n=1)
+    ref_losses, ref_grads, _ = setup.reference_run(batches)
+    losses, grads, _ = _pipelined(setup, _config("tiny-llama", "u", "greedy", 4, codec), batches)
+    assert losses[0] == pytest.approx(ref_losses[0], rel=LOSSY_BOUNDS[codec])
+    num = sum(float((grads[k] - g).norm()) for k, g in ref_grads.items())
+    den = sum(float(g.norm()) for g in ref_grads.values())
+    assert num / den < 10 * LOSSY_BOUNDS[codec]
