@@ -158,12 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_server(sub)
     _add_bench(sub)
-    try:
-        from fedpipe.federated.commands import add_federated_commands
-    except ImportError:  # the federated layer is optional for server-only installs
-        pass
-    else:
-        add_federated_commands(sub, _add_common, _config)
+    from fedpipe.federated.commands import add_federated_commands
+
+    add_federated_commands(sub, _add_common, _config)
     return parser
 
 

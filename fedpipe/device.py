@@ -31,7 +31,7 @@ from fedpipe.split import (
 )
 from fedpipe.transport.client import StageClient
 
-__all__ = ["DeviceTrainer", "RoundReport", "lora_settings"]
+__all__ = ["DeviceFailure", "DeviceTrainer", "RoundReport", "lora_settings"]
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,23 @@ def lora_settings(config: FedpipeConfig) -> LoraSettings:
         targets=targets or None,
         seed=config.model.seed,
     )
+
+
+class DeviceFailure(RuntimeError):
+    """A device stopped mid-round (fault injection in simulations and tests)."""
+
+
+def _add_proximal_term(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], mu: float) -> None:
+    """FedProx: before each step, grad += mu * (w - w_start) (the gradient of mu/2 ||w - w_start||^2)."""
+    anchors = [p.detach().clone() for p in params]
+
+    def pre_step(*_: object) -> None:
+        with torch.no_grad():
+            for p, anchor in zip(params, anchors, strict=True):
+                if p.grad is not None:
+                    p.grad.add_(p - anchor, alpha=mu)
+
+    optimizer.register_step_pre_hook(pre_step)
 
 
 @dataclass
@@ -135,10 +152,21 @@ class DeviceTrainer:
         *,
         round_: int = 0,
         token: str = "",
+        proximal_mu: float = 0.0,
+        fail_after_steps: int | None = None,
     ) -> RoundReport:
-        """Run one round's local steps as pipelined split training; returns metrics."""
+        """Run one round's local steps as pipelined split training; returns metrics.
+
+        ``proximal_mu`` > 0 adds FedProx's ``mu/2 * ||w - w_round_start||^2`` to the device
+        adapters' loss (as a gradient term before each optimizer step). ``fail_after_steps``
+        is fault injection for tests: the device drops its stream after that many steps and
+        raises :class:`DeviceFailure`, as a device that vanishes would.
+        """
         cfg = self.config
-        optimizer = torch.optim.AdamW(self.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+        params = self.parameters()
+        optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+        if proximal_mu > 0:
+            _add_proximal_term(optimizer, params, proximal_mu)
         report = RoundReport()
         start = time.perf_counter()
         session = client.open_session(
@@ -167,6 +195,9 @@ class DeviceTrainer:
                 tracer=self.tracer,
             )
             for step, batch in enumerate(batches):
+                if fail_after_steps is not None and step >= fail_after_steps:
+                    session.abort()
+                    raise DeviceFailure(f"device {self.device_id} vanished in round {round_} (injected)")
                 result = runtime.train_step(batch, step=step)
                 report.steps.append(result)
                 report.examples += int(batch["input_ids"].shape[0])

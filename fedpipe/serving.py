@@ -68,7 +68,7 @@ def build_runtime(config: FedpipeConfig, *, folder: Path | None = None) -> tuple
 
 
 def _authenticator(secret: str):  # type: ignore[no-untyped-def]
-    from fedpipe.tokens import InvalidTokenError, verify_token
+    from fedpipe.federated.tokens import InvalidTokenError, verify_token
 
     def authenticate(token: str, round_: int, device_id: str) -> None:
         try:

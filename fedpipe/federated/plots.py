@@ -21,6 +21,11 @@ _KIND_COLOURS = {
     "B": ("backward", "tab:orange"),
     "O": ("optimizer", "tab:green"),
     "S": ("server", "tab:red"),
+    # link transfers (fedpipe.transport.client names them by message kind, lower case)
+    "a": ("activation", "tab:cyan"),
+    "o": ("output", "tab:olive"),
+    "g": ("output grad", "tab:pink"),
+    "i": ("input grad", "tab:brown"),
 }
 _OTHER = ("other", "tab:gray")
 _MAX_LABELLED_EVENTS = 80  # above this, names on bars are unreadable clutter

@@ -146,9 +146,9 @@ def _one_f_one_b(m: int, has_tail: bool, in_flight: int | None) -> Schedule:
     for i in range(m):
         if has_tail:
             actions.append(Action(Op.TAIL, i))
-        if i + k < m:
-            actions.append(Action(Op.FORWARD, i + k))
         actions.append(Action(Op.BACKWARD, i))
+        if i + k < m:  # only after B(i) frees its slot: at most k live
+            actions.append(Action(Op.FORWARD, i + k))
     return Schedule("1f1b", m, tuple(actions), has_tail, max_in_flight=k)
 
 

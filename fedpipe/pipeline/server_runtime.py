@@ -212,8 +212,9 @@ class StageRuntime:
                 log.warning("[%s] %s failed: %s", info.device_id, msg, exc)
                 self._reset_step(info)
                 reply = exc
-            if reply is not None and info.outbox is not None:
-                info.outbox(reply)
+            outbox = info.outbox  # read once: detach() may clear it from a gRPC thread
+            if reply is not None and outbox is not None:
+                outbox(reply)
 
     def _handle(self, info: SessionInfo, msg: StageMsg) -> StageMsg | None:
         if msg.kind is Kind.ERROR:  # the stream went away

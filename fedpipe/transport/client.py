@@ -34,6 +34,16 @@ __all__ = ["SessionStats", "StageClient", "StageSession", "channel_options"]
 log = logging.getLogger(__name__)
 
 SESSION_HEADER = "fedpipe-session-id"
+# Timeline names of transfers, by message kind (activation, output, output grad, input grad).
+_TRANSFER_NAMES = {
+    Kind.ACTIVATION: "a",
+    Kind.OUTPUT: "o",
+    Kind.OUTPUT_GRAD: "g",
+    Kind.INPUT_GRAD: "i",
+    Kind.STEP_END: "end",
+    Kind.STEP_DONE: "done",
+    Kind.ERROR: "error",
+}
 _END = object()
 
 
@@ -241,7 +251,7 @@ class StageSession:
             sent = self._clock.now()
             at = self._up.put(raw, size)
             if self.tracer is not None:
-                self.tracer.add(f"{item.kind.name[0]}{item.microbatch}", "uplink", sent, at)
+                self.tracer.add(f"{_TRANSFER_NAMES[item.kind]}{item.microbatch}", "uplink", sent, at)
 
     def _read_loop(self) -> None:
         try:
@@ -252,7 +262,8 @@ class StageSession:
                 sent = self._clock.now()
                 at = self._down.put(raw, size)
                 if self.tracer is not None:
-                    self.tracer.add(f"{Kind(raw.kind).name[0]}{raw.microbatch}", "downlink", sent, at)
+                    name = _TRANSFER_NAMES.get(Kind(raw.kind), "?")
+                    self.tracer.add(f"{name}{raw.microbatch}", "downlink", sent, at)
         except grpc.RpcError as exc:
             if not self._closed or exc.code() != grpc.StatusCode.CANCELLED:
                 code = exc.code().name if exc.code() else "UNKNOWN"

@@ -1,0 +1,178 @@
+"""What a Flower app does locally: read its settings, hold a device's model and data, evaluate.
+
+Run-config keys are fedpipe's dotted settings (``pipeline.microbatches``, see
+:mod:`fedpipe.config`) plus run keys (``run.*``) and fault injection for tests (``faults.*``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from fedpipe.config import FedpipeConfig
+from fedpipe.data import partition as partition_docs
+from fedpipe.data import (
+    BlockSampler,
+    default_corpus,
+    load_documents,
+    tokenize_blocks,
+    train_eval_split,
+)
+from fedpipe.device import DeviceTrainer, RoundReport
+from fedpipe.federated.tokens import issue_token
+from fedpipe.link import DeviceProfile, get_device_profile
+from fedpipe.models import load_tokenizer
+from fedpipe.pipeline.device_runtime import DeviceRuntime
+from fedpipe.transport.client import StageClient
+
+__all__ = ["DeviceWork", "RunSettings", "evaluate_split", "run_settings"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """Per-run keys that are not model/training settings."""
+
+    dir: str = ""
+    resume: bool = False
+    stage_address: str = "127.0.0.1:50051"
+    secret: str = ""
+    run_id: str = "run"
+    round_timeout_s: float = 1800.0
+    kill_partition: int = -1  # faults: this partition's device dies mid-round ...
+    kill_round: int = -1  # ... in this round
+
+
+RUN_DEFAULTS: dict[str, Any] = {
+    "run.dir": "",
+    "run.resume": False,
+    "run.stage-address": "127.0.0.1:50051",
+    "run.secret-file": "",
+    "run.id": "run",
+    "run.round-timeout": 1800.0,
+    "faults.kill-partition": -1,
+    "faults.kill-round": -1,
+}
+
+
+def run_settings(run_config: dict[str, Any]) -> tuple[FedpipeConfig, RunSettings]:
+    """Split Flower's run config into fedpipe settings and run settings."""
+    settings = {k: v for k, v in run_config.items() if k.split(".")[0] not in ("run", "faults")}
+    run = {**RUN_DEFAULTS, **{k: v for k, v in run_config.items() if k not in settings}}
+    secret_file = str(run["run.secret-file"])
+    secret = Path(secret_file).read_text().strip() if secret_file else ""
+    return FedpipeConfig().with_overrides(settings), RunSettings(
+        dir=str(run["run.dir"]),
+        resume=bool(run["run.resume"]),
+        stage_address=str(run["run.stage-address"]),
+        secret=secret,
+        run_id=str(run["run.id"]),
+        round_timeout_s=float(run["run.round-timeout"]),
+        kill_partition=int(run["faults.kill-partition"]),
+        kill_round=int(run["faults.kill-round"]),
+    )
+
+
+def _profile(cfg: FedpipeConfig, partition_id: int, name: str | None) -> DeviceProfile | None:
+    if partition_id < 0:
+        return None  # the evaluator runs beside the server, unthrottled
+    names = [n.strip() for n in cfg.federated.profiles.split(",") if n.strip()]
+    chosen = name or (names[partition_id % len(names)] if names else "loopback")
+    return get_device_profile(chosen)
+
+
+class DeviceWork:
+    """One device's trainer and data (its partition, or the held-out set for the evaluator)."""
+
+    _cache: ClassVar[dict[tuple[Any, ...], DeviceWork]] = {}
+
+    def __init__(
+        self,
+        cfg: FedpipeConfig,
+        *,
+        device_id: str,
+        partition: int,
+        num_partitions: int,
+        profile: str | None = None,
+        data: str | None = None,
+    ) -> None:
+        self.cfg, self.partition = cfg, partition
+        self.profile = _profile(cfg, partition, profile)
+        self.trainer = DeviceTrainer(cfg, device_id=device_id, profile=self.profile)
+        tokenizer = load_tokenizer(self.trainer.folder)
+        fed = cfg.federated
+        if data:  # a deployed device's own data: all of it is its partition
+            docs = load_documents(data)
+            self.blocks = tokenize_blocks(docs, tokenizer, cfg.train.seq_len)
+            return
+        docs = load_documents(fed.data) if fed.data else default_corpus()
+        train_docs, held_out = train_eval_split(docs, eval_fraction=fed.eval_fraction, seed=cfg.model.seed)
+        if partition < 0:
+            limit = cfg.train.eval_batches * cfg.train.batch_size
+            self.blocks = tokenize_blocks(held_out, tokenizer, cfg.train.seq_len, max_blocks=limit)
+            return
+        parts = partition_docs(
+            train_docs, num_partitions, scheme=fed.partition, alpha=fed.dirichlet_alpha, seed=cfg.model.seed
+        )
+        self.blocks = tokenize_blocks(parts[partition], tokenizer, cfg.train.seq_len)
+        log.info("[device %s] partition %d: %d blocks", device_id, partition, len(self.blocks))
+
+    @classmethod
+    def cached(cls, cfg: FedpipeConfig, **kw: Any) -> DeviceWork:
+        """Reuse a device's model and data across rounds in one process (simulation)."""
+        key = (repr(cfg), *sorted(kw.items()))
+        if key not in cls._cache:
+            cls._cache[key] = cls(cfg, **kw)
+        return cls._cache[key]
+
+    def train(
+        self,
+        address: str,
+        *,
+        round_: int,
+        token: str,
+        proximal_mu: float = 0.0,
+        fail_after_steps: int | None = None,
+        trace_dir: Path | None = None,
+    ) -> RoundReport:
+        """One round of local steps; batches depend only on (seed, partition, round, step)."""
+        steps = self.cfg.train.local_steps
+        sampler = BlockSampler(self.blocks, self.cfg.train.batch_size, seed=self.cfg.model.seed * 1000 + self.partition)
+        batches = [sampler.batch(round_ * steps + i) for i in range(steps)]
+        self.trainer.tracer.clear()
+        with StageClient(address) as client:
+            report = self.trainer.train_round(
+                client, batches, round_=round_, token=token,
+                proximal_mu=proximal_mu, fail_after_steps=fail_after_steps,
+            )
+        if trace_dir is not None and trace_dir.parent.is_dir():
+            path = trace_dir / f"device-{self.partition}-round-{round_}.json"
+            self.trainer.tracer.write(path, pid=f"device {self.partition}")
+        return report
+
+
+def evaluate_split(
+    work: DeviceWork,
+    adapters: dict[str, torch.Tensor],
+    run: RunSettings,
+    round_: int,
+) -> tuple[float, int]:
+    """Held-out mean token loss through the split model (device adapters + server's global)."""
+    trainer, cfg = work.trainer, work.cfg
+    trainer.load_adapters(adapters)
+    token = issue_token(run.secret, run_id=run.run_id, round=round_, device_id="evaluator") if run.secret else ""
+    loss_sum, tokens = 0.0, 0
+    with StageClient(run.stage_address) as client:
+        session = client.open_session(device_id="evaluator", token=token, round_=round_, timeout_s=cfg.pipeline.timeout_s)
+        with session:
+            runtime = DeviceRuntime(trainer.head, trainer.tail, session, optimizer=None, microbatches=cfg.pipeline.microbatches)
+            for batch in torch.split(work.blocks, cfg.train.batch_size):
+                part_sum, part_tokens = runtime.evaluate({"input_ids": batch, "labels": batch}, step=0)
+                loss_sum, tokens = loss_sum + part_sum, tokens + part_tokens
+    return (loss_sum / tokens if tokens else math.nan), tokens

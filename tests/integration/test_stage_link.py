@@ -1,0 +1,346 @@
+"""The StageServer under bad input: a clear status code, nothing lost, everyone else still served.
+
+Every test talks to a real StageServer over loopback gRPC (port 0): raw protobuf messages for
+what a well-behaved client would never send, and real ``DeviceTrainer`` rounds for the devices
+that must keep training alongside.
+"""
+
+from __future__ import annotations
+
+import queue
+import re
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from fedpipe.config import FedpipeConfig, PipelineConfig, ServerConfig, TrainConfig
+from fedpipe.device import DeviceTrainer
+from fedpipe.federated.tokens import issue_token
+from fedpipe.models import resolve_model
+from fedpipe.pipeline.messages import Kind, StageMsg
+from fedpipe.pipeline.server_runtime import StageRuntime
+from fedpipe.proto import stage_pb2 as pb
+from fedpipe.proto import stage_pb2_grpc as pb_grpc
+from fedpipe.serving import build_stage_server
+from fedpipe.transport.client import SESSION_HEADER, StageClient
+from fedpipe.transport.server import StageServer
+
+BATCH, SEQ, HIDDEN = 4, 16, 64  # tiny-llama's hidden size is 64
+CONFIG = FedpipeConfig(
+    pipeline=PipelineConfig(microbatches=2, schedule="gpipe", timeout_s=20.0),
+    train=TrainConfig(batch_size=BATCH, seq_len=SEQ, lr=1e-2),
+)
+SECRET = "s3cret-for-tests-only"  # tokens need a secret of at least 16 bytes
+RPC_TIMEOUT = 20.0
+Batch = dict[str, torch.Tensor]
+
+
+# -- fixtures and helpers ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def folder():  # type: ignore[no-untyped-def]
+    return resolve_model("tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def server(folder) -> Iterator[StageServer]:  # type: ignore[no-untyped-def]
+    stage_server = build_stage_server(CONFIG, port=0, folder=folder)
+    try:
+        yield stage_server.start()
+    finally:
+        stage_server.stop(grace=None)
+
+
+@pytest.fixture(scope="module")
+def channel(server: StageServer) -> Iterator[grpc.Channel]:
+    with grpc.insecure_channel(server.address) as chan:
+        yield chan
+
+
+@pytest.fixture
+def stub(channel: grpc.Channel) -> pb_grpc.StageLinkStub:
+    return pb_grpc.StageLinkStub(channel)
+
+
+def _batches(seed: int, n: int = 2) -> list[Batch]:
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, 256, (BATCH, SEQ), generator=gen)
+        out.append({"input_ids": ids, "labels": ids.clone()})
+    return out
+
+
+def _train(address: str, folder, device_id: str, batches: list[Batch], **kw) -> list[float]:  # type: ignore[no-untyped-def]
+    """One round of a fresh device (same initial adapters every time); returns its step losses."""
+    trainer = DeviceTrainer(CONFIG, device_id=device_id, folder=folder)
+    with StageClient(address) as client:
+        report = trainer.train_round(client, batches, **kw)
+    return [step.loss for step in report.steps]
+
+
+def _open(stub: pb_grpc.StageLinkStub, device_id: str, **kw) -> str:  # type: ignore[no-untyped-def]
+    request = pb.OpenSessionRequest(device_id=device_id, learning_rate=1e-2, **kw)
+    return stub.OpenSession(request, timeout=RPC_TIMEOUT).session_id
+
+
+def _tensor(shape: tuple[int, ...], *, data: bytes | None = None) -> pb.Tensor:
+    n = 4 * int(torch.Size(shape).numel())
+    return pb.Tensor(codec=pb.FP32, shape=shape, data=b"\0" * n if data is None else data)
+
+
+def _message(
+    kind: int, *, step: int = 0, microbatch: int = 0, tensor: pb.Tensor
+) -> pb.StageMessage:
+    return pb.StageMessage(step=step, microbatch=microbatch, kind=kind, tensor=tensor)
+
+
+class _RawStream:
+    """An Exchange stream driven by hand; the request side stays open until ``close()``.
+
+    Keeping it open matters: a half-closed stream ends the server's reply stream too, which
+    could race an error the compute worker is about to report.
+    """
+
+    def __init__(self, stub: pb_grpc.StageLinkStub, session_id: str) -> None:
+        self._requests: queue.Queue[pb.StageMessage | None] = queue.Queue()
+        self.call = stub.Exchange(
+            iter(self._requests.get, None),
+            metadata=((SESSION_HEADER, session_id),),
+            timeout=RPC_TIMEOUT,
+        )
+
+    def send(self, msg: pb.StageMessage) -> None:
+        self._requests.put(msg)
+
+    def next(self) -> pb.StageMessage:
+        return next(self.call)
+
+    def close(self) -> None:
+        self._requests.put(None)
+        self.call.cancel()
+
+
+def _stream_error(
+    stub: pb_grpc.StageLinkStub, session_id: str, *msgs: pb.StageMessage
+) -> grpc.RpcError:
+    """Send ``msgs`` on a fresh stream of ``session_id``; return the error the stream ends with."""
+    stream = _RawStream(stub, session_id)
+    try:
+        for msg in msgs:
+            stream.send(msg)
+        with pytest.raises(grpc.RpcError) as info:
+            while True:
+                stream.next()
+        return info.value
+    finally:
+        stream.close()
+
+
+def _wait_for(predicate: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.02)
+
+
+def _session_of(runtime: StageRuntime, device_id: str):  # type: ignore[no-untyped-def]
+    (info,) = [s for s in runtime.sessions() if s.device_id == device_id]
+    return info
+
+
+# -- health and unknown sessions -----------------------------------------------------------------
+@pytest.mark.parametrize("service", ["", "fedpipe.proto.StageLink"])
+def test_health_reports_serving(channel: grpc.Channel, service: str) -> None:
+    reply = health_pb2_grpc.HealthStub(channel).Check(
+        health_pb2.HealthCheckRequest(service=service), timeout=RPC_TIMEOUT
+    )
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_unknown_session_is_not_found(stub: pb_grpc.StageLinkStub) -> None:
+    error = _stream_error(
+        stub, "made-up-session", _message(pb.ACTIVATION, tensor=_tensor((1, 2, HIDDEN)))
+    )
+    assert error.code() == grpc.StatusCode.NOT_FOUND
+    assert "unknown session 'made-up-session'" in error.details()
+    assert "open a new session" in error.details()
+
+    with pytest.raises(grpc.RpcError) as info:
+        stub.CloseSession(pb.CloseSessionRequest(session_id="made-up-session"), timeout=RPC_TIMEOUT)
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "unknown session 'made-up-session'" in info.value.details()
+
+
+# -- bad messages end one stream, not the server ------------------------------------------------
+def test_malformed_tensor_is_invalid_argument_and_the_device_recovers(
+    server: StageServer, stub: pb_grpc.StageLinkStub, folder
+) -> None:  # type: ignore[no-untyped-def]
+    session_id = _open(stub, "bad-bytes")
+    short = _tensor((2, SEQ, HIDDEN), data=b"\0" * 100)  # 2*16*64 fp32 values need 8192 bytes
+    error = _stream_error(stub, session_id, _message(pb.ACTIVATION, tensor=short))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "ACTIVATION tensor (step 0, microbatch 0)" in error.details()
+    assert "data has 100 bytes, expected 8192 for shape (2, 16, 64) as fp32" in error.details()
+    info = server.runtime.session(session_id)  # nothing half-done stays behind
+    assert info.cache == {} and info.step == 0
+
+    # The same device opens a new session (replacing the old one) and trains; so does another.
+    losses = _train(server.address, folder, "bad-bytes", _batches(0, n=1))
+    assert len(losses) == 1 and 0 < losses[0] < 10
+    assert session_id not in {s.session_id for s in server.runtime.sessions()}
+    assert len(_train(server.address, folder, "bystander", _batches(1, n=1))) == 1
+
+
+def test_wrong_hidden_size_names_the_numbers(
+    server: StageServer, stub: pb_grpc.StageLinkStub
+) -> None:
+    session_id = _open(stub, "wide")
+    error = _stream_error(stub, session_id, _message(pb.ACTIVATION, tensor=_tensor((2, SEQ, 65))))
+    assert error.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
+    assert "(*, *, 64)" in error.details() and "(2, 16, 65)" in error.details()
+    assert server.runtime.session(session_id).cache == {}
+
+
+@pytest.mark.parametrize(
+    ("msg", "message"),
+    [
+        (
+            _message(pb.OUTPUT_GRAD, microbatch=3, tensor=_tensor((2, SEQ, HIDDEN))),
+            "OUTPUT_GRAD for step 0 microbatch 3 without its ACTIVATION",
+        ),
+        (
+            _message(pb.ACTIVATION, step=5, tensor=_tensor((2, SEQ, HIDDEN))),
+            "message for step 5, but session .* is at step 0",
+        ),
+    ],
+    ids=["grad-before-activation", "wrong-step"],
+)
+def test_out_of_order_is_failed_precondition(
+    server: StageServer, stub: pb_grpc.StageLinkStub, msg: pb.StageMessage, message: str
+) -> None:
+    session_id = _open(stub, "out-of-order")
+    error = _stream_error(stub, session_id, msg)
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert re.search(message, error.details()), error.details()
+    assert server.runtime.session(session_id).cache == {}
+
+
+def test_oversized_message_is_resource_exhausted(folder) -> None:  # type: ignore[no-untyped-def]
+    config = FedpipeConfig(
+        pipeline=CONFIG.pipeline, train=CONFIG.train, server=ServerConfig(max_message_mb=0.5)
+    )
+    small = build_stage_server(config, port=0, folder=folder).start()
+    try:
+        with grpc.insecure_channel(small.address) as chan:
+            stub = pb_grpc.StageLinkStub(chan)  # the client's own limit is gRPC's default
+            session_id = _open(stub, "big")
+            huge = _tensor((1, 4096, HIDDEN))  # 1 MiB of fp32
+            error = _stream_error(stub, session_id, _message(pb.ACTIVATION, tensor=huge))
+            assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert small.runtime.session(session_id).cache == {}
+        assert len(_train(small.address, folder, "big", _batches(2, n=1))) == 1
+    finally:
+        small.stop(grace=None)
+
+
+# -- devices that vanish, devices that share ----------------------------------------------------
+def test_vanished_device_leaves_nothing_and_others_train_on(server: StageServer, folder) -> None:  # type: ignore[no-untyped-def]
+    runtime = server.runtime
+    batches = _batches(3, n=3)
+    alone = _train(server.address, folder, "alone", batches)
+
+    with ThreadPoolExecutor(1) as pool, StageClient(server.address) as client:
+        session = client.open_session(device_id="vanisher", lr=1e-2, timeout_s=RPC_TIMEOUT)
+        activation = torch.randn(2, SEQ, HIDDEN)
+        for mb in range(2):
+            session.send(StageMsg(Kind.ACTIVATION, 0, mb, tensor=activation))
+        session.receive(Kind.OUTPUT, 0, 1)  # the server holds both microbatches' graphs now
+        info = runtime.session(session.session_id)
+        assert sorted(info.cache) == [0, 1]
+        survivor = pool.submit(_train, server.address, folder, "survivor", batches)
+        _wait_for(
+            lambda: any(s.device_id == "survivor" for s in runtime.sessions()),
+            "the second device's session",
+        )
+        session.abort()  # mid-step, while the survivor trains
+        _wait_for(lambda: not info.cache, "the vanished device's partial step to be dropped")
+        assert info.step == 0 and info.steps_done == 0
+        together = survivor.result(timeout=60)
+    assert together == pytest.approx(alone, rel=1e-5)
+    assert _session_of(runtime, "survivor").steps_done == len(batches)
+
+
+def test_concurrent_sessions_and_commit_round(server: StageServer, folder) -> None:  # type: ignore[no-untyped-def]
+    runtime = server.runtime
+    runtime.commit_round(0, {})  # discard what earlier tests left in round 0
+    assert runtime.bank.names() == []
+    devices = ["d0", "d1", "d2"]
+    with ThreadPoolExecutor(len(devices)) as pool:
+        runs = [
+            pool.submit(_train, server.address, folder, d, _batches(10 + i))
+            for i, d in enumerate(devices)
+        ]
+        results = [run.result(timeout=60) for run in runs]
+    assert all(len(losses) == 2 for losses in results)
+    sessions = {d: _session_of(runtime, d) for d in devices}
+    assert len({s.session_id for s in sessions.values()}) == 3
+    assert all(s.steps_done == 2 for s in sessions.values())
+    assert sorted(runtime.bank.names()) == sorted(s.session_id for s in sessions.values())
+    states = {d: runtime.bank.state_dict(s.session_id) for d, s in sessions.items()}
+    key = next(iter(states["d0"]))
+    assert not torch.equal(states["d0"][key], states["d1"][key]), "sessions share an adapter"
+
+    assert runtime.commit_round(0, {"d0": 1.0, "d1": 3.0}) == (2, 1)
+    assert runtime.bank.names() == [] and runtime.sessions() == []
+    merged = runtime.bank.global_state()
+    assert set(merged) == set(states["d0"])
+    for name, value in merged.items():
+        expected = 0.25 * states["d0"][name] + 0.75 * states["d1"][name]
+        torch.testing.assert_close(value, expected, msg=name)
+
+
+# -- session tokens ------------------------------------------------------------------------------
+def test_tokens_gate_sessions_to_the_current_round(folder) -> None:  # type: ignore[no-untyped-def]
+    secure = build_stage_server(CONFIG, secret=SECRET, port=0, folder=folder).start()
+    try:
+        with grpc.insecure_channel(secure.address) as chan:
+            _check_tokens(pb_grpc.StageLinkStub(chan), pb_grpc.StageControlStub(chan))
+        token = issue_token(SECRET, run_id="run", round=1, device_id="t1")
+        losses = _train(secure.address, folder, "t1", _batches(4, n=1), round_=1, token=token)
+        assert len(losses) == 1
+    finally:
+        secure.stop(grace=None)
+
+
+def _refused(stub: pb_grpc.StageLinkStub, device_id: str, message: str, **kw) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(grpc.RpcError) as info:
+        _open(stub, device_id, **kw)
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, info.value.details()
+    assert message in info.value.details()
+
+
+def _check_tokens(stub: pb_grpc.StageLinkStub, control: pb_grpc.StageControlStub) -> None:
+    def token(round_: int, device_id: str = "t1", secret: str = SECRET) -> str:
+        return issue_token(secret, run_id="run", round=round_, device_id=device_id)
+
+    _refused(stub, "t1", "malformed session token")
+    _refused(stub, "t1", "MAC does not match", token=token(0, secret="another-secret-16b"))
+    _refused(stub, "t1", "token is for device 't2', not 't1'", token=token(0, "t2"))
+    assert _open(stub, "t1", token=token(0))
+    _refused(stub, "t1", "token is for round 1, this is round 0", token=token(1))
+    _refused(
+        stub, "t1", "session for round 1, but the server is in round 0", token=token(1), round=1
+    )
+
+    with pytest.raises(grpc.RpcError) as info:
+        control.BeginRound(pb.BeginRoundRequest(round=1, secret="guess"), timeout=RPC_TIMEOUT)
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    control.BeginRound(pb.BeginRoundRequest(round=1, secret=SECRET), timeout=RPC_TIMEOUT)
+    assert _open(stub, "t1", token=token(1), round=1)
+    _refused(stub, "t1", "session for round 0, but the server is in round 1", token=token(0))
