@@ -68,7 +68,9 @@ def build_runtime(config: FedpipeConfig, *, folder: Path | None = None) -> tuple
 
 
 def _authenticator(secret: str):  # type: ignore[no-untyped-def]
-    from fedpipe.federated.tokens import InvalidTokenError, verify_token
+    from fedpipe.federated.tokens import InvalidTokenError, check_secret, verify_token
+
+    check_secret(secret)  # a bad secret fails here, at start-up, not on every OpenSession
 
     def authenticate(token: str, round_: int, device_id: str) -> None:
         try:

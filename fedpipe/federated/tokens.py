@@ -16,7 +16,7 @@ import hmac
 import secrets
 from dataclasses import dataclass
 
-__all__ = ["InvalidTokenError", "TokenClaims", "issue_token", "new_secret", "verify_token"]
+__all__ = ["InvalidTokenError", "TokenClaims", "check_secret", "issue_token", "new_secret", "verify_token"]
 
 _VERSION = "v1"
 _NONCE_BYTES = 16
@@ -81,6 +81,11 @@ def verify_token(
             f"session token is for device {claims.device_id!r}, not {device_id!r}"
         )
     return claims
+
+
+def check_secret(secret: bytes | str) -> None:
+    """Raise ValueError unless ``secret`` is long enough to key session tokens."""
+    _key(secret)
 
 
 def _key(secret: bytes | str) -> bytes:

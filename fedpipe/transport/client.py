@@ -222,9 +222,14 @@ class StageSession:
                 log.warning("closing session %s: %s", self.session_id, exc.details())
 
     def abort(self) -> None:
-        """Drop the stream at once (a device that vanishes mid-step)."""
+        """Drop the stream at once (a device that vanishes mid-step); stops this side's threads."""
         self._closed = True
         self._call.cancel()
+        self._fail(StageLinkError("session aborted by the device"))
+        self._outgoing.put(_END)
+        self._wire.put(_END)
+        self._up.close(drop=True)
+        self._down.close(drop=True)
 
     def __enter__(self) -> StageSession:
         return self

@@ -120,6 +120,7 @@ class _LinkServicer(pb_grpc.StageLinkServicer):
             steps = self.runtime.close_session(request.session_id)
         except Exception as exc:
             context.abort(status_for(exc), str(exc))
+        self.codecs.pop(request.session_id, None)
         return pb.CloseSessionReply(steps=steps)
 
     def Exchange(self, request_iterator, context: grpc.ServicerContext) -> Iterator[pb.StageMessage]:  # noqa: N802
@@ -168,7 +169,7 @@ class _ControlServicer(pb_grpc.StageControlServicer):
         self.secret = secret
 
     def _check(self, secret: str, context: grpc.ServicerContext) -> None:
-        if self.secret is not None and not hmac.compare_digest(secret, self.secret):
+        if self.secret is not None and not hmac.compare_digest(secret.encode(), self.secret.encode()):
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "wrong control secret")
 
     def BeginRound(self, request: pb.BeginRoundRequest, context: grpc.ServicerContext):  # noqa: N802
