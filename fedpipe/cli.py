@@ -41,44 +41,82 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 
 # -- server -----------------------------------------------------------------------------------
+def _server_secret(args: argparse.Namespace) -> str | None:
+    """``--secret``, ``--secret-file`` (created with a fresh secret when missing) or FEDPIPE_SECRET."""
+    if args.secret and args.secret_file:
+        raise ValueError("give --secret or --secret-file, not both")
+    if args.secret_file:
+        path = Path(args.secret_file).expanduser()
+        if not path.exists():
+            from fedpipe.federated.tokens import new_secret
+
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.touch(mode=0o600)
+            path.write_text(new_secret())
+            print(f"fedpipe: wrote a new secret to {path}", file=sys.stderr, flush=True)
+        secret = path.read_text().strip()
+        if not secret:
+            raise ValueError(f"secret file {path} is empty")
+        return secret
+    return args.secret or os.environ.get("FEDPIPE_SECRET") or None
+
+
 def _cmd_server(args: argparse.Namespace) -> int:
     if args.cpu is not None:
         os.sched_setaffinity(0, {args.cpu})
     config = _config(
         args, **{"model.name": args.model, "server.device": args.device, "server.host": args.host}
     )
-    secret = args.secret or os.environ.get("FEDPIPE_SECRET") or None
+    secret = _server_secret(args)
     if secret is None:
-        log.warning("no --secret: the StageServer accepts sessions without tokens (local use only)")
+        log.warning("no secret: the StageServer accepts sessions without tokens (local use only)")
+    # Handlers first: a SIGTERM that arrives while the SuperLink starts still shuts both down.
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
     from fedpipe.serving import build_stage_server
 
     port = args.port if args.port is not None else config.server.port
     server = build_stage_server(config, secret=secret, port=port).start()
-    print(f"fedpipe: StageServer listening on {server.address}", file=sys.stderr, flush=True)
-    if args.port_file:
-        tmp = Path(str(args.port_file) + ".tmp")
-        tmp.write_text(str(server.port))
-        tmp.replace(args.port_file)
     superlink = None
-    if args.superlink:
-        from fedpipe.federated.engines import start_superlink
+    rc = 0
+    try:
+        print(f"fedpipe: StageServer listening on {server.address}", file=sys.stderr, flush=True)
+        if args.superlink:
+            from fedpipe.federated.engines import Certificates, start_superlink
 
-        superlink = start_superlink(
-            host=args.superlink_host,
-            port=args.superlink_port,
-            certificates=tuple(args.tls) if args.tls else None,
-            insecure=not args.tls,
-            enable_node_auth=args.node_auth,
-        )
-        print(f"fedpipe: Flower SuperLink at {superlink.address}", file=sys.stderr, flush=True)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    stop.wait()
-    server.stop(grace=2.0)
-    if superlink is not None:
-        superlink.stop()
-    return 0
+            certificates = Certificates(*(Path(p) for p in args.tls)) if args.tls else None
+            superlink = start_superlink(
+                host=args.superlink_host,
+                port=args.superlink_port or None,  # 0 = any free port
+                certificates=certificates,
+                insecure=certificates is None,
+                enable_node_auth=args.node_auth,
+                database=args.superlink_database,
+                workdir=args.superlink_dir,
+            )
+            print(
+                f"fedpipe: Flower SuperLink at {superlink.address} "
+                f"({'TLS' if certificates else 'insecure'}{', node auth' if args.node_auth else ''}; "
+                f"pid {superlink.pid}, log {superlink.log_path})",
+                file=sys.stderr,
+                flush=True,
+            )
+        if args.port_file:  # written once everything serves: its presence means "ready"
+            tmp = Path(str(args.port_file) + ".tmp")
+            tmp.write_text(str(server.port))
+            tmp.replace(args.port_file)
+        while not stop.wait(1.0):
+            if superlink is not None and not superlink.alive():
+                log.error("the SuperLink exited (rc %s); see %s", superlink.popen.returncode, superlink.log_path)
+                rc = 1
+                break
+    finally:
+        if superlink is not None:
+            superlink.stop()
+        server.stop(grace=2.0)
+        print("fedpipe: server stopped", file=sys.stderr, flush=True)
+    return rc
 
 
 def _add_server(sub: argparse._SubParsersAction) -> None:
@@ -88,12 +126,22 @@ def _add_server(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, help="StageServer port (default 50051; 0 = any free)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="where the server stage runs")
     p.add_argument("--secret", help="shared secret with the ServerApp (or FEDPIPE_SECRET)")
-    p.add_argument("--port-file", type=Path, help="write the bound port here once serving")
+    p.add_argument(
+        "--secret-file",
+        type=Path,
+        help="read the secret from this file (created with a fresh secret if missing); "
+        "pass the same path to `fedpipe run --secret-file`",
+    )
+    p.add_argument("--port-file", type=Path, help="write the StageServer's port here once all is serving")
     p.add_argument("--cpu", type=int, help="pin the server process to this CPU")
     p.add_argument("--superlink", action="store_true", help="also start a Flower SuperLink")
-    p.add_argument("--superlink-host", default="127.0.0.1")
-    p.add_argument("--superlink-port", type=int, default=9092)
-    p.add_argument("--tls", nargs=3, metavar=("CA", "CERT", "KEY"), help="SuperLink TLS files")
+    p.add_argument("--superlink-host", default="127.0.0.1", help="0.0.0.0 for remote SuperNodes")
+    p.add_argument(
+        "--superlink-port", type=int, default=8000, help="SuperLink port (Flower's default 8000; 0 = any free)"
+    )
+    p.add_argument("--superlink-dir", type=Path, help="SuperLink log and FLWR_HOME folder (default: a temp folder)")
+    p.add_argument("--superlink-database", type=Path, help="SQLite file for the SuperLink's state (default: memory)")
+    p.add_argument("--tls", nargs=3, metavar=("CA", "CERT", "KEY"), help="SuperLink TLS files (PEM)")
     p.add_argument("--node-auth", action="store_true", help="SuperLink: only registered SuperNodes")
     p.set_defaults(func=_cmd_server)
 
@@ -151,6 +199,27 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--steps", type=int, default=4, help="measured steps per schedule (median)")
     q.add_argument("--warmup", type=int, default=1)
     q.set_defaults(func=_cmd_bench_pipeline)
+    r = bsub.add_parser("memory", help="device-side memory vs the whole model")
+    _add_common(r)
+    r.set_defaults(func=_cmd_bench_memory)
+
+
+def _cmd_bench_memory(args: argparse.Namespace) -> int:
+    from fedpipe.models import load_config as load_hf_config
+    from fedpipe.models import resolve_model
+    from fedpipe.split import device_memory_report, plan_split
+
+    config = _config(args, **{"model.name": args.model or "default"})
+    folder = resolve_model(config.model.name)
+    plan = plan_split(
+        load_hf_config(folder),
+        head_layers=config.model.head_layers,
+        tail_layers=config.model.tail_layers,
+        mode=config.model.split,  # type: ignore[arg-type]
+    )
+    report = device_memory_report(folder, plan)
+    print(json.dumps({"model": config.model.name, **report}, indent=2))
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
