@@ -55,5 +55,7 @@ def pipeline_bound(c: Components, m: int) -> tuple[float, str]:
 
 def sequential_model(c: Components, m: int) -> float:
     """Stop-and-wait time predicted from the components (for comparison with the measured one)."""
-    per_mb = c.c_f + c.c_t + c.c_b + c.s_f + c.s_b + 2 * (c.tau_up + c.lat_up + c.tau_down + c.lat_down)
+    per_mb = (
+        c.c_f + c.c_t + c.c_b + c.s_f + c.s_b + 2 * (c.tau_up + c.lat_up + c.tau_down + c.lat_down)
+    )
     return m * per_mb + c.t_opt

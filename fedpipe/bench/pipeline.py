@@ -38,31 +38,44 @@ log = logging.getLogger(__name__)
 BENCH_SCHEDULES = ("sequential", "gpipe", "1f1b", "greedy")
 
 
-def _pin(cpu: int) -> str:
-    """Pin this process to one core with one torch thread; returns what was done."""
+def _pin(cpus: list[int]) -> str:
+    """Pin this (device) process to the first core, one torch thread; returns what was done."""
     torch.set_num_threads(1)
-    torch.set_num_interop_threads(1) if not getattr(_pin, "_interop_set", False) else None
-    _pin._interop_set = True  # type: ignore[attr-defined]
-    cpus = sorted(os.sched_getaffinity(0))
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:  # already set (or parallel work already ran) in this process
+        pass
     if len(cpus) < 2:
-        return f"one CPU available ({cpus}); device and server share it, 1 torch thread each"
-    os.sched_setaffinity(0, {cpus[cpu % len(cpus)]})
-    return f"device on CPU {cpus[cpu % len(cpus)]}, server on CPU {cpus[(cpu + 1) % len(cpus)]}, 1 torch thread each"
+        return f"one CPU available ({cpus}): device and server share it, 1 torch thread each"
+    os.sched_setaffinity(0, {cpus[0]})
+    return f"device on CPU {cpus[0]}, server on CPU {cpus[1]} (sched_setaffinity), 1 torch thread each"
 
 
-def _start_server(config: FedpipeConfig, workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
+def _start_server(
+    config: FedpipeConfig, workdir: Path, cpus: list[int]
+) -> tuple[subprocess.Popen[bytes], str]:
     port_file = workdir / "port"
-    cpus = sorted(os.sched_getaffinity(0))
     cmd = [
-        sys.executable, "-m", "fedpipe.cli", "server",
-        "--model", config.model.name,
-        "--set", f"model.head_layers={config.model.head_layers}",
-        "--set", f"model.tail_layers={config.model.tail_layers}",
-        "--set", f"model.split={config.model.split}",
-        "--set", "server.threads=1",
-        "--device", "cpu",
-        "--port", "0",
-        "--port-file", str(port_file),
+        sys.executable,
+        "-m",
+        "fedpipe.cli",
+        "server",
+        "--model",
+        config.model.name,
+        "--set",
+        f"model.head_layers={config.model.head_layers}",
+        "--set",
+        f"model.tail_layers={config.model.tail_layers}",
+        "--set",
+        f"model.split={config.model.split}",
+        "--set",
+        "server.threads=1",
+        "--device",
+        "cpu",
+        "--port",
+        "0",
+        "--port-file",
+        str(port_file),
     ]
     if len(cpus) >= 2:
         cmd += ["--cpu", str(cpus[1])]
@@ -108,9 +121,14 @@ def _run_schedule(
         timeout_s=cfg.pipeline.timeout_s,
     )
     runtime = DeviceRuntime(
-        trainer.head, trainer.tail, session,
-        optimizer=optimizer, schedule=schedule, microbatches=cfg.pipeline.microbatches,
-        max_in_flight=cfg.pipeline.max_in_flight or None, tracer=tracer,
+        trainer.head,
+        trainer.tail,
+        session,
+        optimizer=optimizer,
+        schedule=schedule,
+        microbatches=cfg.pipeline.microbatches,
+        max_in_flight=cfg.pipeline.max_in_flight or None,
+        tracer=tracer,
     )
     results = []
     with session:
@@ -197,24 +215,33 @@ def run_pipeline_bench(
     warmup: int = 1,
 ) -> dict[str, Any]:
     """Measure every schedule at every link; returns the JSON-ready report."""
-    pinning = _pin(0)
+    cpus = sorted(os.sched_getaffinity(0))
     with tempfile.TemporaryDirectory(prefix="fedpipe-bench-") as tmp:
-        server, address = _start_server(config, Path(tmp))
+        server, address = _start_server(config, Path(tmp), cpus)
+        pinning = _pin(cpus)
         try:
             trainer = DeviceTrainer(config, device_id="bench")
-            vocab = int(trainer.head.embed_tokens.num_embeddings) if hasattr(
-                trainer.head, "embed_tokens") else 256
-            batches = _batches(min(vocab, 256), config.train.batch_size, config.train.seq_len, warmup + steps)
+            vocab = (
+                int(trainer.head.embed_tokens.num_embeddings)
+                if hasattr(trainer.head, "embed_tokens")
+                else 256
+            )
+            batches = _batches(
+                min(vocab, 256), config.train.batch_size, config.train.seq_len, warmup + steps
+            )
             entries = []
             with StageClient(address) as client:
                 for name in links:
-                    entries.append(_bench_link(trainer, client, get_link(name), schedules, batches, warmup))
+                    entries.append(
+                        _bench_link(trainer, client, get_link(name), schedules, batches, warmup)
+                    )
         finally:
             server.terminate()
             server.wait(timeout=30)
     return {
         "model": config.model.name,
-        "split": f"{config.model.split}: head {config.model.head_layers}, tail {config.model.tail_layers}",
+        "split": f"{config.model.split}: head {config.model.head_layers}, "
+        f"tail {config.model.tail_layers}",
         "batch": [config.train.batch_size, config.train.seq_len],
         "microbatches": config.pipeline.microbatches,
         "codec": config.pipeline.uplink_codec,
