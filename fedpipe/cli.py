@@ -36,13 +36,15 @@ def _config(args: argparse.Namespace, **flags: Any) -> FedpipeConfig:
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", type=Path, help="TOML settings file ([model], [pipeline], ...)")
     p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a setting")
-    p.add_argument("--model", help="tiny-llama | tiny-gpt2 | small-llama | default | HF folder | .gguf")
+    p.add_argument(
+        "--model", help="tiny-llama | tiny-gpt2 | small-llama | default | HF folder | .gguf"
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
 
 
 # -- server -----------------------------------------------------------------------------------
 def _server_secret(args: argparse.Namespace) -> str | None:
-    """``--secret``, ``--secret-file`` (created with a fresh secret when missing) or FEDPIPE_SECRET."""
+    """``--secret``, ``--secret-file`` (created with a new secret if missing) or FEDPIPE_SECRET."""
     if args.secret and args.secret_file:
         raise ValueError("give --secret or --secret-file, not both")
     if args.secret_file:
@@ -97,7 +99,8 @@ def _cmd_server(args: argparse.Namespace) -> int:
             )
             print(
                 f"fedpipe: Flower SuperLink at {superlink.address} "
-                f"({'TLS' if certificates else 'insecure'}{', node auth' if args.node_auth else ''}; "
+                f"({'TLS' if certificates else 'insecure'}"
+                f"{', node auth' if args.node_auth else ''}; "
                 f"pid {superlink.pid}, log {superlink.log_path})",
                 file=sys.stderr,
                 flush=True,
@@ -108,7 +111,11 @@ def _cmd_server(args: argparse.Namespace) -> int:
             tmp.replace(args.port_file)
         while not stop.wait(1.0):
             if superlink is not None and not superlink.alive():
-                log.error("the SuperLink exited (rc %s); see %s", superlink.popen.returncode, superlink.log_path)
+                log.error(
+                    "the SuperLink exited (rc %s); see %s",
+                    superlink.popen.returncode,
+                    superlink.log_path,
+                )
                 rc = 1
                 break
     finally:
@@ -132,16 +139,31 @@ def _add_server(sub: argparse._SubParsersAction) -> None:
         help="read the secret from this file (created with a fresh secret if missing); "
         "pass the same path to `fedpipe run --secret-file`",
     )
-    p.add_argument("--port-file", type=Path, help="write the StageServer's port here once all is serving")
+    p.add_argument(
+        "--port-file", type=Path, help="write the StageServer's port here once all is serving"
+    )
     p.add_argument("--cpu", type=int, help="pin the server process to this CPU")
     p.add_argument("--superlink", action="store_true", help="also start a Flower SuperLink")
     p.add_argument("--superlink-host", default="127.0.0.1", help="0.0.0.0 for remote SuperNodes")
     p.add_argument(
-        "--superlink-port", type=int, default=8000, help="SuperLink port (Flower's default 8000; 0 = any free)"
+        "--superlink-port",
+        type=int,
+        default=8000,
+        help="SuperLink port (Flower's default 8000; 0 = any free)",
     )
-    p.add_argument("--superlink-dir", type=Path, help="SuperLink log and FLWR_HOME folder (default: a temp folder)")
-    p.add_argument("--superlink-database", type=Path, help="SQLite file for the SuperLink's state (default: memory)")
-    p.add_argument("--tls", nargs=3, metavar=("CA", "CERT", "KEY"), help="SuperLink TLS files (PEM)")
+    p.add_argument(
+        "--superlink-dir",
+        type=Path,
+        help="SuperLink log and FLWR_HOME folder (default: a temp folder)",
+    )
+    p.add_argument(
+        "--superlink-database",
+        type=Path,
+        help="SQLite file for the SuperLink's state (default: memory)",
+    )
+    p.add_argument(
+        "--tls", nargs=3, metavar=("CA", "CERT", "KEY"), help="SuperLink TLS files (PEM)"
+    )
     p.add_argument("--node-auth", action="store_true", help="SuperLink: only registered SuperNodes")
     p.set_defaults(func=_cmd_server)
 
@@ -174,14 +196,20 @@ def _cmd_bench_pipeline(args: argparse.Namespace) -> int:
 
 
 def _print_bench_table(report: dict[str, Any]) -> None:
-    print(f"model {report['model']} ({report['split']}), batch {report['batch']}, "
-          f"M={report['microbatches']}, {report['pinning']}")
-    print(f"{'link':>18} {'T_seq s':>8} {'T_pipe s':>9} {'T_bound s':>10} {'speedup':>8} "
-          f"{'efficiency':>10} {'ceiling':>8}  best / bound term")
+    print(
+        f"model {report['model']} ({report['split']}), batch {report['batch']}, "
+        f"M={report['microbatches']}, {report['pinning']}"
+    )
+    print(
+        f"{'link':>18} {'T_seq s':>8} {'T_pipe s':>9} {'T_bound s':>10} {'speedup':>8} "
+        f"{'efficiency':>10} {'ceiling':>8}  best / bound term"
+    )
     for e in report["links"]:
-        print(f"{e['link']:>18} {e['t_seq_s']:>8.3f} {e['t_pipe_s']:>9.3f} {e['t_bound_s']:>10.3f} "
-              f"{e['speedup']:>8.2f} {e['efficiency']:>10.2f} {e['ceiling']:>8.2f}  "
-              f"{e['best_schedule']} / {e['bound_term']}")
+        print(
+            f"{e['link']:>18} {e['t_seq_s']:>8.3f} {e['t_pipe_s']:>9.3f} {e['t_bound_s']:>10.3f} "
+            f"{e['speedup']:>8.2f} {e['efficiency']:>10.2f} {e['ceiling']:>8.2f}  "
+            f"{e['best_schedule']} / {e['bound_term']}"
+        )
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:

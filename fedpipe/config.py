@@ -67,7 +67,9 @@ class PipelineConfig:
     def __post_init__(self) -> None:
         from fedpipe.pipeline.schedule import SCHEDULES
 
-        _check(self.microbatches >= 1, f"pipeline.microbatches must be >= 1, got {self.microbatches}")
+        _check(
+            self.microbatches >= 1, f"pipeline.microbatches must be >= 1, got {self.microbatches}"
+        )
         _check(
             self.schedule in SCHEDULES,
             f"pipeline.schedule {self.schedule!r} unknown; choose one of {', '.join(SCHEDULES)}",
@@ -216,7 +218,9 @@ def parse_overrides(items: list[str]) -> dict[str, str]:
     return out
 
 
-def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> FedpipeConfig:
+def load_config(
+    path: str | Path | None = None, overrides: dict[str, Any] | None = None
+) -> FedpipeConfig:
     """Defaults, then a TOML file's tables, then overrides (CLI flags win)."""
     flat: dict[str, Any] = {}
     if path is not None:

@@ -23,13 +23,17 @@ log = logging.getLogger(__name__)
 def pick_device(name: str) -> tuple[torch.device, torch.dtype]:
     """``auto``: CUDA in bf16 when a GPU is present, else CPU in fp32."""
     if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("--device cuda was asked for, but torch sees no CUDA GPU; use auto or cpu")
+        raise RuntimeError(
+            "--device cuda was asked for, but torch sees no CUDA GPU; use auto or cpu"
+        )
     if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
         return torch.device("cuda"), torch.bfloat16
     return torch.device("cpu"), torch.float32
 
 
-def build_runtime(config: FedpipeConfig, *, folder: Path | None = None) -> tuple[StageRuntime, SplitInfo]:
+def build_runtime(
+    config: FedpipeConfig, *, folder: Path | None = None
+) -> tuple[StageRuntime, SplitInfo]:
     """The server's stage (only its own layers) with an adapter bank, in a runtime."""
     folder = folder or resolve_model(config.model.name)
     hf_config = load_config(folder)

@@ -1,8 +1,15 @@
-"""``fedpipe simulate`` and ``fedpipe client``: Flower's engines around fedpipe's apps."""
+"""``fedpipe simulate``, ``client`` and ``run``: Flower's engines around fedpipe's apps.
+
+Deployment: ``fedpipe server --superlink`` on the GPU host (StageServer + Flower SuperLink),
+``fedpipe client`` on each device (a SuperNode), then ``fedpipe run`` on the server host
+launches the app on that SuperLink; the ServerApp reads the secret file and writes the run
+folder on the server host, where ``fedpipe run`` then writes the summary and plots.
+"""
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import threading
 import time
@@ -11,13 +18,22 @@ from pathlib import Path
 from typing import Any
 
 from fedpipe.config import FedpipeConfig
-from fedpipe.federated.engines import run_simulation_engine, start_supernode, write_flower_app
+from fedpipe.federated.engines import (
+    FlowerRunError,
+    FlwrRunResult,
+    flower_env,
+    flwr_run,
+    run_simulation_engine,
+    start_supernode,
+    write_connection,
+    write_flower_app,
+)
 from fedpipe.federated.local import RUN_DEFAULTS
 from fedpipe.federated.runfolder import RunFolder
 from fedpipe.federated.summary import finish_run
 from fedpipe.federated.tokens import new_secret
 
-__all__ = ["add_federated_commands", "simulate"]
+__all__ = ["add_federated_commands", "deploy_run", "simulate"]
 
 SERVER_APP = "fedpipe.federated.apps:server_app"
 CLIENT_APP = "fedpipe.federated.apps:client_app"
@@ -50,17 +66,23 @@ def _progress(folder: RunFolder, runtime: Any, rounds: int, stop: threading.Even
     from tqdm import tqdm
 
     bar_rounds = tqdm(total=rounds, desc="rounds", position=0, file=sys.stderr)
-    bar_steps = tqdm(desc="server steps", unit="step", position=1, file=sys.stderr)
+    bar_steps = None
+    if runtime is not None:  # in deployment the StageServer lives in another process
+        bar_steps = tqdm(desc="server steps", unit="step", position=1, file=sys.stderr)
     seen_steps = 0
     while not stop.wait(1.0):
-        done = sum(1 for r in folder.history() if r.get("event") == "eval" and r.get("round", 0) > 0)
+        done = sum(
+            1 for r in folder.history() if r.get("event") == "eval" and r.get("round", 0) > 0
+        )
         bar_rounds.update(max(0, min(done, rounds) - bar_rounds.n))
-        steps = sum(s.steps_done for s in runtime.sessions())
-        if steps > seen_steps:
-            bar_steps.update(steps - seen_steps)
-        seen_steps = steps
+        if bar_steps is not None:
+            steps = sum(s.steps_done for s in runtime.sessions())
+            if steps > seen_steps:
+                bar_steps.update(steps - seen_steps)
+            seen_steps = steps
     bar_rounds.close()
-    bar_steps.close()
+    if bar_steps is not None:
+        bar_steps.close()
 
 
 def simulate(
@@ -115,11 +137,102 @@ def simulate(
         if watcher.is_alive():
             watcher.join(timeout=5)
         server.stop(grace=1.0)
+    return _finish(folder, config, result, started)
+
+
+def _finish(
+    folder: RunFolder, config: FedpipeConfig, result: FlwrRunResult, started: float
+) -> dict[str, Any]:
     summary = finish_run(folder, config=config.to_flat())
     summary["total_wall_s"] = time.time() - started
     summary["flower_run"] = {"run_id": result.run_id, "status": result.status}
     folder.write_summary(summary)
     return summary
+
+
+def deploy_run(
+    config: FedpipeConfig,
+    *,
+    name: str,
+    superlink: str,
+    stage_address: str,
+    secret_file: Path | None,
+    runs_dir: Path = Path("runs"),
+    resume: bool = False,
+    overrides: dict[str, Any] | None = None,
+    timeout_s: float = 3600.0,
+    root_certificates: Path | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Launch ``config`` on a deployment (SuperLink, SuperNodes, StageServer); return the summary.
+
+    Run on the server host: the ServerApp (started by the SuperLink there) reads
+    ``secret_file`` and writes ``runs_dir/name``; this process then builds the summary and
+    plots from that folder. ``overrides`` (dotted keys) are passed as run config too, though
+    the written app already holds the whole ``config``. The ServerApp waits for
+    ``federated.num_devices`` connected SuperNodes.
+    """
+    if secret_file is not None and not secret_file.expanduser().is_file():
+        raise FileNotFoundError(
+            f"secret file {secret_file} not found (the StageServer's --secret-file)"
+        )
+    if secret_file is None:
+        print(
+            "fedpipe: no --secret-file: devices get no session tokens, so this works only "
+            "with a StageServer started without a secret",
+            file=sys.stderr,
+        )
+    folder = RunFolder.open(runs_dir, name, resume=resume)
+    run_config: dict[str, Any] = {
+        "run.dir": str(folder.path.resolve()),
+        "run.resume": resume,
+        "run.stage-address": stage_address,
+        "run.secret-file": str(secret_file.expanduser().resolve()) if secret_file else "",
+        "run.id": name,
+    }
+    flat = config.to_flat()
+    for key in overrides or {}:
+        run_config[key] = flat[key]  # typed as the app's defaults are
+    app = write_app(folder.path / "app", config)
+    # flwr wants an absolute path in its connection config
+    ca_file = root_certificates.expanduser().resolve() if root_certificates else None
+    stop = threading.Event()
+    watcher = threading.Thread(
+        target=_progress, args=(folder, None, config.federated.rounds, stop), daemon=True
+    )
+    started = time.time()
+    try:
+        if progress:
+            watcher.start()
+        result = flwr_run(
+            app,
+            superlink=superlink,
+            run_config=nest(run_config),
+            timeout_s=timeout_s,
+            insecure=root_certificates is None,
+            root_certificates=ca_file,
+            workdir=folder.path / "flower",
+        )
+    finally:
+        stop.set()
+        if watcher.is_alive():
+            watcher.join(timeout=5)
+    return _finish(folder, config, result, started)
+
+
+def _print_summary(summary: dict[str, Any], folder: Path) -> None:
+    for entry in summary["rounds"]:
+        loss = entry.get("eval_loss")
+        train = entry.get("train_loss")
+        print(
+            f"round {entry['round']}: eval loss {loss if loss is None else round(loss, 4)}"
+            + (f", train loss {train:.4f}" if train is not None else "")
+        )
+    if "eval_loss_drop_pct" in summary:
+        print(
+            f"held-out loss {summary['first_eval_loss']:.4f} -> {summary['last_eval_loss']:.4f} "
+            f"({summary['eval_loss_drop_pct']:.1f}% lower); run folder {folder}"
+        )
 
 
 def _cmd_simulate(args: argparse.Namespace, make_config: Callable[..., FedpipeConfig]) -> int:
@@ -135,48 +248,113 @@ def _cmd_simulate(args: argparse.Namespace, make_config: Callable[..., FedpipeCo
         },
     )
     name = args.name or time.strftime("run-%Y%m%d-%H%M%S")
-    summary = simulate(config, name=name, runs_dir=args.runs_dir, resume=args.resume, timeout_s=args.timeout)
-    for entry in summary["rounds"]:
-        loss = entry.get("eval_loss")
-        train = entry.get("train_loss")
-        print(
-            f"round {entry['round']}: eval loss {loss if loss is None else round(loss, 4)}"
-            + (f", train loss {train:.4f}" if train is not None else "")
+    summary = simulate(
+        config, name=name, runs_dir=args.runs_dir, resume=args.resume, timeout_s=args.timeout
+    )
+    _print_summary(summary, args.runs_dir / name)
+    return 0
+
+
+def _cmd_run(args: argparse.Namespace, make_config: Callable[..., FedpipeConfig]) -> int:
+    flags = {
+        "model.name": args.model,
+        "federated.rounds": args.rounds,
+        "federated.num_devices": args.devices,
+        "federated.strategy": args.strategy,
+    }
+    config = make_config(args, **flags)
+    overrides = {k for k, v in flags.items() if v is not None}
+    overrides |= {item.partition("=")[0].strip() for item in args.set or []}
+    name = args.name or time.strftime("run-%Y%m%d-%H%M%S")
+    try:
+        summary = deploy_run(
+            config,
+            name=name,
+            superlink=args.superlink,
+            stage_address=args.stage_server,
+            secret_file=args.secret_file,
+            runs_dir=args.runs_dir,
+            resume=args.resume,
+            overrides=dict.fromkeys(sorted(overrides)),
+            timeout_s=args.timeout,
+            root_certificates=args.root_certificates,
+            progress=not args.no_progress,
         )
-    if "eval_loss_drop_pct" in summary:
-        print(
-            f"held-out loss {summary['first_eval_loss']:.4f} -> {summary['last_eval_loss']:.4f} "
-            f"({summary['eval_loss_drop_pct']:.1f}% lower); run folder {args.runs_dir / name}"
-        )
+    except FlowerRunError as exc:
+        print(f"fedpipe: run failed: {exc}", file=sys.stderr)
+        return 1
+    _print_summary(summary, args.runs_dir / name)
     return 0
 
 
 def _cmd_client(args: argparse.Namespace, make_config: Callable[..., FedpipeConfig]) -> int:
-    node_config: dict[str, Any] = {"partition-id": args.partition_id, "num-partitions": args.num_partitions}
+    node_config: dict[str, Any] = {
+        "partition-id": args.partition_id,
+        "num-partitions": args.num_partitions,
+    }
     if args.profile:
         node_config["profile"] = args.profile
     if args.data:
         node_config["data"] = str(Path(args.data).resolve())
     if args.stage_server:
         node_config["stage-address"] = args.stage_server
-    root = Path(args.root_certificates).read_bytes() if args.root_certificates else None
+    # Handlers first: a SIGTERM during start-up still stops the SuperNode (start_supernode
+    # stops it itself if it raises), and SIGTERM later stops it and its ClientApps.
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
     node = start_supernode(
         superlink=args.superlink,
         port=args.port,
         node_config=node_config,
-        insecure=root is None,
-        root_certificates=args.root_certificates if root else None,
+        insecure=args.root_certificates is None,
+        root_certificates=args.root_certificates,
         auth_key=args.auth_key,
+        workdir=args.workdir,
     )
-    print(f"fedpipe: SuperNode pid {node.pid} connected to {args.superlink} (log {node.log_path})", file=sys.stderr)
+    print(
+        f"fedpipe: SuperNode pid {node.pid} (port {node.address.rsplit(':', 1)[1]}) connected to "
+        f"{args.superlink} as partition {args.partition_id}/{args.num_partitions} "
+        f"(log {node.log_path})",
+        file=sys.stderr,
+        flush=True,
+    )
+    rc = 0
     try:
-        while node.alive():
-            time.sleep(1.0)
-    except KeyboardInterrupt:
-        pass
+        while not stop.wait(1.0):
+            if not node.alive():
+                print(
+                    f"fedpipe: SuperNode exited (rc {node.popen.returncode}); log {node.log_path}",
+                    file=sys.stderr,
+                )
+                rc = 1
+                break
     finally:
         node.stop()
-    return 0
+    return rc
+
+
+def _cmd_register_node(args: argparse.Namespace) -> int:
+    """``flwr supernode register`` against a SuperLink, with a private FLWR_HOME."""
+    import subprocess
+    import tempfile
+
+    key = Path(args.public_key).expanduser().resolve()
+    if not key.is_file():
+        raise FileNotFoundError(f"public key {key} not found")
+    ca = Path(args.root_certificates).expanduser().resolve() if args.root_certificates else None
+    with tempfile.TemporaryDirectory(prefix="fedpipe-flwr-") as home:
+        write_connection(home, superlink=args.superlink, insecure=ca is None, root_certificates=ca)
+        flwr = Path(sys.executable).parent / "flwr"
+        done = subprocess.run(  # noqa: S603 - fixed argv
+            [str(flwr) if flwr.exists() else "flwr", "supernode", "register", str(key), "fedpipe"],
+            env=flower_env(home),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    print((done.stdout + done.stderr).strip(), file=sys.stderr)
+    return done.returncode
 
 
 def add_federated_commands(
@@ -188,26 +366,73 @@ def add_federated_commands(
     add_common(p)
     p.add_argument("--rounds", type=int)
     p.add_argument("--devices", type=int, help="number of simulated devices")
-    p.add_argument("--profiles", help="device profiles, cycled over devices (e.g. phone-lte,rpi-wifi)")
+    p.add_argument(
+        "--profiles", help="device profiles, cycled over devices (e.g. phone-lte,rpi-wifi)"
+    )
     p.add_argument("--strategy", help="fedavg | fedprox | fedadam | fedyogi | fedadagrad | fedavgm")
     p.add_argument("--data", help="text file or folder (default: the bundled public-domain corpus)")
     p.add_argument("--name", help="run name: results go to RUNS_DIR/NAME")
     p.add_argument("--runs-dir", type=Path, default=Path("runs"))
     p.add_argument("--resume", action="store_true", help="continue after the last complete round")
-    p.add_argument("--timeout", type=float, default=3600.0, help="seconds before the run is stopped")
+    p.add_argument(
+        "--timeout", type=float, default=3600.0, help="seconds before the run is stopped"
+    )
     p.set_defaults(func=lambda a: _cmd_simulate(a, make_config))
 
     c = sub.add_parser("client", help="run a Flower SuperNode for one device")
-    c.add_argument("--superlink", default="127.0.0.1:9092", help="SuperLink address")
+    c.add_argument("--superlink", default="127.0.0.1:8000", help="SuperLink address (host:port)")
     c.add_argument("--stage-server", help="StageServer address (host:port) for this device")
     c.add_argument("--partition-id", type=int, default=0)
     c.add_argument("--num-partitions", type=int, default=1)
-    c.add_argument("--profile", help="device profile (phone-lte, rpi-wifi, jetson-ethernet, ...)")
+    c.add_argument(
+        "--profile",
+        default="loopback",
+        help="emulated device profile (default loopback: emulate nothing, use the real link; "
+        "phone-lte, rpi-wifi, jetson-ethernet, ... to emulate one)",
+    )
     c.add_argument("--data", help="this device's text (file or folder)")
     c.add_argument("--port", type=int, help="this SuperNode's own port (default: a free one)")
     c.add_argument("--root-certificates", help="CA certificate of a TLS SuperLink")
     c.add_argument("--auth-key", help="private key for SuperNode authentication")
+    c.add_argument(
+        "--workdir", type=Path, help="SuperNode log and FLWR_HOME folder (default: a temp folder)"
+    )
     c.add_argument("-v", "--verbose", action="store_true")
     c.set_defaults(func=lambda a: _cmd_client(a, make_config))
 
+    r = sub.add_parser(
+        "run", help="launch a run on a deployment (fedpipe server --superlink + fedpipe client)"
+    )
+    add_common(r)
+    r.add_argument("--superlink", default="127.0.0.1:8000", help="SuperLink address (host:port)")
+    r.add_argument(
+        "--stage-server",
+        default="127.0.0.1:50051",
+        help="StageServer address the ServerApp (and devices) use",
+    )
+    r.add_argument(
+        "--secret-file", type=Path, help="the StageServer's secret file (a path on the server host)"
+    )
+    r.add_argument("--root-certificates", type=Path, help="CA certificate of a TLS SuperLink")
+    r.add_argument("--rounds", type=int)
+    r.add_argument(
+        "--devices", type=int, help="connected SuperNodes the run waits for (federated.num_devices)"
+    )
+    r.add_argument("--strategy", help="fedavg | fedprox | fedadam | fedyogi | fedadagrad | fedavgm")
+    r.add_argument("--name", help="run name: results go to RUNS_DIR/NAME")
+    r.add_argument("--runs-dir", type=Path, default=Path("runs"))
+    r.add_argument("--resume", action="store_true", help="continue after the last complete round")
+    r.add_argument(
+        "--timeout", type=float, default=3600.0, help="seconds before the run is stopped"
+    )
+    r.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    r.set_defaults(func=lambda a: _cmd_run(a, make_config))
 
+    g = sub.add_parser(
+        "register-node", help="register a device's public key at a SuperLink with --node-auth"
+    )
+    g.add_argument("public_key", help="the device's ECDSA SECP384R1 public key (OpenSSH .pub)")
+    g.add_argument("--superlink", default="127.0.0.1:8000", help="SuperLink address (host:port)")
+    g.add_argument("--root-certificates", help="CA certificate of a TLS SuperLink")
+    g.add_argument("-v", "--verbose", action="store_true")
+    g.set_defaults(func=_cmd_register_node)

@@ -17,7 +17,9 @@ __all__ = ["StageControlClient"]
 class StageControlClient:
     """Begin and commit rounds, and move the server's global adapter (all retried)."""
 
-    def __init__(self, address: str, secret: str, *, root_certificates: bytes | None = None) -> None:
+    def __init__(
+        self, address: str, secret: str, *, root_certificates: bytes | None = None
+    ) -> None:
         if root_certificates is not None:
             creds = grpc.ssl_channel_credentials(root_certificates=root_certificates)
             self.channel = grpc.secure_channel(address, creds)
@@ -41,7 +43,9 @@ class StageControlClient:
         return reply.merged, reply.discarded
 
     def get_adapter(self) -> dict[str, torch.Tensor]:
-        reply = retry_call(lambda: self.stub.GetAdapter(pb.AdapterRequest(secret=self.secret), timeout=60))
+        reply = retry_call(
+            lambda: self.stub.GetAdapter(pb.AdapterRequest(secret=self.secret), timeout=60)
+        )
         return st_load(reply.safetensors)
 
     def load_adapter(self, state: dict[str, torch.Tensor]) -> None:

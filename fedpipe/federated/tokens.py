@@ -16,7 +16,14 @@ import hmac
 import secrets
 from dataclasses import dataclass
 
-__all__ = ["InvalidTokenError", "TokenClaims", "check_secret", "issue_token", "new_secret", "verify_token"]
+__all__ = [
+    "InvalidTokenError",
+    "TokenClaims",
+    "check_secret",
+    "issue_token",
+    "new_secret",
+    "verify_token",
+]
 
 _VERSION = "v1"
 _NONCE_BYTES = 16

@@ -142,7 +142,9 @@ class DeviceRuntime:
             max_in_flight=self.max_in_flight,
         )
         state = _StepState(
-            step, split_batch(batch, schedule.num_microbatches), count_tokens(batch["labels"]),
+            step,
+            split_batch(batch, schedule.num_microbatches),
+            count_tokens(batch["labels"]),
             schedule,
         )
         if schedule.strict:

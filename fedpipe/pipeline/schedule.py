@@ -102,7 +102,9 @@ def _validate(schedule: Schedule) -> None:
     seen: set[Action] = set()
     for action in schedule.actions:
         if action not in expected:
-            raise ValueError(f"{schedule.name}: action {action} is not part of a {m}-microbatch step")
+            raise ValueError(
+                f"{schedule.name}: action {action} is not part of a {m}-microbatch step"
+            )
         if action in seen:
             raise ValueError(f"{schedule.name}: action {action} appears twice")
         prior = schedule.ops[: schedule.ops.index(action.op)]
@@ -159,7 +161,9 @@ def _greedy(m: int, has_tail: bool, in_flight: int | None) -> Schedule:
     The action tuple is the nominal dependency order; the runtime picks by that priority.
     """
     ops = (Op.FORWARD, Op.TAIL, Op.BACKWARD) if has_tail else (Op.FORWARD, Op.BACKWARD)
-    return Schedule("greedy", m, tuple(_chain(m, ops)), has_tail, strict=False, max_in_flight=in_flight)
+    return Schedule(
+        "greedy", m, tuple(_chain(m, ops)), has_tail, strict=False, max_in_flight=in_flight
+    )
 
 
 SCHEDULES: dict[str, Callable[[int, bool, int | None], Schedule]] = {
@@ -177,5 +181,7 @@ def make_schedule(
     try:
         factory = SCHEDULES[name]
     except KeyError:
-        raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}") from None
+        raise ValueError(
+            f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}"
+        ) from None
     return factory(num_microbatches, has_tail, max_in_flight)

@@ -256,7 +256,9 @@ class StageSession:
             sent = self._clock.now()
             at = self._up.put(raw, size)
             if self.tracer is not None:
-                self.tracer.add(f"{_TRANSFER_NAMES[item.kind]}{item.microbatch}", "uplink", sent, at)
+                self.tracer.add(
+                    f"{_TRANSFER_NAMES[item.kind]}{item.microbatch}", "uplink", sent, at
+                )
 
     def _read_loop(self) -> None:
         try:

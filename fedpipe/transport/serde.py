@@ -43,7 +43,9 @@ def msg_from_proto(
 ) -> StageMsg:
     """Decode and validate a message; tensors must be (batch, tokens, hidden_size)."""
     if raw.kind not in _KINDS:
-        raise TensorFormatError(f"unknown message kind {raw.kind}; expected one of {sorted(_KINDS)}")
+        raise TensorFormatError(
+            f"unknown message kind {raw.kind}; expected one of {sorted(_KINDS)}"
+        )
     kind = Kind(raw.kind)
     if raw.step < 0 or raw.microbatch < 0:
         raise TensorFormatError(

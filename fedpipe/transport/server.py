@@ -123,7 +123,9 @@ class _LinkServicer(pb_grpc.StageLinkServicer):
         self.codecs.pop(request.session_id, None)
         return pb.CloseSessionReply(steps=steps)
 
-    def Exchange(self, request_iterator, context: grpc.ServicerContext) -> Iterator[pb.StageMessage]:  # noqa: N802
+    def Exchange(
+        self, request_iterator, context: grpc.ServicerContext
+    ) -> Iterator[pb.StageMessage]:  # noqa: N802
         session_id = dict(context.invocation_metadata()).get(SESSION_HEADER, "")
         try:
             self.runtime.session(session_id)
@@ -169,7 +171,9 @@ class _ControlServicer(pb_grpc.StageControlServicer):
         self.secret = secret
 
     def _check(self, secret: str, context: grpc.ServicerContext) -> None:
-        if self.secret is not None and not hmac.compare_digest(secret.encode(), self.secret.encode()):
+        if self.secret is not None and not hmac.compare_digest(
+            secret.encode(), self.secret.encode()
+        ):
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "wrong control secret")
 
     def BeginRound(self, request: pb.BeginRoundRequest, context: grpc.ServicerContext):  # noqa: N802
@@ -261,5 +265,3 @@ class StageServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-

@@ -37,10 +37,16 @@ class RecordingAdamW(torch.optim.AdamW):
         return super().step(closure)
 
 
-def _config(model: str, split: str, schedule: str = "gpipe", m: int = 1, codec: str = "fp32") -> FedpipeConfig:
+def _config(
+    model: str, split: str, schedule: str = "gpipe", m: int = 1, codec: str = "fp32"
+) -> FedpipeConfig:
     return FedpipeConfig(
-        model=ModelConfig(name=model, head_layers=1, tail_layers=0 if split == "two" else 1, split=split),
-        pipeline=PipelineConfig(microbatches=m, schedule=schedule, uplink_codec=codec, downlink_codec=codec),
+        model=ModelConfig(
+            name=model, head_layers=1, tail_layers=0 if split == "two" else 1, split=split
+        ),
+        pipeline=PipelineConfig(
+            microbatches=m, schedule=schedule, uplink_codec=codec, downlink_codec=codec
+        ),
         train=TrainConfig(batch_size=BATCH, seq_len=SEQ, lr=LR),
     )
 
@@ -122,7 +128,9 @@ def _setup(setups, model: str, split: str) -> Setup:  # type: ignore[no-untyped-
 
 def _pipelined(setup: Setup, config: FedpipeConfig, batches):  # type: ignore[no-untyped-def]
     """Run the batches through the split model; returns losses, first-step grads, final weights."""
-    trainer = DeviceTrainer(config, device_id=f"dev-{config.pipeline.schedule}", folder=setup.folder)
+    trainer = DeviceTrainer(
+        config, device_id=f"dev-{config.pipeline.schedule}", folder=setup.folder
+    )
     trainer.load_adapters({k: v for k, v in setup.adapter.items() if k not in setup.server_keys})
     params = lora_parameters(trainer.head) | (lora_parameters(trainer.tail) if trainer.tail else {})
     opt = RecordingAdamW(list(params.values()), lr=LR, weight_decay=0.0)
@@ -162,7 +170,9 @@ MODELS = ["tiny-llama", "tiny-gpt2"]
 @pytest.mark.parametrize("split", ["u", "two"])
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 8])
-def test_pipelined_step_equals_unsplit(setups, model: str, split: str, schedule: str, m: int) -> None:
+def test_pipelined_step_equals_unsplit(
+    setups, model: str, split: str, schedule: str, m: int
+) -> None:
     setup = _setup(setups, model, split)
     batches = _batches(setup.vocab)
     ref_losses, ref_grads, ref_weights = setup.reference_run(batches)
