@@ -51,7 +51,9 @@ class DeviceFailure(RuntimeError):
     """A device stopped mid-round (fault injection in simulations and tests)."""
 
 
-def _add_proximal_term(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], mu: float) -> None:
+def _add_proximal_term(
+    optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], mu: float
+) -> None:
     """FedProx: before each step, grad += mu * (w - w_start) (the gradient of mu/2 ||w - w_start||^2)."""
     anchors = [p.detach().clone() for p in params]
 
@@ -197,13 +199,19 @@ class DeviceTrainer:
             for step, batch in enumerate(batches):
                 if fail_after_steps is not None and step >= fail_after_steps:
                     session.abort()
-                    raise DeviceFailure(f"device {self.device_id} vanished in round {round_} (injected)")
+                    raise DeviceFailure(
+                        f"device {self.device_id} vanished in round {round_} (injected)"
+                    )
                 result = runtime.train_step(batch, step=step)
                 report.steps.append(result)
                 report.examples += int(batch["input_ids"].shape[0])
                 log.info(
                     "[device %s] round %d step %d loss %.4f in %.2f s",
-                    self.device_id, round_, step, result.loss, result.wall_s,
+                    self.device_id,
+                    round_,
+                    step,
+                    result.loss,
+                    result.wall_s,
                 )
         report.bytes_up, report.bytes_down = session.stats.bytes_up, session.stats.bytes_down
         report.wall_s = time.perf_counter() - start

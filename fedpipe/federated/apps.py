@@ -60,24 +60,40 @@ class _Rounds:
             config = ConfigRecord(dict(msg.content["config"]))
             config["fedpipe-round"] = round_
             if self.secret:
-                config["token"] = issue_token(self.secret, run_id=self.run_id, round=round_, device_id=node)
+                config["token"] = issue_token(
+                    self.secret, run_id=self.run_id, round=round_, device_id=node
+                )
             else:
                 config["token"] = ""
             content = RecordDict({"arrays": msg.content["arrays"], "config": config})
-            out.append(Message(content=content, message_type=msg.metadata.message_type, dst_node_id=msg.metadata.dst_node_id))
+            out.append(
+                Message(
+                    content=content,
+                    message_type=msg.metadata.message_type,
+                    dst_node_id=msg.metadata.dst_node_id,
+                )
+            )
         return out
 
     def commit(self, server_round: int, replies: list[Message]) -> None:
         ok = [r for r in replies if not r.has_error()]
-        self.finished = {str(r.metadata.src_node_id): float(r.content["metrics"]["num-examples"]) for r in ok}
+        self.finished = {
+            str(r.metadata.src_node_id): float(r.content["metrics"]["num-examples"]) for r in ok
+        }
         self.last_commit = self.control.commit_round(self.offset + server_round, self.finished)
         for reply in ok:
             metrics = {k: v for k, v in reply.content["metrics"].items()}
-            self.folder.log_metrics({"event": "train", "round": self.offset + server_round, **metrics})
+            self.folder.log_metrics(
+                {"event": "train", "round": self.offset + server_round, **metrics}
+            )
         failed = len(replies) - len(ok)
         if failed:
-            self.folder.log_metrics({"event": "failed", "round": self.offset + server_round, "devices": failed})
-        log.info("round %d: %d devices merged, %d failed", self.offset + server_round, len(ok), failed)
+            self.folder.log_metrics(
+                {"event": "failed", "round": self.offset + server_round, "devices": failed}
+            )
+        log.info(
+            "round %d: %d devices merged, %d failed", self.offset + server_round, len(ok), failed
+        )
 
 
 def _wrap_strategy(strategy, rounds: _Rounds):  # type: ignore[no-untyped-def]
@@ -85,7 +101,9 @@ def _wrap_strategy(strategy, rounds: _Rounds):  # type: ignore[no-untyped-def]
 
     class FedpipeStrategy(base):  # type: ignore[misc, valid-type]
         def configure_train(self, server_round, arrays, config, grid):  # type: ignore[no-untyped-def]
-            return rounds.configure(server_round, super().configure_train(server_round, arrays, config, grid))
+            return rounds.configure(
+                server_round, super().configure_train(server_round, arrays, config, grid)
+            )
 
         def aggregate_train(self, server_round, replies):  # type: ignore[no-untyped-def]
             replies = list(replies)
@@ -102,7 +120,9 @@ def server_main(grid: Grid, context: Context) -> None:
     cfg, run = run_settings(context.run_config)
     folder = RunFolder.open(Path(run.dir).parent, Path(run.dir).name, resume=run.resume)
     control = StageControlClient(run.stage_address, run.secret)
-    work = DeviceWork(cfg, device_id="evaluator", partition=-1, num_partitions=cfg.federated.num_devices)
+    work = DeviceWork(
+        cfg, device_id="evaluator", partition=-1, num_partitions=cfg.federated.num_devices
+    )
     arrays, offset = work.trainer.adapters(), 0
     checkpoint = folder.latest_checkpoint() if run.resume else None
     if checkpoint is not None:
@@ -119,10 +139,14 @@ def server_main(grid: Grid, context: Context) -> None:
         make_strategy(
             cfg.federated.strategy,
             fraction_train=cfg.federated.fraction_train,
-            min_available_nodes=cfg.federated.num_devices if cfg.federated.fraction_train >= 1 else 1,
+            min_available_nodes=cfg.federated.num_devices
+            if cfg.federated.fraction_train >= 1
+            else 1,
             min_train_nodes=1,
             proximal_mu=cfg.federated.proximal_mu,
-            server_lr=cfg.federated.server_lr if cfg.federated.strategy in ("fedadam", "fedyogi", "fedadagrad", "fedavgm") else None,
+            server_lr=cfg.federated.server_lr
+            if cfg.federated.strategy in ("fedadam", "fedyogi", "fedadagrad", "fedavgm")
+            else None,
         ),
         rounds,
     )
@@ -143,8 +167,17 @@ def server_main(grid: Grid, context: Context) -> None:
         }
         if server_round > 0:
             merged, discarded = rounds.last_commit
-            record |= {"merged": merged, "discarded": discarded, "finished_devices": len(rounds.finished)}
-            folder.save_checkpoint(round_, device=state, server=control.get_adapter(), state={"round": round_, "run_id": run.run_id})
+            record |= {
+                "merged": merged,
+                "discarded": discarded,
+                "finished_devices": len(rounds.finished),
+            }
+            folder.save_checkpoint(
+                round_,
+                device=state,
+                server=control.get_adapter(),
+                state={"round": round_, "run_id": run.run_id},
+            )
         folder.log_metrics({"event": "eval", **record})
         log.info("round %d: eval loss %.4f (ppl %.2f)", round_, loss, record["eval_ppl"])
         return MetricRecord({k: float(v) for k, v in record.items()})
@@ -183,12 +216,14 @@ def client_train(msg: Message, context: Context) -> Message:
         address,
         round_=round_,
         token=str(config["token"]),
-        proximal_mu=float(config.get("proximal-mu", 0.0)) if cfg.federated.strategy == "fedprox" else 0.0,
+        proximal_mu=float(config.get("proximal-mu", 0.0))
+        if cfg.federated.strategy == "fedprox"
+        else 0.0,
         fail_after_steps=1 if fail else None,
         trace_dir=Path(run.dir) / "traces" if run.dir else None,
     )
     metrics = report.metrics() | {"partition-id": partition}
-    content = RecordDict({"arrays": ArrayRecord(work.trainer.adapters()), "metrics": MetricRecord(metrics)})
+    content = RecordDict(
+        {"arrays": ArrayRecord(work.trainer.adapters()), "metrics": MetricRecord(metrics)}
+    )
     return Message(content=content, reply_to=msg)
-
-

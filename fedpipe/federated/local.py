@@ -15,7 +15,6 @@ from typing import Any, ClassVar
 import torch
 
 from fedpipe.config import FedpipeConfig
-from fedpipe.data import partition as partition_docs
 from fedpipe.data import (
     BlockSampler,
     default_corpus,
@@ -23,6 +22,7 @@ from fedpipe.data import (
     tokenize_blocks,
     train_eval_split,
 )
+from fedpipe.data import partition as partition_docs
 from fedpipe.device import DeviceTrainer, RoundReport
 from fedpipe.federated.tokens import issue_token
 from fedpipe.link import DeviceProfile, get_device_profile
@@ -112,13 +112,19 @@ class DeviceWork:
             self.blocks = tokenize_blocks(docs, tokenizer, cfg.train.seq_len)
             return
         docs = load_documents(fed.data) if fed.data else default_corpus()
-        train_docs, held_out = train_eval_split(docs, eval_fraction=fed.eval_fraction, seed=cfg.model.seed)
+        train_docs, held_out = train_eval_split(
+            docs, eval_fraction=fed.eval_fraction, seed=cfg.model.seed
+        )
         if partition < 0:
             limit = cfg.train.eval_batches * cfg.train.batch_size
             self.blocks = tokenize_blocks(held_out, tokenizer, cfg.train.seq_len, max_blocks=limit)
             return
         parts = partition_docs(
-            train_docs, num_partitions, scheme=fed.partition, alpha=fed.dirichlet_alpha, seed=cfg.model.seed
+            train_docs,
+            num_partitions,
+            scheme=fed.partition,
+            alpha=fed.dirichlet_alpha,
+            seed=cfg.model.seed,
         )
         self.blocks = tokenize_blocks(parts[partition], tokenizer, cfg.train.seq_len)
         log.info("[device %s] partition %d: %d blocks", device_id, partition, len(self.blocks))
@@ -143,13 +149,19 @@ class DeviceWork:
     ) -> RoundReport:
         """One round of local steps; batches depend only on (seed, partition, round, step)."""
         steps = self.cfg.train.local_steps
-        sampler = BlockSampler(self.blocks, self.cfg.train.batch_size, seed=self.cfg.model.seed * 1000 + self.partition)
+        sampler = BlockSampler(
+            self.blocks, self.cfg.train.batch_size, seed=self.cfg.model.seed * 1000 + self.partition
+        )
         batches = [sampler.batch(round_ * steps + i) for i in range(steps)]
         self.trainer.tracer.clear()
         with StageClient(address) as client:
             report = self.trainer.train_round(
-                client, batches, round_=round_, token=token,
-                proximal_mu=proximal_mu, fail_after_steps=fail_after_steps,
+                client,
+                batches,
+                round_=round_,
+                token=token,
+                proximal_mu=proximal_mu,
+                fail_after_steps=fail_after_steps,
             )
         if trace_dir is not None and trace_dir.parent.is_dir():
             path = trace_dir / f"device-{self.partition}-round-{round_}.json"
@@ -166,13 +178,27 @@ def evaluate_split(
     """Held-out mean token loss through the split model (device adapters + server's global)."""
     trainer, cfg = work.trainer, work.cfg
     trainer.load_adapters(adapters)
-    token = issue_token(run.secret, run_id=run.run_id, round=round_, device_id="evaluator") if run.secret else ""
+    token = (
+        issue_token(run.secret, run_id=run.run_id, round=round_, device_id="evaluator")
+        if run.secret
+        else ""
+    )
     loss_sum, tokens = 0.0, 0
     with StageClient(run.stage_address) as client:
-        session = client.open_session(device_id="evaluator", token=token, round_=round_, timeout_s=cfg.pipeline.timeout_s)
+        session = client.open_session(
+            device_id="evaluator", token=token, round_=round_, timeout_s=cfg.pipeline.timeout_s
+        )
         with session:
-            runtime = DeviceRuntime(trainer.head, trainer.tail, session, optimizer=None, microbatches=cfg.pipeline.microbatches)
+            runtime = DeviceRuntime(
+                trainer.head,
+                trainer.tail,
+                session,
+                optimizer=None,
+                microbatches=cfg.pipeline.microbatches,
+            )
             for batch in torch.split(work.blocks, cfg.train.batch_size):
-                part_sum, part_tokens = runtime.evaluate({"input_ids": batch, "labels": batch}, step=0)
+                part_sum, part_tokens = runtime.evaluate(
+                    {"input_ids": batch, "labels": batch}, step=0
+                )
                 loss_sum, tokens = loss_sum + part_sum, tokens + part_tokens
     return (loss_sum / tokens if tokens else math.nan), tokens

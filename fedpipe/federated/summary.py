@@ -18,7 +18,9 @@ def build_summary(history: list[dict[str, Any]], *, config: dict[str, Any]) -> d
     """Per-round eval loss, train loss, wall time, bytes up/down and per-device step times."""
     rounds: dict[int, dict[str, Any]] = {}
     for rec in history:
-        entry = rounds.setdefault(int(rec["round"]), {"round": int(rec["round"]), "step_times_s": {}})
+        entry = rounds.setdefault(
+            int(rec["round"]), {"round": int(rec["round"]), "step_times_s": {}}
+        )
         if rec.get("event") == "eval":
             for key in ("eval_loss", "eval_ppl", "wall_s", "merged", "discarded"):
                 if key in rec:
@@ -68,9 +70,7 @@ def finish_run(folder: RunFolder, *, config: dict[str, Any]) -> dict[str, Any]:
 
 def _events(path: Path) -> list[Event]:
     data = json.loads(path.read_text())
-    lanes = {
-        e["tid"]: e["args"]["name"] for e in data["traceEvents"] if e.get("ph") == "M"
-    }
+    lanes = {e["tid"]: e["args"]["name"] for e in data["traceEvents"] if e.get("ph") == "M"}
     return [
         Event(e["name"], lanes[e["tid"]], e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6)
         for e in data["traceEvents"]

@@ -1,0 +1,230 @@
+"""fedpipe simulate end to end on Flower's simulation engine (Ray), with the tiny model.
+
+Slow tier: every `simulate` call starts a private SuperLink, Ray and the ClientApp actors
+(about a minute each on 2 cores). Three properties of the federated loop are checked:
+
+- a device that dies mid-round is dropped from that round on both sides (its server-side
+  adapter is discarded, not merged), the round completes, and the device is back next round;
+- two identical runs give identical results (data, adapter init and aggregation do not depend
+  on Flower's random node ids or on timing);
+- a run stopped after round 2 and resumed gives the same round 3 as an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fedpipe.config import FedpipeConfig, load_config
+from fedpipe.federated.commands import simulate
+
+pytestmark = pytest.mark.slow
+
+SMALL = {
+    "model.name": "tiny-llama",
+    "train.local_steps": 2,
+    "train.seq_len": 64,
+    "train.batch_size": 4,
+    "pipeline.microbatches": 2,
+    "federated.profiles": "loopback",  # no emulated link delays or device slowdowns: fast
+}
+
+
+def _flower_processes(under: Path) -> list[int]:
+    """Live processes whose FLWR_HOME is under ``under``: the Flower and Ray helpers we started."""
+    found = []
+    for proc in psutil.process_iter(["pid", "status"]):
+        try:
+            home = proc.environ().get("FLWR_HOME", "")
+        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+        if home.startswith(str(under)) and proc.info["status"] != psutil.STATUS_ZOMBIE:
+            found.append(proc.info["pid"])
+    return found
+
+
+def _assert_all_stopped(under: Path, deadline_s: float = 30.0) -> None:
+    end = time.monotonic() + deadline_s
+    while (left := _flower_processes(under)) and time.monotonic() < end:
+        time.sleep(0.5)
+    assert not left, f"processes left behind: {left}"
+
+
+def _config(devices: int, rounds: int) -> FedpipeConfig:
+    return load_config(
+        None, {**SMALL, "federated.num_devices": devices, "federated.rounds": rounds}
+    )
+
+
+def _by_round(summary: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    return {entry["round"]: entry for entry in summary["rounds"]}
+
+
+def _train_partitions(run: Path, round_: int) -> set[int]:
+    """Partitions whose Flower reply for ``round_`` arrived (metrics.jsonl ``train`` records)."""
+    records = [
+        json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line
+    ]
+    return {
+        int(r["partition-id"])
+        for r in records
+        if r.get("event") == "train" and r["round"] == round_
+    }
+
+
+def _checkpoint(run: Path, round_: int, side: str) -> dict[str, torch.Tensor]:
+    return load_file(str(run / "checkpoints" / f"round-{round_:04d}" / f"{side}.safetensors"))
+
+
+def _average(
+    states: list[dict[str, torch.Tensor]], weights: list[float]
+) -> dict[str, torch.Tensor]:
+    total = sum(weights)
+    return {
+        k: sum(s[k].double() * (w / total) for s, w in zip(states, weights, strict=True)).float()
+        for k in states[0]
+    }
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def _replay_round_one(config: FedpipeConfig, kill_partition: int) -> tuple[dict, dict]:
+    """Round 1 of a fresh run, replayed in this process on a private StageServer.
+
+    Training depends only on (seed, partition, round), so each device's adapters after round 1
+    can be recomputed here. Returns per partition the device adapters and the server-side
+    adapter of its session (read from the server before the round is committed).
+    """
+    from fedpipe.device import DeviceFailure
+    from fedpipe.federated.local import DeviceWork
+    from fedpipe.serving import build_stage_server
+
+    server = build_stage_server(config, port=0).start()
+    device_side, server_side = {}, {}
+    try:
+        for p in range(config.federated.num_devices):
+            work = DeviceWork(
+                config,
+                device_id=f"replay-{p}",
+                partition=p,
+                num_partitions=config.federated.num_devices,
+            )
+            fail = 1 if p == kill_partition else None
+            if fail:
+                with pytest.raises(DeviceFailure):
+                    work.train(server.address, round_=1, token="", fail_after_steps=fail)
+            else:
+                work.train(server.address, round_=1, token="")
+            device_side[p] = work.trainer.adapters()
+        sessions = {s.device_id: s.session_id for s in server.runtime.sessions()}
+        for p in range(config.federated.num_devices):
+            server_side[p] = server.runtime.bank.state_dict(sessions[f"replay-{p}"])
+    finally:
+        server.stop(grace=1.0)
+    return device_side, server_side
+
+
+def test_dead_device_is_dropped_and_comes_back(tmp_path: Path) -> None:
+    config = _config(devices=3, rounds=2)
+    summary = simulate(
+        config,
+        name="fault",
+        runs_dir=tmp_path,
+        faults={"kill-partition": 1, "kill-round": 1},
+        progress=False,
+    )
+    run = tmp_path / "fault"
+    _assert_all_stopped(tmp_path)
+    assert summary["flower_run"]["status"] == "finished:completed"
+    rounds = _by_round(summary)
+    assert sorted(rounds) == [0, 1, 2]
+    for r in (0, 1, 2):
+        assert math.isfinite(rounds[r]["eval_loss"]), rounds[r]
+    # round 1: partition 1 died after one step; its server session trained but was dropped
+    assert rounds[1]["merged"] == 2 and rounds[1]["discarded"] >= 1, rounds[1]
+    assert rounds[1]["failed_devices"] == 1
+    assert _train_partitions(run, 1) == {0, 2}
+    # round 2: the device is back
+    assert rounds[2]["merged"] == 3 and rounds[2]["discarded"] == 0, rounds[2]
+    assert rounds[2].get("failed_devices", 0) == 0
+    assert _train_partitions(run, 2) == {0, 1, 2}
+    assert (run / "checkpoints" / "round-0001").is_dir() and (
+        run / "checkpoints" / "round-0002"
+    ).is_dir()
+
+    # No trace of the dead device: both sides' global adapters after round 1 are the weighted
+    # averages of only the two finished devices' adapters (num-examples: 8 each).
+    devices, servers = _replay_round_one(config, kill_partition=1)
+    weights = [8.0, 8.0]
+    got_server, got_device = _checkpoint(run, 1, "server"), _checkpoint(run, 1, "device")
+    want_server = _average([servers[0], servers[2]], weights)
+    want_device = _average([devices[0], devices[2]], weights)
+    assert _max_diff(got_server, want_server) < 1e-6
+    assert _max_diff(got_device, want_device) < 1e-6
+    # ... and the dead device's one trained step would have shown: it is far from the tolerance
+    with_dead = _average([servers[0], servers[1], servers[2]], [8.0, 4.0, 8.0])
+    assert _max_diff(got_server, with_dead) > 1e-4
+
+
+@pytest.fixture(scope="module")
+def three_round_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Run A: 3 rounds at once. Run B: the same, stopped after round 2, then resumed to 3."""
+    runs = tmp_path_factory.mktemp("runs")
+    a = simulate(_config(devices=2, rounds=3), name="a", runs_dir=runs, progress=False)
+    b2 = simulate(_config(devices=2, rounds=2), name="b", runs_dir=runs, progress=False)
+    b3 = simulate(
+        _config(devices=2, rounds=3), name="b", runs_dir=runs, resume=True, progress=False
+    )
+    _assert_all_stopped(runs)
+    return {"runs": runs, "a": a, "b2": b2, "b3": b3}
+
+
+def test_identical_runs_give_identical_losses(three_round_runs: dict[str, Any]) -> None:
+    a, b2 = _by_round(three_round_runs["a"]), _by_round(three_round_runs["b2"])
+    assert three_round_runs["b2"]["flower_run"]["status"] == "finished:completed"
+    assert sorted(b2) == [0, 1, 2]
+    for r in (0, 1, 2):
+        assert b2[r]["eval_loss"] == a[r]["eval_loss"], (r, a[r], b2[r])
+        if r:
+            assert b2[r]["train_loss"] == a[r]["train_loss"], (r, a[r], b2[r])
+    runs = three_round_runs["runs"]
+    for r in (1, 2):
+        for side in ("device", "server"):
+            assert (
+                _max_diff(_checkpoint(runs / "a", r, side), _checkpoint(runs / "b", r, side)) == 0.0
+            )
+
+
+def test_resume_continues_from_the_last_checkpoint(three_round_runs: dict[str, Any]) -> None:
+    runs = three_round_runs["runs"]
+    a, b3 = three_round_runs["a"], three_round_runs["b3"]
+    assert a["flower_run"]["status"] == "finished:completed"
+    assert b3["flower_run"]["status"] == "finished:completed"
+    a_rounds, b_rounds = _by_round(a), _by_round(b3)
+    assert sorted(b_rounds) == [0, 1, 2, 3]
+    # the resumed call trained round 3 only: one train record per device for every round
+    history = [
+        json.loads(line) for line in (runs / "b" / "metrics.jsonl").read_text().splitlines() if line
+    ]
+    trains = sorted(
+        (rec["round"], rec["partition-id"]) for rec in history if rec.get("event") == "train"
+    )
+    assert trains == [(r, p) for r in (1, 2, 3) for p in (0, 1)]
+    evals = [rec["round"] for rec in history if rec.get("event") == "eval"]
+    assert evals == [0, 1, 2, 3]
+    assert b_rounds[3]["merged"] == 2
+    assert b_rounds[3]["eval_loss"] == pytest.approx(a_rounds[3]["eval_loss"], rel=1e-4)
+    assert b_rounds[3]["train_loss"] == pytest.approx(a_rounds[3]["train_loss"], rel=1e-4)
+    for side in ("device", "server"):
+        assert _max_diff(_checkpoint(runs / "a", 3, side), _checkpoint(runs / "b", 3, side)) < 1e-6
