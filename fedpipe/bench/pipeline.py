@@ -48,7 +48,9 @@ def _pin(cpus: list[int]) -> str:
     if len(cpus) < 2:
         return f"one CPU available ({cpus}): device and server share it, 1 torch thread each"
     os.sched_setaffinity(0, {cpus[0]})
-    return f"device on CPU {cpus[0]}, server on CPU {cpus[1]} (sched_setaffinity), 1 torch thread each"
+    return (
+        f"device on CPU {cpus[0]}, server on CPU {cpus[1]} (sched_setaffinity), 1 torch thread each"
+    )
 
 
 def _start_server(

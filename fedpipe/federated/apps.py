@@ -129,6 +129,8 @@ def server_main(grid: Grid, context: Context) -> None:
         arrays, offset = checkpoint.device, checkpoint.round
         control.load_adapter(checkpoint.server)
         log.info("resuming after round %d", offset)
+    else:
+        control.reset_adapter()  # a long-lived StageServer may hold an earlier run's adapter
     remaining = cfg.federated.rounds - offset
     if remaining <= 0:
         log.info("all %d rounds are done already", cfg.federated.rounds)

@@ -53,5 +53,10 @@ class StageControlClient:
         request = pb.LoadAdapterRequest(secret=self.secret, safetensors=data)
         retry_call(lambda: self.stub.LoadAdapter(request, timeout=60))
 
+    def reset_adapter(self) -> None:
+        """Start the server's global adapter afresh (a new run, not a resumed one)."""
+        request = pb.LoadAdapterRequest(secret=self.secret)
+        retry_call(lambda: self.stub.LoadAdapter(request, timeout=60))
+
     def close(self) -> None:
         self.channel.close()

@@ -45,6 +45,7 @@ class AdapterBank:
         self._names: list[str] = []
         self._active = GLOBAL_ADAPTER
         self._set_trainable(GLOBAL_ADAPTER, False)  # the aggregate only changes by merge()
+        self._initial = self.global_state()
 
     @property
     def active(self) -> str:
@@ -102,6 +103,10 @@ class AdapterBank:
 
     def global_state(self) -> dict[str, Tensor]:
         return lora_state_dict(self.stage, GLOBAL_ADAPTER)
+
+    def reset_global_state(self) -> None:
+        """Back to the adapter the bank started with (deterministic from the LoRA seed)."""
+        self.set_global_state(self._initial)
 
     def set_global_state(self, sd: dict[str, Tensor]) -> None:
         load_lora_state_dict(self.stage, sd, adapter=GLOBAL_ADAPTER)

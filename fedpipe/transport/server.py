@@ -198,7 +198,10 @@ class _ControlServicer(pb_grpc.StageControlServicer):
     def LoadAdapter(self, request: pb.LoadAdapterRequest, context: grpc.ServicerContext):  # noqa: N802
         self._check(request.secret, context)
         try:
-            self.runtime.bank.set_global_state(st_load(request.safetensors))
+            if request.safetensors:
+                self.runtime.bank.set_global_state(st_load(request.safetensors))
+            else:
+                self.runtime.bank.reset_global_state()
         except Exception as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad adapter: {exc}")
         return pb.LoadAdapterReply()

@@ -344,3 +344,27 @@ def _check_tokens(stub: pb_grpc.StageLinkStub, control: pb_grpc.StageControlStub
     control.BeginRound(pb.BeginRoundRequest(round=1, secret=SECRET), timeout=RPC_TIMEOUT)
     assert _open(stub, "t1", token=token(1), round=1)
     _refused(stub, "t1", "session for round 0, but the server is in round 1", token=token(0))
+
+
+def test_control_reset_restores_the_initial_server_adapter() -> None:
+    """A new run on a long-lived StageServer starts from the initial adapter, not the last run's."""
+    from fedpipe.config import load_config
+    from fedpipe.federated.control import StageControlClient
+    from fedpipe.serving import build_stage_server
+
+    secret = "a-control-secret-for-tests"
+    server = build_stage_server(
+        load_config(None, {"model.name": "tiny-llama"}), secret=secret, port=0
+    )
+    server.start()
+    try:
+        control = StageControlClient(server.address, secret)
+        initial = control.get_adapter()
+        changed = {k: v + 1.0 for k, v in initial.items()}
+        control.load_adapter(changed)
+        assert all(torch.equal(control.get_adapter()[k], changed[k]) for k in initial)
+        control.reset_adapter()
+        assert all(torch.equal(control.get_adapter()[k], initial[k]) for k in initial)
+        control.close()
+    finally:
+        server.stop(grace=None)
