@@ -54,7 +54,7 @@ class DeviceFailure(RuntimeError):
 def _add_proximal_term(
     optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], mu: float
 ) -> None:
-    """FedProx: before each step, grad += mu * (w - w_start) (the gradient of mu/2 ||w - w_start||^2)."""
+    """FedProx: before each step, grad += mu * (w - w0), the gradient of mu/2 * ||w - w0||^2."""
     anchors = [p.detach().clone() for p in params]
 
     def pre_step(*_: object) -> None:

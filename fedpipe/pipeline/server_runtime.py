@@ -95,7 +95,7 @@ class StageRuntime:
     def open_session(
         self, device_id: str, round_: int, *, lr: float, weight_decay: float = 0.0
     ) -> str:
-        """Start a session with a fresh copy of the global adapter; replaces the device's old one."""
+        """Start a session on a fresh copy of the global adapter; replaces the device's old one."""
         with self._lock:
             for old in [s for s in self._sessions.values() if s.device_id == device_id]:
                 self._drop(old.session_id, reason="replaced by a new session")
