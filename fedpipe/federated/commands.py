@@ -235,6 +235,10 @@ def _print_summary(summary: dict[str, Any], folder: Path) -> None:
         )
 
 
+def _raise_keyboard_interrupt(*_: object) -> None:
+    raise KeyboardInterrupt
+
+
 def _cmd_simulate(args: argparse.Namespace, make_config: Callable[..., FedpipeConfig]) -> int:
     config = make_config(
         args,
@@ -248,6 +252,9 @@ def _cmd_simulate(args: argparse.Namespace, make_config: Callable[..., FedpipeCo
         },
     )
     name = args.name or time.strftime("run-%Y%m%d-%H%M%S")
+    # SIGTERM ends a simulation like Ctrl-C: the finally blocks stop the StageServer, the
+    # SuperLink and Ray instead of leaving them behind.
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     summary = simulate(
         config, name=name, runs_dir=args.runs_dir, resume=args.resume, timeout_s=args.timeout
     )
