@@ -48,6 +48,7 @@ __all__ = [
     "ManagedProcess",
     "ProcessStartError",
     "flower_env",
+    "flower_processes_under",
     "flwr_run",
     "format_config_args",
     "free_port",
@@ -320,6 +321,24 @@ class ManagedProcess:
 
     def __repr__(self) -> str:
         return f"ManagedProcess({self.name!r}, pid={self.pid}, address={self.address!r})"
+
+
+def flower_processes_under(root: str | Path) -> list[int]:
+    """PIDs of live processes whose ``FLWR_HOME`` lies under ``root``.
+
+    Every process fedpipe starts gets a private FLWR_HOME, and Flower's helpers (SuperExec,
+    flwr-serverapp, flwr-clientapp, Ray workers) inherit it: this finds exactly what one run
+    started, and none of another run's processes on the same machine.
+    """
+    found = []
+    for proc in psutil.process_iter(["pid", "status"]):
+        try:
+            home = proc.environ().get("FLWR_HOME", "")
+        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+        if home.startswith(str(root)) and proc.info["status"] != psutil.STATUS_ZOMBIE:
+            found.append(proc.info["pid"])
+    return found
 
 
 def stop_all(processes: Sequence[ManagedProcess], *, grace_s: float = 10.0) -> None:

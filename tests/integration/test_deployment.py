@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from fedpipe.federated.engines import free_port
+from fedpipe.federated.engines import flower_processes_under, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -98,19 +98,6 @@ class Started:
         return codes
 
 
-def _flower_processes_under(root: Path) -> list[int]:
-    """Live processes whose FLWR_HOME lies under ``root``: only what this test started."""
-    found = []
-    for proc in psutil.process_iter(["pid", "status"]):
-        try:
-            home = proc.environ().get("FLWR_HOME", "")
-        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
-            continue
-        if home.startswith(str(root)) and proc.info["status"] != psutil.STATUS_ZOMBIE:
-            found.append(proc.info["pid"])
-    return found
-
-
 def test_cli_deployment_two_devices_two_rounds(tmp_path: Path) -> None:
     started = Started(tmp_path)
     secret_file = tmp_path / "keys" / "secret"  # `fedpipe server` creates it
@@ -174,9 +161,9 @@ def test_cli_deployment_two_devices_two_rounds(tmp_path: Path) -> None:
     assert codes == {"run": 0, "client0": 0, "client1": 0, "server": 0}, codes
     assert "server stopped" in started.text("server")
     deadline = time.monotonic() + 15
-    while _flower_processes_under(tmp_path) and time.monotonic() < deadline:
+    while flower_processes_under(tmp_path) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert _flower_processes_under(tmp_path) == []
+    assert flower_processes_under(tmp_path) == []
     assert all(p.poll() is not None for p in started.procs.values())
 
     folder = tmp_path / "runs" / "deployed"

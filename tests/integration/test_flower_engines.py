@@ -13,13 +13,13 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 from flwr.cli.config_utils import load_and_validate
 from flwr.common.config import parse_config_args
 
 from fedpipe.federated.engines import (
     ManagedProcess,
+    flower_processes_under,
     flwr_run,
     format_config_args,
     run_simulation_engine,
@@ -51,32 +51,14 @@ def toy_app(tmp_path: Path) -> Path:
     )
 
 
-def _ours(tmp_path: Path) -> set[int]:
-    """PIDs whose FLWR_HOME lies under this test's tmp_path: only processes it started.
-
-    Every process gets a private FLWR_HOME below tmp_path, and Flower's helpers (SuperExec,
-    flwr-serverapp, flwr-clientapp, Ray workers) inherit it; other people's Flower
-    processes on the same machine are not counted.
-    """
-    found = set()
-    for proc in psutil.process_iter(["pid", "status"]):
-        try:
-            home = proc.environ().get("FLWR_HOME", "")
-        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
-            continue
-        if home.startswith(str(tmp_path)) and proc.info["status"] != psutil.STATUS_ZOMBIE:
-            found.add(proc.info["pid"])
-    return found
-
-
 def _assert_gone(tmp_path: Path, started: list[ManagedProcess], deadline_s: float = 30) -> None:
     """Every process started here, and every Flower helper it spawned, has exited."""
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
-        if not _ours(tmp_path) and not any(p.alive() for p in started):
+        if not set(flower_processes_under(tmp_path)) and not any(p.alive() for p in started):
             return
         time.sleep(0.5)
-    raise AssertionError(f"processes left behind: {sorted(_ours(tmp_path))}")
+    raise AssertionError(f"processes left behind: {sorted(set(flower_processes_under(tmp_path)))}")
 
 
 def _result(out_dir: Path) -> dict:

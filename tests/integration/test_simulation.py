@@ -18,13 +18,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from fedpipe.config import FedpipeConfig, load_config
 from fedpipe.federated.commands import simulate
+from fedpipe.federated.engines import flower_processes_under
 
 pytestmark = pytest.mark.slow
 
@@ -38,22 +38,9 @@ SMALL = {
 }
 
 
-def _flower_processes(under: Path) -> list[int]:
-    """Live processes whose FLWR_HOME is under ``under``: the Flower and Ray helpers we started."""
-    found = []
-    for proc in psutil.process_iter(["pid", "status"]):
-        try:
-            home = proc.environ().get("FLWR_HOME", "")
-        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
-            continue
-        if home.startswith(str(under)) and proc.info["status"] != psutil.STATUS_ZOMBIE:
-            found.append(proc.info["pid"])
-    return found
-
-
 def _assert_all_stopped(under: Path, deadline_s: float = 30.0) -> None:
     end = time.monotonic() + deadline_s
-    while (left := _flower_processes(under)) and time.monotonic() < end:
+    while (left := flower_processes_under(under)) and time.monotonic() < end:
         time.sleep(0.5)
     assert not left, f"processes left behind: {left}"
 
