@@ -19,7 +19,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -224,7 +224,7 @@ def run_pipeline_bench(
         try:
             trainer = DeviceTrainer(config, device_id="bench")
             vocab = (
-                int(trainer.head.embed_tokens.num_embeddings)
+                int(cast(torch.nn.Embedding, trainer.head.embed_tokens).num_embeddings)
                 if hasattr(trainer.head, "embed_tokens")
                 else 256
             )

@@ -15,6 +15,7 @@ import math
 import time
 from collections.abc import Iterable
 from pathlib import Path
+from typing import cast
 
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
@@ -57,7 +58,7 @@ class _Rounds:
         out = []
         for msg in messages:
             node = str(msg.metadata.dst_node_id)
-            config = ConfigRecord(dict(msg.content["config"]))
+            config = ConfigRecord(dict(cast(ConfigRecord, msg.content["config"])))
             config["fedpipe-round"] = round_
             if self.secret:
                 config["token"] = issue_token(
@@ -78,7 +79,8 @@ class _Rounds:
     def commit(self, server_round: int, replies: list[Message]) -> None:
         ok = [r for r in replies if not r.has_error()]
         self.finished = {
-            str(r.metadata.src_node_id): float(r.content["metrics"]["num-examples"]) for r in ok
+            str(r.metadata.src_node_id): float(cast(int, r.content["metrics"]["num-examples"]))
+            for r in ok
         }
         self.last_commit = self.control.commit_round(self.offset + server_round, self.finished)
         for reply in ok:
@@ -209,22 +211,25 @@ def client_train(msg: Message, context: Context) -> Message:
         profile=str(node.get("profile", "")) or None,
         data=str(node.get("data", "")) or None,
     )
-    config = msg.content["config"]
-    round_ = int(config["fedpipe-round"])
-    work.trainer.load_adapters(msg.content["arrays"].to_torch_state_dict())
+    config = cast(ConfigRecord, msg.content["config"])
+    round_ = int(cast(int, config["fedpipe-round"]))
+    work.trainer.load_adapters(cast(ArrayRecord, msg.content["arrays"]).to_torch_state_dict())
     address = str(node.get("stage-address", "")) or run.stage_address
     fail = run.kill_partition == partition and run.kill_round == round_
     report = work.train(
         address,
         round_=round_,
         token=str(config["token"]),
-        proximal_mu=float(config.get("proximal-mu", 0.0))
+        proximal_mu=float(cast(float, config.get("proximal-mu", 0.0)))
         if cfg.federated.strategy == "fedprox"
         else 0.0,
         fail_after_steps=1 if fail else None,
         trace_dir=Path(run.dir) / "traces" if run.dir else None,
     )
-    metrics = report.metrics() | {"partition-id": partition}
+    metrics: dict[str, int | float | list[int] | list[float]] = {
+        **report.metrics(),
+        "partition-id": partition,
+    }
     content = RecordDict(
         {"arrays": ArrayRecord(work.trainer.adapters()), "metrics": MetricRecord(metrics)}
     )

@@ -10,13 +10,14 @@ import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 
 from fedpipe.config import FedpipeConfig
 from fedpipe.data import (
     BlockSampler,
+    Scheme,
     default_corpus,
     load_documents,
     tokenize_blocks,
@@ -122,7 +123,7 @@ class DeviceWork:
         parts = partition_docs(
             train_docs,
             num_partitions,
-            scheme=fed.partition,
+            scheme=cast(Scheme, fed.partition),  # validated by FederatedConfig
             alpha=fed.dirichlet_alpha,
             seed=cfg.model.seed,
         )

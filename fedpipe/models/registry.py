@@ -26,6 +26,7 @@ from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedConfig,
+    PreTrainedModel,
 )
 
 from fedpipe.models.tokenizer import BYTE_VOCAB_SIZE, build_byte_tokenizer
@@ -49,7 +50,7 @@ def _small_llama() -> PreTrainedConfig:
 def _llama(
     *, hidden: int, inter: int, layers: int, heads: int, kv_heads: int, max_pos: int, tie: bool
 ) -> PreTrainedConfig:
-    return LlamaConfig(
+    return LlamaConfig(  # type: ignore[call-arg]  # attn_implementation: a base-config kwarg
         hidden_size=hidden,
         intermediate_size=inter,
         num_hidden_layers=layers,
@@ -67,7 +68,7 @@ def _llama(
 
 def _tiny_gpt2() -> PreTrainedConfig:
     # Dropout off so that training-mode forwards are deterministic and split == unsplit exactly.
-    return GPT2Config(
+    return GPT2Config(  # type: ignore[call-arg]  # attn_implementation: a base-config kwarg
         n_embd=64,
         n_layer=4,
         n_head=4,
@@ -149,10 +150,12 @@ def _cached(final: Path, write: Callable[[Path], None]) -> Path:
 
 def _write_named(name: str, out: Path) -> None:
     config = named_config(name)
-    family_cls = GPT2LMHeadModel if config.model_type == "gpt2" else LlamaForCausalLM
+    family_cls: type[PreTrainedModel] = (
+        GPT2LMHeadModel if config.model_type == "gpt2" else LlamaForCausalLM
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(_SEED)
-        model = family_cls(config).to(torch.float32)
+        model = family_cls(config).to(torch.float32)  # type: ignore[arg-type]  # @wraps stub
     model.save_pretrained(out)
     build_byte_tokenizer().save_pretrained(out)
 

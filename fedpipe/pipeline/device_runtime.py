@@ -218,6 +218,7 @@ class DeviceRuntime:
         reply = self.channel.receive(Kind.OUTPUT, state.step, mb)
         self._server_span("Sf", mb, reply, state)
         with self._compute(f"T{mb}", "device"):
+            assert reply.tensor is not None, "OUTPUT replies always carry the middle's output"
             x = reply.tensor.detach().requires_grad_(True)  # (b, T, C), a leaf
             loss_sum, _ = self.tail(x, state.microbatches[mb]["labels"])
             (loss_sum / max(state.total_tokens, 1)).backward()

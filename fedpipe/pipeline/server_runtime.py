@@ -206,6 +206,7 @@ class StageRuntime:
                 info = self._sessions.get(session_id)
             if info is None:
                 continue
+            reply: StageMsg | BaseException | None
             try:
                 reply = self._handle(info, msg)
             except Exception as exc:  # one session's bad message must not stop the others

@@ -9,6 +9,8 @@ has been activated.
 
 from __future__ import annotations
 
+from typing import cast
+
 from torch import Tensor, nn
 
 from fedpipe.split.lora import (
@@ -84,7 +86,8 @@ class AdapterBank:
         self._check(name, allow_global=True)
         out: list[nn.Parameter] = []
         for layer in lora_layers(self.stage).values():
-            out += [layer.lora_A[name].weight, layer.lora_B[name].weight]
+            a, b = layer.lora_A[name].weight, layer.lora_B[name].weight
+            out += [cast(nn.Parameter, a), cast(nn.Parameter, b)]
         return out
 
     def state_dict(self, name: str) -> dict[str, Tensor]:

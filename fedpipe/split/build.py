@@ -7,7 +7,7 @@ read with ``safe_open`` and assigned, so the whole model is never materialised o
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from safetensors import safe_open
@@ -100,7 +100,8 @@ def _build(
         tensors["lm_head.weight"] = lm_head
     stage.load_state_dict(tensors, strict=True, assign=True)
     if lm_head is not None:
-        stage.lm_head.weight = lm_head  # the very same Parameter as the head's embedding
+        tail = cast(TailStage, stage)  # only a tail is given the head's embedding
+        tail.lm_head.weight = lm_head  # the very same Parameter as the head's embedding
     if stage.family == "llama" and stage.block_indices:
         stage.rotary_emb = rotary_embedding(config).to(device)  # computed buffers, not weights
     stage.requires_grad_(False)

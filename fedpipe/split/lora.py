@@ -12,7 +12,7 @@ import math
 import re
 import warnings
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 from peft import LoraConfig, inject_adapter_in_model
@@ -59,7 +59,7 @@ class LoraSettings:
             targets = list(_LLAMA_TARGETS) if family == "llama" else _GPT2_ATTENTION
         return LoraConfig(
             r=self.r,
-            lora_alpha=self.alpha,
+            lora_alpha=self.alpha,  # type: ignore[arg-type]  # peft annotates int; floats work
             lora_dropout=self.dropout,
             target_modules=targets,
             fan_in_fan_out=family == "gpt2",  # GPT-2 uses Conv1D, weights stored (in, out)
@@ -110,11 +110,17 @@ def apply_lora(
 def set_active_adapter(module: nn.Module, adapter: str) -> None:
     """Make ``adapter`` the one every LoRA layer uses, leaving requires_grad flags as they were."""
     layers = lora_layers(module).values()
-    flags = [(p, p.requires_grad) for m in layers for p in m.parameters()]
+    flags = [(p, p.requires_grad) for m in layers for p in cast(nn.Module, m).parameters()]
     for layer in layers:
         layer.set_adapter(adapter)
     for param, flag in flags:  # peft's set_adapter would freeze the other adapters
         param.requires_grad_(flag)
+
+
+def _adapter_weights(layer: LoraLayer, adapter: str) -> tuple[nn.Parameter, nn.Parameter]:
+    """Adapter ``adapter``'s (lora_A, lora_B) weights in ``layer``: the Parameters themselves."""
+    a, b = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
+    return cast(nn.Parameter, a), cast(nn.Parameter, b)
 
 
 def _active_adapter(module: nn.Module) -> str | None:
@@ -125,6 +131,7 @@ def _active_adapter(module: nn.Module) -> str | None:
 
 def _has_targets(module: nn.Module, settings: LoraSettings, family: Family) -> bool:
     targets = settings.peft_config(family).target_modules
+    assert targets is not None  # peft_config always sets target_modules
     for name, _ in module.named_modules():
         if isinstance(targets, str):
             if re.fullmatch(targets, name):
@@ -142,7 +149,7 @@ def _seed_for(seed: int, name: str) -> int:
 @torch.no_grad()
 def _init_adapter(module: nn.Module, seed: int, adapter: str) -> None:
     for name, layer in lora_layers(module).items():
-        a, b = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
+        a, b = _adapter_weights(layer, adapter)
         gen = torch.Generator().manual_seed(_seed_for(seed, name))
         fresh = torch.empty(a.shape, dtype=torch.float32)
         nn.init.kaiming_uniform_(fresh, a=math.sqrt(5), generator=gen)  # peft's default A init
@@ -156,8 +163,9 @@ def lora_parameters(module: nn.Module, adapter: str = "default") -> dict[str, nn
     for name, layer in lora_layers(module).items():
         if adapter not in layer.lora_A:
             raise KeyError(f"adapter {adapter!r} not found in {name}; it has {list(layer.lora_A)}")
-        out[f"{name}.lora_A.weight"] = layer.lora_A[adapter].weight
-        out[f"{name}.lora_B.weight"] = layer.lora_B[adapter].weight
+        a, b = _adapter_weights(layer, adapter)
+        out[f"{name}.lora_A.weight"] = a
+        out[f"{name}.lora_B.weight"] = b
     return out
 
 
@@ -173,8 +181,9 @@ def load_lora_state_dict(
     """Copy ``sd`` (global keys) into adapter ``adapter``; keys must match exactly."""
     targets: dict[str, Tensor] = {}
     for name, layer in lora_layers(module).items():
-        targets[f"{name}.lora_A.weight"] = layer.lora_A[adapter].weight
-        targets[f"{name}.lora_B.weight"] = layer.lora_B[adapter].weight
+        a, b = _adapter_weights(layer, adapter)
+        targets[f"{name}.lora_A.weight"] = a
+        targets[f"{name}.lora_B.weight"] = b
     missing, unexpected = sorted(set(targets) - set(sd)), sorted(set(sd) - set(targets))
     if missing or unexpected:
         raise KeyError(

@@ -13,7 +13,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from safetensors import safe_open
@@ -83,7 +83,7 @@ def _device_param_bytes(folder: Path, plan: SplitPlan) -> int:
             stages.append(TailStage(config, plan.tail_blocks))
     numel = sum(p.numel() for s in stages for p in s.parameters())
     if plan.mode == "u" and _tied(folder, config):
-        numel -= stages[1].lm_head.weight.numel()  # shares the head's embedding
+        numel -= cast(TailStage, stages[1]).lm_head.weight.numel()  # shares the head's embedding
     return numel * 4
 
 

@@ -88,7 +88,7 @@ def _check_codec(codec: str) -> str:
     return codec
 
 
-def codec_to_proto(name: str) -> int:
+def codec_to_proto(name: str) -> pb.Codec:
     """The ``fedpipe.proto.Codec`` value of a codec name such as ``"bf16"``."""
     return _TO_PROTO[_check_codec(name)]
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 from fedpipe.pipeline.messages import Kind, StageMsg
 from fedpipe.proto import stage_pb2 as pb
 from fedpipe.transport.codec import (
@@ -23,7 +25,7 @@ def msg_to_proto(msg: StageMsg, *, session_id: str, codec: str) -> pb.StageMessa
         session_id=session_id,
         step=msg.step,
         microbatch=msg.microbatch,
-        kind=int(msg.kind),
+        kind=cast(pb.Kind, int(msg.kind)),  # Kind mirrors the proto enum's numbers
         loss_scale=msg.loss_scale,
         loss_sum=msg.loss_sum,
         tokens=msg.tokens,
