@@ -15,3 +15,9 @@ PATHS = ["fedpipe", "tests", "scripts", "benchmarks"]
 def test_ruff(args: list[str]) -> None:
     result = subprocess.run(["ruff", *args, *PATHS], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, f"ruff {' '.join(args)} failed:\n{result.stdout}{result.stderr}"
+
+
+@pytest.mark.skipif(shutil.which("mypy") is None, reason="mypy is not installed")
+def test_mypy() -> None:
+    result = subprocess.run(["mypy", "fedpipe"], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, f"mypy fedpipe failed:\n{result.stdout}{result.stderr}"
