@@ -108,8 +108,9 @@ class ServerConfig:
     max_sessions: int = 64
     max_in_flight: int = 64
     threads: int = 1  # torch threads for the server's compute
-    tls_cert: str = ""
+    tls_cert: str = ""  # the StageServer's certificate (PEM); with tls_key, serves TLS
     tls_key: str = ""
+    tls_ca: str = ""  # CA that devices and the ServerApp verify the StageServer with
 
     def __post_init__(self) -> None:
         _check(
@@ -117,6 +118,15 @@ class ServerConfig:
             f"server.device must be auto, cpu or cuda, got {self.device!r}",
         )
         _check(self.max_message_mb > 0, "server.max_message_mb must be > 0")
+        _check(
+            bool(self.tls_cert) == bool(self.tls_key),
+            "server.tls_cert and server.tls_key go together: give both or neither",
+        )
+
+    def root_certificates(self, override: str = "") -> bytes | None:
+        """The CA to verify the StageServer with (``override`` first), or None for plaintext."""
+        path = override or self.tls_ca
+        return Path(path).read_bytes() if path else None
 
     @property
     def max_message_bytes(self) -> int:

@@ -121,7 +121,9 @@ def _wrap_strategy(strategy, rounds: _Rounds):  # type: ignore[no-untyped-def]
 def server_main(grid: Grid, context: Context) -> None:
     cfg, run = run_settings(context.run_config)
     folder = RunFolder.open(Path(run.dir).parent, Path(run.dir).name, resume=run.resume)
-    control = StageControlClient(run.stage_address, run.secret)
+    control = StageControlClient(
+        run.stage_address, run.secret, root_certificates=cfg.server.root_certificates()
+    )
     work = DeviceWork(
         cfg, device_id="evaluator", partition=-1, num_partitions=cfg.federated.num_devices
     )
@@ -210,6 +212,7 @@ def client_train(msg: Message, context: Context) -> Message:
         num_partitions=num_partitions,
         profile=str(node.get("profile", "")) or None,
         data=str(node.get("data", "")) or None,
+        stage_ca=str(node.get("stage-ca", "")),
     )
     config = cast(ConfigRecord, msg.content["config"])
     round_ = int(cast(int, config["fedpipe-round"]))

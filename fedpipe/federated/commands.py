@@ -305,6 +305,8 @@ def _cmd_client(args: argparse.Namespace, make_config: Callable[..., FedpipeConf
         node_config["data"] = str(Path(args.data).resolve())
     if args.stage_server:
         node_config["stage-address"] = args.stage_server
+    if args.stage_ca:
+        node_config["stage-ca"] = str(Path(args.stage_ca).resolve())
     # Handlers first: a SIGTERM during start-up still stops the SuperNode (start_supernode
     # stops it itself if it raises), and SIGTERM later stops it and its ClientApps.
     stop = threading.Event()
@@ -389,6 +391,7 @@ def add_federated_commands(
     c = sub.add_parser("client", help="run a Flower SuperNode for one device")
     c.add_argument("--superlink", default="127.0.0.1:8000", help="SuperLink address (host:port)")
     c.add_argument("--stage-server", help="StageServer address (host:port) for this device")
+    c.add_argument("--stage-ca", help="CA certificate of a TLS StageServer (server.tls_ca)")
     c.add_argument("--partition-id", type=int, default=0)
     c.add_argument("--num-partitions", type=int, default=1)
     c.add_argument(

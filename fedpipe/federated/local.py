@@ -102,8 +102,10 @@ class DeviceWork:
         num_partitions: int,
         profile: str | None = None,
         data: str | None = None,
+        stage_ca: str = "",
     ) -> None:
         self.cfg, self.partition = cfg, partition
+        self.stage_ca = stage_ca  # a device's own path to the StageServer's CA (node config)
         self.profile = _profile(cfg, partition, profile)
         self.trainer = DeviceTrainer(cfg, device_id=device_id, profile=self.profile)
         tokenizer = load_tokenizer(self.trainer.folder)
@@ -155,7 +157,8 @@ class DeviceWork:
         )
         batches = [sampler.batch(round_ * steps + i) for i in range(steps)]
         self.trainer.tracer.clear()
-        with StageClient(address) as client:
+        roots = self.cfg.server.root_certificates(self.stage_ca)
+        with StageClient(address, root_certificates=roots) as client:
             report = self.trainer.train_round(
                 client,
                 batches,
@@ -185,7 +188,8 @@ def evaluate_split(
         else ""
     )
     loss_sum, tokens = 0.0, 0
-    with StageClient(run.stage_address) as client:
+    roots = cfg.server.root_certificates()
+    with StageClient(run.stage_address, root_certificates=roots) as client:
         session = client.open_session(
             device_id="evaluator", token=token, round_=round_, timeout_s=cfg.pipeline.timeout_s
         )
