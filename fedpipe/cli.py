@@ -1,4 +1,4 @@
-"""``fedpipe``: server | client | simulate | bench | run (see ``fedpipe COMMAND --help``)."""
+"""fedpipe: split-learning pipelines over gRPC with Flower rounds (see fedpipe COMMAND --help)."""
 
 from __future__ import annotations
 
