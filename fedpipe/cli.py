@@ -85,7 +85,7 @@ def _cmd_server(args: argparse.Namespace) -> int:
     try:
         print(f"fedpipe: StageServer listening on {server.address}", file=sys.stderr, flush=True)
         if args.superlink:
-            from fedpipe.federated.engines import Certificates, start_superlink
+            from fedpipe.federated.processes import Certificates, start_superlink
 
             certificates = Certificates(*(Path(p) for p in args.tls)) if args.tls else None
             superlink = start_superlink(
