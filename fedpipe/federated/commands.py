@@ -273,6 +273,7 @@ def _cmd_run(args: argparse.Namespace, make_config: Callable[..., FedpipeConfig]
     overrides = {k for k, v in flags.items() if v is not None}
     overrides |= {item.partition("=")[0].strip() for item in args.set or []}
     name = args.name or time.strftime("run-%Y%m%d-%H%M%S")
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # stop the Flower run too
     try:
         summary = deploy_run(
             config,

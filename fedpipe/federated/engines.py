@@ -177,7 +177,7 @@ def flwr_run(
 
     The connection lives in a private ``FLWR_HOME`` (``workdir/flwr-cli``). With
     ``stream`` the command follows the run's logs until it ends; the final status then
-    comes from `flwr ls`. On timeout the run is stopped on the SuperLink too. With
+    comes from `flwr ls`. On timeout or Ctrl-C the run is stopped on the SuperLink too. With
     ``check`` a run that did not finish as completed raises `FlowerRunError`.
     """
     root = run_workdir(workdir, "fedpipe-flwr-run-")
@@ -197,8 +197,10 @@ def flwr_run(
     returncode, output = _run_logged(args, run_env, log_path, timeout_s)
     match = _RUN_ID.search(output)
     run_id = int(match.group(1)) if match else None
-    if returncode == -1 and run_id is not None:
-        _flwr_quiet(["stop", str(run_id), _CONNECTION], run_env)
+    if returncode in (-1, -2) and run_id is not None:
+        _flwr_quiet(["stop", str(run_id), _CONNECTION], run_env)  # don't leave it running
+    if returncode == -2:
+        raise KeyboardInterrupt
     status = _run_status(run_id, run_env) if run_id is not None else "not-started"
     result = FlwrRunResult(run_id, status, returncode, output, log_path, time.monotonic() - start)
     if check and (returncode != 0 or (stream and not result.completed)):
@@ -213,17 +215,21 @@ def flwr_run(
 def _run_logged(
     args: Sequence[str], env: Mapping[str, str], log_path: Path, timeout_s: float
 ) -> tuple[int, str]:
-    """Run a command to completion with output in ``log_path``; rc -1 means timed out."""
+    """Run a command to completion with output in ``log_path``.
+
+    rc -1 means it timed out; -2 that this process was interrupted (Ctrl-C or SIGTERM turned
+    into KeyboardInterrupt) and the command was killed.
+    """
     with log_path.open("wb") as log:
         proc = subprocess.Popen(  # noqa: S603 - fixed argv, no shell
             list(args), stdout=log, stderr=subprocess.STDOUT, env=dict(env)
         )
         try:
             returncode = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
+        except (subprocess.TimeoutExpired, KeyboardInterrupt) as exc:
             proc.kill()
             proc.wait()
-            returncode = -1
+            returncode = -1 if isinstance(exc, subprocess.TimeoutExpired) else -2
     return returncode, log_path.read_text(encoding="utf-8", errors="replace")
 
 

@@ -164,3 +164,27 @@ def test_deployment_engine_superlink_and_two_supernodes(
     assert seen["node_config"] == {"partition-id": 1, "profile": r"C:\devices\pi"}
     assert json.loads((out / "node-0.json").read_text())["node_config"]["profile"] == "jetson nano"
     _assert_gone(tmp_path, started)
+
+
+def test_an_interrupted_command_is_killed_not_left_running(tmp_path: Path) -> None:
+    """Ctrl-C (or SIGTERM turned into KeyboardInterrupt) kills the child: rc -2, at once."""
+    import os
+    import signal
+    import sys
+    import threading
+
+    from fedpipe.federated.engines import _run_logged
+
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGUSR1, interrupt)
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGUSR1)).start()
+    started = time.monotonic()
+    try:
+        sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+        returncode, _ = _run_logged(sleeper, dict(os.environ), tmp_path / "log", 120)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert returncode == -2
+    assert time.monotonic() - started < 30
