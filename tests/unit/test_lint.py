@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PATHS = ["fedpipe", "tests", "scripts", "benchmarks"]
+PATHS = ["fedpipe", "tests", "scripts", "benchmarks", "examples"]
 
 
 @pytest.mark.skipif(shutil.which("ruff") is None, reason="ruff is not installed")
