@@ -202,3 +202,29 @@ def test_lossy_codecs_stay_within_stated_error(setups, codec: str) -> None:
     num = sum(float((grads[k] - g).norm()) for k, g in ref_grads.items())
     den = sum(float(g.norm()) for g in ref_grads.values())
     assert num / den < 10 * LOSSY_BOUNDS[codec]
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("split", ["u", "two"])
+def test_evaluation_through_the_split_model_equals_unsplit(setups, model: str, split: str) -> None:
+    """Forward-only evaluation over the stage link gives the unsplit model's loss, no update."""
+    setup = _setup(setups, model, split)
+    (batch,) = _batches(setup.vocab, n=1)
+    load_lora_state_dict(setup.reference, setup.adapter)
+    setup.runtime.bank.set_global_state({k: setup.adapter[k] for k in setup.server_keys})
+    with torch.no_grad():
+        expected = float(setup.reference(input_ids=batch["input_ids"], labels=batch["labels"]).loss)
+    config = _config(model, split, "gpipe", 4)
+    trainer = DeviceTrainer(config, device_id="evaluator", folder=setup.folder)
+    trainer.load_adapters({k: v for k, v in setup.adapter.items() if k not in setup.server_keys})
+    before = setup.runtime.bank.global_state()
+    with StageClient(setup.server.address) as client:
+        with client.open_session(device_id="evaluator") as session:
+            runtime = DeviceRuntime(
+                trainer.head, trainer.tail, session, optimizer=None, microbatches=4
+            )
+            loss_sum, tokens = runtime.evaluate(batch, step=0)
+    assert loss_sum / tokens == pytest.approx(expected, rel=1e-5)
+    after = setup.runtime.bank.global_state()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert not [s for s in setup.runtime.sessions() if s.device_id == "evaluator"]
