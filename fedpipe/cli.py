@@ -182,6 +182,7 @@ def _cmd_bench_pipeline(args: argparse.Namespace) -> int:
     flags["pipeline.microbatches"] = args.microbatches
     flags["pipeline.uplink_codec"] = args.codec
     flags["pipeline.downlink_codec"] = args.codec
+    flags["pipeline.gradient_codec"] = args.gradient_codec
     config = _config(args, **flags)
     links = args.links.split(",") if args.links else list(REFERENCE_LINKS)
     schedules = args.schedules.split(",") if args.schedules else list(BENCH_SCHEDULES)
@@ -224,6 +225,11 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--batch-size", type=int, default=16)
     q.add_argument("--seq-len", type=int, default=128)
     q.add_argument("--codec", default="fp32", choices=["fp32", "bf16", "fp16", "int8"])
+    q.add_argument(
+        "--gradient-codec",
+        choices=["fp32", "bf16", "fp16", "int8"],
+        help="codec of gradients (default: --codec)",
+    )
     q.add_argument("--steps", type=int, default=4, help="measured steps per schedule (median)")
     q.add_argument("--warmup", type=int, default=1)
     q.set_defaults(func=_cmd_bench_pipeline)

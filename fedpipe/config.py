@@ -62,6 +62,7 @@ class PipelineConfig:
     max_in_flight: int = 0  # 0 = no cap (greedy) or min(M, 4) (1f1b)
     uplink_codec: str = "fp32"
     downlink_codec: str = "fp32"
+    gradient_codec: str = ""  # "" = each direction's codec; e.g. int8 activations, bf16 grads
     timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
@@ -74,9 +75,10 @@ class PipelineConfig:
             self.schedule in SCHEDULES,
             f"pipeline.schedule {self.schedule!r} unknown; choose one of {', '.join(SCHEDULES)}",
         )
-        for name in ("uplink_codec", "downlink_codec"):
+        for name in ("uplink_codec", "downlink_codec", "gradient_codec"):
             value = getattr(self, name)
-            _check(value in CODECS, f"pipeline.{name} {value!r} unknown; choose one of {CODECS}")
+            ok = value in CODECS or (name == "gradient_codec" and value == "")
+            _check(ok, f"pipeline.{name} {value!r} unknown; choose one of {CODECS}")
 
 
 @dataclass(frozen=True)

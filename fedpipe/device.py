@@ -179,6 +179,7 @@ class DeviceTrainer:
             weight_decay=cfg.train.weight_decay,
             uplink_codec=cfg.pipeline.uplink_codec,
             downlink_codec=cfg.pipeline.downlink_codec,
+            gradient_codec=cfg.pipeline.gradient_codec,
             link=self.profile.link if self.profile else None,
             link_seed=f"{self.device_id}/{round_}",
             tracer=self.tracer,

@@ -117,6 +117,7 @@ def _run_schedule(
         lr=cfg.train.lr,
         uplink_codec=cfg.pipeline.uplink_codec,
         downlink_codec=cfg.pipeline.downlink_codec,
+        gradient_codec=cfg.pipeline.gradient_codec,
         link=link,
         link_seed=0,
         tracer=tracer,
@@ -147,10 +148,22 @@ def _median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else 0.0
 
 
+def _occupancy(tracer: Tracer, records: list[Any], lane: str) -> dict[str, float]:
+    """Median wire occupancy per transfer kind (``a``, ``g`` up; ``o``, ``i`` down).
+
+    The link's records and the tracer's events of a lane are appended in the same order by the
+    same thread, so zipping them names each record's message kind.
+    """
+    names = [e.name for e in tracer.events if e.lane == lane]
+    spans: dict[str, list[float]] = {}
+    for name, record in zip(names, records, strict=False):
+        spans.setdefault(name[:1], []).append(record.end - record.start)
+    return {kind: _median(values) for kind, values in spans.items()}
+
+
 def _components(tracer: Tracer, session: StageSession, link: LinkProfile, m: int) -> Components:
-    def occupancy(records: list[Any]) -> float:
-        spans = sorted(r.end - r.start for r in records)
-        return _median(spans[-2 * m :]) if spans else 0.0  # the 2M tensor messages, not STEP_END
+    up = _occupancy(tracer, session.link.up.records(), "uplink")
+    down = _occupancy(tracer, session.link.down.records(), "downlink")
 
     c_opt = _median(tracer.durations("O", "device"))
     s_opt = _median(tracer.durations("So", "server"))
@@ -161,8 +174,10 @@ def _components(tracer: Tracer, session: StageSession, link: LinkProfile, m: int
         c_b=_median(tracer.durations("B", "device")),
         s_f=_median(tracer.durations("Sf", "server")),
         s_b=_median(tracer.durations("Sb", "server")),
-        tau_up=occupancy(session.link.up.records()),
-        tau_down=occupancy(session.link.down.records()),
+        tau_up=up.get("a", 0.0),
+        tau_down=down.get("o", 0.0),
+        tau_up_grad=up.get("g", 0.0),
+        tau_down_grad=down.get("i", 0.0),
         lat_up=lat,
         lat_down=lat,
         t_opt=max(c_opt, 2 * lat + s_opt),
@@ -247,6 +262,7 @@ def run_pipeline_bench(
         "batch": [config.train.batch_size, config.train.seq_len],
         "microbatches": config.pipeline.microbatches,
         "codec": config.pipeline.uplink_codec,
+        "gradient_codec": config.pipeline.gradient_codec or config.pipeline.uplink_codec,
         "steps": steps,
         "warmup": warmup,
         "pinning": pinning,

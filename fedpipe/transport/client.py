@@ -27,7 +27,7 @@ from fedpipe.proto import stage_pb2 as pb
 from fedpipe.proto import stage_pb2_grpc as pb_grpc
 from fedpipe.transport.codec import codec_to_proto
 from fedpipe.transport.errors import retry_call
-from fedpipe.transport.serde import msg_from_proto, msg_to_proto
+from fedpipe.transport.serde import codec_for, msg_from_proto, msg_to_proto
 
 __all__ = ["SessionStats", "StageClient", "StageSession", "channel_options"]
 
@@ -99,6 +99,7 @@ class StageClient:
         weight_decay: float = 0.0,
         uplink_codec: str = "fp32",
         downlink_codec: str = "fp32",
+        gradient_codec: str = "",
         link: LinkProfile | None = None,
         link_seed: int | str | None = None,
         tracer: Tracer | None = None,
@@ -111,13 +112,20 @@ class StageClient:
             round=round_,
             uplink_codec=codec_to_proto(uplink_codec),
             downlink_codec=codec_to_proto(downlink_codec),
+            gradient_codec=codec_to_proto(gradient_codec) if gradient_codec else None,
             learning_rate=lr,
             weight_decay=weight_decay,
         )
         reply = retry_call(lambda: self.stub.OpenSession(request, timeout=30))
         duplex = DuplexLink.from_profile(link or LinkProfile.unlimited(), seed=link_seed)
         return StageSession(
-            self, reply, duplex, codec=uplink_codec, tracer=tracer, timeout_s=timeout_s
+            self,
+            reply,
+            duplex,
+            codec=uplink_codec,
+            gradient_codec=gradient_codec,
+            tracer=tracer,
+            timeout_s=timeout_s,
         )
 
     def close(self) -> None:
@@ -140,6 +148,7 @@ class StageSession:
         link: DuplexLink,
         *,
         codec: str,
+        gradient_codec: str = "",
         tracer: Tracer | None,
         timeout_s: float,
     ) -> None:
@@ -148,6 +157,7 @@ class StageSession:
         self.split = reply.split
         self.link = link
         self.codec = codec
+        self.gradient_codec = gradient_codec
         self.timeout_s = timeout_s
         self.tracer = tracer
         self.stats = SessionStats()
@@ -246,7 +256,8 @@ class StageSession:
         while (item := self._outgoing.get()) is not _END:
             assert isinstance(item, StageMsg)
             try:
-                raw = msg_to_proto(item, session_id=self.session_id, codec=self.codec)
+                codec = codec_for(item.kind, self.codec, self.gradient_codec)
+                raw = msg_to_proto(item, session_id=self.session_id, codec=codec)
             except Exception as exc:  # a bug or a bad tensor on our side
                 self._fail(StageLinkError(f"cannot encode {item}: {exc}"))
                 continue

@@ -14,9 +14,16 @@ from fedpipe.transport.codec import (
     tensor_to_proto,
 )
 
-__all__ = ["msg_from_proto", "msg_to_proto"]
+__all__ = ["codec_for", "msg_from_proto", "msg_to_proto"]
 
 _KINDS = {int(k) for k in Kind}
+
+
+def codec_for(kind: Kind, direction_codec: str, gradient_codec: str = "") -> str:
+    """The codec of one message: gradients may use their own, everything else the direction's."""
+    if gradient_codec and kind in (Kind.OUTPUT_GRAD, Kind.INPUT_GRAD):
+        return gradient_codec
+    return direction_codec
 
 
 def msg_to_proto(msg: StageMsg, *, session_id: str, codec: str) -> pb.StageMessage:

@@ -29,7 +29,7 @@ from fedpipe.proto import stage_pb2_grpc as pb_grpc
 from fedpipe.transport.client import SESSION_HEADER, channel_options
 from fedpipe.transport.codec import codec_from_proto
 from fedpipe.transport.errors import status_for
-from fedpipe.transport.serde import msg_from_proto, msg_to_proto
+from fedpipe.transport.serde import codec_for, msg_from_proto, msg_to_proto
 
 __all__ = ["SplitInfo", "StageServer"]
 
@@ -85,7 +85,7 @@ class _LinkServicer(pb_grpc.StageLinkServicer):
         self.rounds = rounds
         self.authenticate = authenticate
         self.max_message_bytes = max_message_bytes
-        self.codecs: dict[str, str] = {}  # session -> downlink codec
+        self.codecs: dict[str, tuple[str, str]] = {}  # session -> (downlink, gradient) codecs
 
     def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.ServicerContext):  # noqa: N802
         try:
@@ -100,6 +100,7 @@ class _LinkServicer(pb_grpc.StageLinkServicer):
                     )
                 self.authenticate(request.token, request.round, request.device_id)
             codec = codec_from_proto(request.downlink_codec or pb.FP32)
+            grad_codec = codec_from_proto(request.gradient_codec) if request.gradient_codec else ""
             session_id = self.runtime.open_session(
                 request.device_id,
                 request.round,
@@ -108,7 +109,7 @@ class _LinkServicer(pb_grpc.StageLinkServicer):
             )
         except Exception as exc:
             context.abort(status_for(exc), str(exc))
-        self.codecs[session_id] = codec
+        self.codecs[session_id] = (codec, grad_codec)
         return pb.OpenSessionReply(
             session_id=session_id,
             split=self.split.to_proto(),
@@ -137,13 +138,14 @@ class _LinkServicer(pb_grpc.StageLinkServicer):
             target=self._read, args=(session_id, request_iterator, outbox), daemon=True
         )
         reader.start()
-        codec = self.codecs.get(session_id, "fp32")
+        codec, grad_codec = self.codecs.get(session_id, ("fp32", ""))
         try:
             while (item := outbox.get()) is not _END:
                 if isinstance(item, BaseException):
                     context.abort(status_for(item), str(item))
                 assert isinstance(item, StageMsg)
-                yield msg_to_proto(item, session_id=session_id, codec=codec)
+                kind_codec = codec_for(item.kind, codec, grad_codec)
+                yield msg_to_proto(item, session_id=session_id, codec=kind_codec)
         finally:
             self.runtime.detach(session_id)
 

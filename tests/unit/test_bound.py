@@ -49,3 +49,13 @@ def test_sequential_never_beats_the_bound(m: int) -> None:
 
 def test_optimizer_tail_is_added() -> None:
     assert pipeline_bound(_c(t_opt=0.5), 4)[0] == pytest.approx(pipeline_bound(_c(), 4)[0] + 0.5)
+
+
+def test_gradients_in_another_codec_count_on_their_own() -> None:
+    """int8 activations with bf16 gradients: the uplink row carries one of each per microbatch."""
+    c = _c(tau_up=0.05, tau_up_grad=0.1)
+    bound, term = pipeline_bound(c, 8)
+    assert term == "uplink"
+    assert bound >= 8 * (0.05 + 0.1)
+    assert bound < pipeline_bound(_c(tau_up=0.1), 8)[0]  # cheaper than bf16 both ways
+    assert "tau_up_grad" in c.as_dict() and "tau_down_grad" not in c.as_dict()
