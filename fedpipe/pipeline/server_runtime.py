@@ -86,7 +86,9 @@ class StageRuntime:
         self.max_in_flight = max_in_flight
         self._sessions: dict[str, SessionInfo] = {}
         self._lock = threading.RLock()  # guards _sessions and the bank's adapter set
-        self._work: queue.Queue[tuple[str, StageMsg] | None] = queue.Queue()
+        # (session, message) to compute, or (session, callback) to call once all the
+        # session's earlier work is done; None stops the worker.
+        self._work: queue.Queue[tuple[str, StageMsg | Callable[[], None]] | None] = queue.Queue()
         self._ids = itertools.count()
         self._worker = threading.Thread(target=self._run, name="stage-compute", daemon=True)
         self._worker.start()
@@ -195,6 +197,14 @@ class StageRuntime:
             )
         self._work.put((session_id, msg))
 
+    def after_pending(self, session_id: str, callback: Callable[[], None]) -> None:
+        """Call ``callback`` on the worker once everything queued before it has been computed.
+
+        The transport uses it when a device half-closes its stream: replies to the messages it
+        sent last must still go out before the stream ends.
+        """
+        self._work.put((session_id, callback))
+
     def stop(self) -> None:
         self._work.put(None)
         self._worker.join(timeout=10)
@@ -202,6 +212,9 @@ class StageRuntime:
     def _run(self) -> None:
         while (item := self._work.get()) is not None:
             session_id, msg = item
+            if callable(msg):
+                msg()
+                continue
             with self._lock:
                 info = self._sessions.get(session_id)
             if info is None:

@@ -163,7 +163,8 @@ class _LinkServicer(pb_grpc.StageLinkServicer):
         except Exception as exc:
             outbox.put(exc)
             return
-        outbox.put(_END)
+        # The device half-closed: end the reply stream after the replies to what it sent.
+        self.runtime.after_pending(session_id, lambda: outbox.put(_END))
 
 
 class _ControlServicer(pb_grpc.StageControlServicer):

@@ -100,11 +100,7 @@ def _message(
 
 
 class _RawStream:
-    """An Exchange stream driven by hand; the request side stays open until ``close()``.
-
-    Keeping it open matters: a half-closed stream ends the server's reply stream too, which
-    could race an error the compute worker is about to report.
-    """
+    """An Exchange stream driven by hand; the request side stays open until ``close()``."""
 
     def __init__(self, stub: pb_grpc.StageLinkStub, session_id: str) -> None:
         self._requests: queue.Queue[pb.StageMessage | None] = queue.Queue()
@@ -195,6 +191,20 @@ def test_malformed_tensor_is_invalid_argument_and_the_device_recovers(
     assert len(losses) == 1 and 0 < losses[0] < 10
     assert session_id not in {s.session_id for s in server.runtime.sessions()}
     assert len(_train(server.address, folder, "bystander", _batches(1, n=1))) == 1
+
+
+def test_half_closed_stream_still_gets_its_replies(stub: pb_grpc.StageLinkStub) -> None:
+    """A device that sends its last message and half-closes still receives the answers to it."""
+    session_id = _open(stub, "half-closer")
+    requests = [
+        _message(pb.ACTIVATION, microbatch=m, tensor=_tensor((2, SEQ, HIDDEN))) for m in range(3)
+    ]
+    call = stub.Exchange(
+        iter(requests), metadata=((SESSION_HEADER, session_id),), timeout=RPC_TIMEOUT
+    )
+    replies = list(call)  # ends when the server ends the stream, after its replies
+    assert [(r.kind, r.microbatch) for r in replies] == [(pb.OUTPUT, m) for m in range(3)]
+    assert all(tuple(r.tensor.shape) == (2, SEQ, HIDDEN) for r in replies)
 
 
 def test_wrong_hidden_size_names_the_numbers(
