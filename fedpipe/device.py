@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from fedpipe.config import FedpipeConfig
-from fedpipe.link import ComputeThrottle, DeviceProfile, RealClock
+from fedpipe.link import ComputeThrottle, DeviceProfile, LinkProfile, RealClock
 from fedpipe.models import load_config, model_family, resolve_model
 from fedpipe.pipeline.device_runtime import DeviceRuntime, StepResult
 from fedpipe.pipeline.trace import Tracer
@@ -29,7 +29,7 @@ from fedpipe.split import (
     lora_state_dict,
     plan_split,
 )
-from fedpipe.transport.client import StageClient
+from fedpipe.transport.client import StageClient, StageSession
 
 __all__ = ["DeviceFailure", "DeviceTrainer", "RoundReport", "lora_settings"]
 
@@ -147,6 +147,51 @@ class DeviceTrainer:
         return params
 
     # -- training ---------------------------------------------------------------------------
+    def connect(
+        self,
+        client: StageClient,
+        *,
+        optimizer: torch.optim.Optimizer | None,
+        round_: int = 0,
+        token: str = "",
+        link: LinkProfile | None = None,
+        schedule: str | None = None,
+        tracer: Tracer | None = None,
+    ) -> tuple[StageSession, DeviceRuntime]:
+        """Open a session on the StageServer and the runtime that walks the schedule over it.
+
+        ``link``, ``schedule`` and ``tracer`` default to the device's profile, its config and
+        its own tracer; the caller closes the session (``with session:``).
+        """
+        cfg = self.config
+        tracer = tracer or self.tracer
+        session = client.open_session(
+            device_id=self.device_id,
+            token=token,
+            round_=round_,
+            lr=cfg.train.lr,
+            weight_decay=cfg.train.weight_decay,
+            uplink_codec=cfg.pipeline.uplink_codec,
+            downlink_codec=cfg.pipeline.downlink_codec,
+            gradient_codec=cfg.pipeline.gradient_codec,
+            link=link or (self.profile.link if self.profile else None),
+            link_seed=f"{self.device_id}/{round_}",
+            tracer=tracer,
+            timeout_s=cfg.pipeline.timeout_s,
+        )
+        runtime = DeviceRuntime(
+            self.head,
+            self.tail,
+            session,
+            optimizer=optimizer,
+            schedule=schedule or cfg.pipeline.schedule,
+            microbatches=cfg.pipeline.microbatches,
+            max_in_flight=cfg.pipeline.max_in_flight or None,
+            throttle=self.throttle,
+            tracer=tracer,
+        )
+        return session, runtime
+
     def train_round(
         self,
         client: StageClient,
@@ -171,32 +216,8 @@ class DeviceTrainer:
             _add_proximal_term(optimizer, params, proximal_mu)
         report = RoundReport()
         start = time.perf_counter()
-        session = client.open_session(
-            device_id=self.device_id,
-            token=token,
-            round_=round_,
-            lr=cfg.train.lr,
-            weight_decay=cfg.train.weight_decay,
-            uplink_codec=cfg.pipeline.uplink_codec,
-            downlink_codec=cfg.pipeline.downlink_codec,
-            gradient_codec=cfg.pipeline.gradient_codec,
-            link=self.profile.link if self.profile else None,
-            link_seed=f"{self.device_id}/{round_}",
-            tracer=self.tracer,
-            timeout_s=cfg.pipeline.timeout_s,
-        )
+        session, runtime = self.connect(client, optimizer=optimizer, round_=round_, token=token)
         with session:
-            runtime = DeviceRuntime(
-                self.head,
-                self.tail,
-                session,
-                optimizer=optimizer,
-                schedule=cfg.pipeline.schedule,
-                microbatches=cfg.pipeline.microbatches,
-                max_in_flight=cfg.pipeline.max_in_flight or None,
-                throttle=self.throttle,
-                tracer=self.tracer,
-            )
             for step, batch in enumerate(batches):
                 if fail_after_steps is not None and step >= fail_after_steps:
                     session.abort()

@@ -27,7 +27,7 @@ from fedpipe.bench.bound import Components, pipeline_bound, sequential_model
 from fedpipe.config import FedpipeConfig
 from fedpipe.device import DeviceTrainer
 from fedpipe.link import LinkProfile, get_link
-from fedpipe.pipeline.device_runtime import DeviceRuntime, StepResult
+from fedpipe.pipeline.device_runtime import StepResult
 from fedpipe.pipeline.trace import Tracer
 from fedpipe.transport.client import StageClient, StageSession
 
@@ -112,26 +112,8 @@ def _run_schedule(
     cfg = trainer.config
     tracer = Tracer()
     optimizer = torch.optim.AdamW(trainer.parameters(), lr=cfg.train.lr)
-    session = client.open_session(
-        device_id="bench",
-        lr=cfg.train.lr,
-        uplink_codec=cfg.pipeline.uplink_codec,
-        downlink_codec=cfg.pipeline.downlink_codec,
-        gradient_codec=cfg.pipeline.gradient_codec,
-        link=link,
-        link_seed=0,
-        tracer=tracer,
-        timeout_s=cfg.pipeline.timeout_s,
-    )
-    runtime = DeviceRuntime(
-        trainer.head,
-        trainer.tail,
-        session,
-        optimizer=optimizer,
-        schedule=schedule,
-        microbatches=cfg.pipeline.microbatches,
-        max_in_flight=cfg.pipeline.max_in_flight or None,
-        tracer=tracer,
+    session, runtime = trainer.connect(
+        client, optimizer=optimizer, link=link, schedule=schedule, tracer=tracer
     )
     results = []
     with session:

@@ -146,22 +146,8 @@ def _pipelined(setup: Setup, config: FedpipeConfig, batches):  # type: ignore[no
     setup.server_opts.clear()
     losses = []
     with StageClient(setup.server.address) as client:
-        session = client.open_session(
-            device_id=trainer.device_id,
-            lr=LR,
-            uplink_codec=config.pipeline.uplink_codec,
-            downlink_codec=config.pipeline.downlink_codec,
-            gradient_codec=config.pipeline.gradient_codec,
-        )
+        session, runtime = trainer.connect(client, optimizer=opt)
         with session:
-            runtime = DeviceRuntime(
-                trainer.head,
-                trainer.tail,
-                session,
-                optimizer=opt,
-                schedule=config.pipeline.schedule,
-                microbatches=config.pipeline.microbatches,
-            )
             for step, batch in enumerate(batches):
                 losses.append(runtime.train_step(batch, step=step).loss)
     (server_session,) = [s for s in setup.runtime.sessions() if s.device_id == trainer.device_id]
