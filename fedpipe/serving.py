@@ -66,6 +66,10 @@ def build_runtime(
         mode=plan.mode,
         hidden_size=int(hf_config.hidden_size),
         dtype=str(dtype).removeprefix("torch."),
+        max_positions=int(
+            getattr(hf_config, "max_position_embeddings", 0) or getattr(hf_config, "n_positions", 0)
+        ),
+        vocab_size=int(hf_config.vocab_size),
     )
     log.info("server stage: %s on %s (%s)", plan, device, split.dtype)
     return runtime, split

@@ -80,7 +80,7 @@ class StageMessage(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., step: _Optional[int] = ..., microbatch: _Optional[int] = ..., kind: _Optional[_Union[Kind, str]] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ..., labels: _Optional[_Union[Tensor, _Mapping]] = ..., loss_scale: _Optional[float] = ..., loss_sum: _Optional[float] = ..., tokens: _Optional[int] = ..., error: _Optional[str] = ..., compute_s: _Optional[float] = ..., forward_only: _Optional[bool] = ...) -> None: ...
 
 class SplitSpec(_message.Message):
-    __slots__ = ("model", "num_layers", "head_layers", "tail_layers", "mode", "hidden_size", "dtype")
+    __slots__ = ("model", "num_layers", "head_layers", "tail_layers", "mode", "hidden_size", "dtype", "fingerprint", "max_positions", "vocab_size")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     HEAD_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +88,9 @@ class SplitSpec(_message.Message):
     MODE_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    MAX_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     model: str
     num_layers: int
     head_layers: int
@@ -95,10 +98,13 @@ class SplitSpec(_message.Message):
     mode: str
     hidden_size: int
     dtype: str
-    def __init__(self, model: _Optional[str] = ..., num_layers: _Optional[int] = ..., head_layers: _Optional[int] = ..., tail_layers: _Optional[int] = ..., mode: _Optional[str] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+    fingerprint: str
+    max_positions: int
+    vocab_size: int
+    def __init__(self, model: _Optional[str] = ..., num_layers: _Optional[int] = ..., head_layers: _Optional[int] = ..., tail_layers: _Optional[int] = ..., mode: _Optional[str] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., fingerprint: _Optional[str] = ..., max_positions: _Optional[int] = ..., vocab_size: _Optional[int] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("device_id", "token", "round", "uplink_codec", "downlink_codec", "microbatch_size", "seq_len", "learning_rate", "weight_decay", "gradient_codec")
+    __slots__ = ("device_id", "token", "round", "uplink_codec", "downlink_codec", "microbatch_size", "seq_len", "learning_rate", "weight_decay", "gradient_codec", "split")
     DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -109,6 +115,7 @@ class OpenSessionRequest(_message.Message):
     LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
     GRADIENT_CODEC_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_FIELD_NUMBER: _ClassVar[int]
     device_id: str
     token: str
     round: int
@@ -119,7 +126,8 @@ class OpenSessionRequest(_message.Message):
     learning_rate: float
     weight_decay: float
     gradient_codec: Codec
-    def __init__(self, device_id: _Optional[str] = ..., token: _Optional[str] = ..., round: _Optional[int] = ..., uplink_codec: _Optional[_Union[Codec, str]] = ..., downlink_codec: _Optional[_Union[Codec, str]] = ..., microbatch_size: _Optional[int] = ..., seq_len: _Optional[int] = ..., learning_rate: _Optional[float] = ..., weight_decay: _Optional[float] = ..., gradient_codec: _Optional[_Union[Codec, str]] = ...) -> None: ...
+    split: SplitSpec
+    def __init__(self, device_id: _Optional[str] = ..., token: _Optional[str] = ..., round: _Optional[int] = ..., uplink_codec: _Optional[_Union[Codec, str]] = ..., downlink_codec: _Optional[_Union[Codec, str]] = ..., microbatch_size: _Optional[int] = ..., seq_len: _Optional[int] = ..., learning_rate: _Optional[float] = ..., weight_decay: _Optional[float] = ..., gradient_codec: _Optional[_Union[Codec, str]] = ..., split: _Optional[_Union[SplitSpec, _Mapping]] = ...) -> None: ...
 
 class OpenSessionReply(_message.Message):
     __slots__ = ("session_id", "split", "max_message_bytes")
@@ -144,12 +152,14 @@ class CloseSessionReply(_message.Message):
     def __init__(self, steps: _Optional[int] = ...) -> None: ...
 
 class BeginRoundRequest(_message.Message):
-    __slots__ = ("round", "secret")
+    __slots__ = ("round", "secret", "run_id")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SECRET_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
     round: int
     secret: str
-    def __init__(self, round: _Optional[int] = ..., secret: _Optional[str] = ...) -> None: ...
+    run_id: str
+    def __init__(self, round: _Optional[int] = ..., secret: _Optional[str] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class BeginRoundReply(_message.Message):
     __slots__ = ()

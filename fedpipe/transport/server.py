@@ -50,6 +50,9 @@ class SplitInfo:
     mode: str
     hidden_size: int
     dtype: str
+    fingerprint: str = ""  # sha256 over the model's config and base weights
+    max_positions: int = 0  # longest sequence the model's positions cover (0: unknown)
+    vocab_size: int = 0
 
     def to_proto(self) -> pb.SplitSpec:
         return pb.SplitSpec(
@@ -60,6 +63,9 @@ class SplitInfo:
             mode=self.mode,
             hidden_size=self.hidden_size,
             dtype=self.dtype,
+            fingerprint=self.fingerprint,
+            max_positions=self.max_positions,
+            vocab_size=self.vocab_size,
         )
 
 
