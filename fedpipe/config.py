@@ -113,6 +113,10 @@ class ServerConfig:
     tls_cert: str = ""  # the StageServer's certificate (PEM); with tls_key, serves TLS
     tls_key: str = ""
     tls_ca: str = ""  # CA that devices and the ServerApp verify the StageServer with
+    # Mutual TLS: the StageServer admits only clients whose certificate this CA signed ...
+    tls_client_ca: str = ""
+    tls_client_cert: str = ""  # ... and the ServerApp (control, evaluator) presents this one
+    tls_client_key: str = ""
 
     def __post_init__(self) -> None:
         _check(
@@ -124,11 +128,25 @@ class ServerConfig:
             bool(self.tls_cert) == bool(self.tls_key),
             "server.tls_cert and server.tls_key go together: give both or neither",
         )
+        _check(
+            bool(self.tls_client_cert) == bool(self.tls_client_key),
+            "server.tls_client_cert and server.tls_client_key go together: give both or neither",
+        )
+        _check(
+            not self.tls_client_ca or bool(self.tls_cert),
+            "server.tls_client_ca (mutual TLS) needs server.tls_cert and server.tls_key too",
+        )
 
     def root_certificates(self, override: str = "") -> bytes | None:
         """The CA to verify the StageServer with (``override`` first), or None for plaintext."""
         path = override or self.tls_ca
         return Path(path).read_bytes() if path else None
+
+    def client_identity(self) -> tuple[bytes | None, bytes | None]:
+        """The ServerApp's client certificate and key for a mutual-TLS StageServer, if set."""
+        if not self.tls_client_cert:
+            return None, None
+        return Path(self.tls_client_cert).read_bytes(), Path(self.tls_client_key).read_bytes()
 
     @property
     def max_message_bytes(self) -> int:

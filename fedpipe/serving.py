@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from fedpipe.config import FedpipeConfig
+from fedpipe.config import FedpipeConfig, ServerConfig
 from fedpipe.device import lora_settings
 from fedpipe.errors import AuthError
 from fedpipe.models import load_config, model_family, resolve_model
@@ -76,17 +76,37 @@ def build_runtime(
 
 
 def _authenticator(secret: str):  # type: ignore[no-untyped-def]
-    from fedpipe.federated.tokens import InvalidTokenError, check_secret, verify_token
+    """Token checks for OpenSession: MAC, run, round, device, expiry, and one use each."""
+    from fedpipe.federated.tokens import InvalidTokenError, TokenLedger, check_secret, verify_token
 
     check_secret(secret)  # a bad secret fails here, at start-up, not on every OpenSession
+    ledger = TokenLedger()
 
-    def authenticate(token: str, round_: int, device_id: str) -> None:
+    def authenticate(token: str, round_: int, device_id: str, run_id: str, begun: float) -> None:
         try:
-            verify_token(secret, token, round=round_, device_id=device_id)
+            if not run_id:
+                raise InvalidTokenError(
+                    "no run has begun on this StageServer yet: the ServerApp begins each round "
+                    "before devices open sessions (a StageServer restarted mid-round waits for "
+                    "the next round or `fedpipe run --resume`)"
+                )
+            claims = verify_token(
+                secret, token, round=round_, run_id=run_id, device_id=device_id, not_before=begun
+            )
+            ledger.claim(claims, epoch=begun)
         except InvalidTokenError as exc:
             raise AuthError(f"session token refused for device {device_id!r}: {exc}") from None
 
     return authenticate
+
+
+def _tls_files(server: ServerConfig) -> tuple[tuple[bytes, bytes] | None, bytes | None]:
+    """(certificate, key) the StageServer serves TLS with, and the CA of client certificates."""
+    if not server.tls_cert:
+        return None, None
+    tls = (Path(server.tls_cert).read_bytes(), Path(server.tls_key).read_bytes())
+    client_ca = Path(server.tls_client_ca).read_bytes() if server.tls_client_ca else None
+    return tls, client_ca
 
 
 def build_stage_server(
@@ -97,17 +117,18 @@ def build_stage_server(
     folder: Path | None = None,
 ) -> StageServer:
     """A ready-to-start StageServer; with ``secret``, sessions need tokens issued for the round."""
+    from fedpipe.federated.callauth import ControlVerifier
+
     runtime, split = build_runtime(config, folder=folder)
-    tls = None
-    if config.server.tls_cert:
-        tls = (Path(config.server.tls_cert).read_bytes(), Path(config.server.tls_key).read_bytes())
+    tls, client_ca = _tls_files(config.server)
     return StageServer(
         runtime,
         split,
         host=config.server.host,
         port=config.server.port if port is None else port,
-        secret=secret,
         authenticate=_authenticator(secret) if secret else None,
+        control_auth=ControlVerifier(secret) if secret else None,
         max_message_bytes=config.server.max_message_bytes,
         tls=tls,
+        client_ca=client_ca,
     )

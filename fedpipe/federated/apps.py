@@ -27,6 +27,7 @@ from fedpipe.federated.local import (
     RunSettings,
     evaluate_split,
     run_settings,
+    server_run_settings,
 )
 from fedpipe.federated.runfolder import RunFolder
 from fedpipe.federated.strategies import make_strategy
@@ -49,23 +50,31 @@ class _Rounds:
     ) -> None:
         self.control, self.folder, self.offset = control, folder, offset
         self.secret, self.run_id = run.secret, run.run_id
+        self.stage_address, self.token_ttl_s = run.stage_address, run.round_timeout_s
         self.last_commit: tuple[int, int] = (0, 0)
         self.finished: dict[str, float] = {}
 
     def configure(self, server_round: int, messages: Iterable[Message]) -> list[Message]:
         round_ = self.offset + server_round
-        self.control.begin_round(round_)
+        self.control.begin_round(round_, self.run_id)
         out = []
         for msg in messages:
             node = str(msg.metadata.dst_node_id)
             config = ConfigRecord(dict(cast(ConfigRecord, msg.content["config"])))
             config["fedpipe-round"] = round_
-            if self.secret:
-                config["token"] = issue_token(
-                    self.secret, run_id=self.run_id, round=round_, device_id=node
+            # All a device needs for the stage link comes here (its CA is its own file).
+            config["stage-address"] = self.stage_address
+            config["token"] = (
+                issue_token(
+                    self.secret,
+                    run_id=self.run_id,
+                    round=round_,
+                    device_id=node,
+                    ttl_s=self.token_ttl_s,
                 )
-            else:
-                config["token"] = ""
+                if self.secret
+                else ""
+            )
             content = RecordDict({"arrays": msg.content["arrays"], "config": config})
             out.append(
                 Message(
@@ -119,10 +128,15 @@ def _wrap_strategy(strategy, rounds: _Rounds):  # type: ignore[no-untyped-def]
 
 @server_app.main()
 def server_main(grid: Grid, context: Context) -> None:
-    cfg, run = run_settings(context.run_config)
+    cfg, run = server_run_settings(context.run_config)  # the only reader of the secret
     folder = RunFolder.open(Path(run.dir).parent, Path(run.dir).name, resume=run.resume)
+    chain, key = cfg.server.client_identity()
     control = StageControlClient(
-        run.stage_address, run.secret, root_certificates=cfg.server.root_certificates()
+        run.stage_address,
+        run.secret,
+        root_certificates=cfg.server.root_certificates(),
+        certificate_chain=chain,
+        private_key=key,
     )
     work = DeviceWork(
         cfg, device_id="evaluator", partition=-1, num_partitions=cfg.federated.num_devices
@@ -140,7 +154,7 @@ def server_main(grid: Grid, context: Context) -> None:
         log.info("all %d rounds are done already", cfg.federated.rounds)
         return
     rounds = _Rounds(control, folder, run, offset)
-    control.begin_round(offset)
+    control.begin_round(offset, run.run_id)
     strategy = _wrap_strategy(
         make_strategy(
             cfg.federated.strategy,
@@ -213,11 +227,16 @@ def client_train(msg: Message, context: Context) -> Message:
         profile=str(node.get("profile", "")) or None,
         data=str(node.get("data", "")) or None,
         stage_ca=str(node.get("stage-ca", "")),
+        stage_cert=str(node.get("stage-cert", "")),
+        stage_key=str(node.get("stage-key", "")),
     )
     config = cast(ConfigRecord, msg.content["config"])
     round_ = int(cast(int, config["fedpipe-round"]))
     work.trainer.load_adapters(cast(ArrayRecord, msg.content["arrays"]).to_torch_state_dict())
-    address = str(node.get("stage-address", "")) or run.stage_address
+    # The device's own flag first (the server's address as seen from the device's network),
+    # else the one the ServerApp sent.
+    address = str(node.get("stage-address", "")) or str(config.get("stage-address", ""))
+    address = address or run.stage_address
     fail = run.kill_partition == partition and run.kill_round == round_
     report = work.train(
         address,

@@ -1,62 +1,86 @@
-"""The ServerApp's client for the StageServer's round control service."""
+"""The ServerApp's client for the StageServer's round control service.
+
+Every call is signed with a MAC of its request (see :mod:`fedpipe.federated.callauth`); the
+secret itself never leaves this process. Calls are retried with backoff, each try signed anew.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import grpc
 import torch
+from google.protobuf.message import Message as ProtoMessage
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from fedpipe.federated.callauth import sign_call
 from fedpipe.proto import stage_pb2 as pb
 from fedpipe.proto import stage_pb2_grpc as pb_grpc
+from fedpipe.transport.client import secure_channel_credentials
 from fedpipe.transport.errors import retry_call
 
 __all__ = ["StageControlClient"]
 
+_SERVICE = "/fedpipe.proto.StageControl/"
+
 
 class StageControlClient:
-    """Begin and commit rounds, and move the server's global adapter (all retried)."""
+    """Begin and commit rounds, and move the server's global adapter (all signed and retried)."""
 
     def __init__(
-        self, address: str, secret: str, *, root_certificates: bytes | None = None
+        self,
+        address: str,
+        secret: str,
+        *,
+        root_certificates: bytes | None = None,
+        certificate_chain: bytes | None = None,
+        private_key: bytes | None = None,
     ) -> None:
         if root_certificates is not None:
-            creds = grpc.ssl_channel_credentials(root_certificates=root_certificates)
+            creds = secure_channel_credentials(root_certificates, certificate_chain, private_key)
             self.channel = grpc.secure_channel(address, creds)
         else:
             self.channel = grpc.insecure_channel(address)
         self.stub = pb_grpc.StageControlStub(self.channel)
-        self.secret = secret
+        self._secret = secret
 
-    def begin_round(self, round_: int) -> None:
-        request = pb.BeginRoundRequest(round=round_, secret=self.secret)
-        retry_call(lambda: self.stub.BeginRound(request, timeout=30))
+    def _call(self, name: str, request: ProtoMessage, timeout: float) -> Any:
+        """Call ``name`` with a fresh signature per try (a retried call is not a replay)."""
+        method: Callable[..., Any] = getattr(self.stub, name)
+        body = request.SerializeToString(deterministic=True)
+
+        def once() -> Any:
+            metadata = sign_call(self._secret, _SERVICE + name, body) if self._secret else None
+            return method(request, timeout=timeout, metadata=metadata)
+
+        return retry_call(once)
+
+    def begin_round(self, round_: int, run_id: str = "") -> None:
+        """Tell the StageServer that ``round_`` of ``run_id`` starts: tokens must name both."""
+        self._call("BeginRound", pb.BeginRoundRequest(round=round_, run_id=run_id), 30)
 
     def commit_round(self, round_: int, finished: dict[str, float]) -> tuple[int, int]:
         """Merge the finished devices' server adapters (by weight); returns (merged, discarded)."""
         request = pb.CommitRoundRequest(
             round=round_,
-            secret=self.secret,
             finished=[pb.DeviceWeight(device_id=d, weight=w) for d, w in finished.items()],
         )
-        reply = retry_call(lambda: self.stub.CommitRound(request, timeout=60))
+        reply = self._call("CommitRound", request, 60)
         return reply.merged, reply.discarded
 
     def get_adapter(self) -> dict[str, torch.Tensor]:
-        reply = retry_call(
-            lambda: self.stub.GetAdapter(pb.AdapterRequest(secret=self.secret), timeout=60)
-        )
+        reply = self._call("GetAdapter", pb.AdapterRequest(), 60)
         return st_load(reply.safetensors)
 
     def load_adapter(self, state: dict[str, torch.Tensor]) -> None:
         data = st_save({k: v.contiguous() for k, v in state.items()})
-        request = pb.LoadAdapterRequest(secret=self.secret, safetensors=data)
-        retry_call(lambda: self.stub.LoadAdapter(request, timeout=60))
+        self._call("LoadAdapter", pb.LoadAdapterRequest(safetensors=data), 60)
 
     def reset_adapter(self) -> None:
         """Start the server's global adapter afresh (a new run, not a resumed one)."""
-        request = pb.LoadAdapterRequest(secret=self.secret)
-        retry_call(lambda: self.stub.LoadAdapter(request, timeout=60))
+        self._call("LoadAdapter", pb.LoadAdapterRequest(), 60)
 
     def close(self) -> None:
         self.channel.close()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar, cast
 
@@ -38,11 +38,16 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class RunSettings:
-    """Per-run keys that are not model/training settings."""
+    """Per-run keys that are not model/training settings.
+
+    ``secret`` is filled only on the server side (`server_run_settings`): devices see the run
+    config too, but never open ``secret_file``, a path on the server host.
+    """
 
     dir: str = ""
     resume: bool = False
     stage_address: str = "127.0.0.1:50051"
+    secret_file: str = ""
     secret: str = ""
     run_id: str = "run"
     round_timeout_s: float = 1800.0
@@ -63,21 +68,35 @@ RUN_DEFAULTS: dict[str, Any] = {
 
 
 def run_settings(run_config: dict[str, Any]) -> tuple[FedpipeConfig, RunSettings]:
-    """Split Flower's run config into fedpipe settings and run settings."""
+    """Split Flower's run config into fedpipe settings and run settings (reads no file)."""
     settings = {k: v for k, v in run_config.items() if k.split(".")[0] not in ("run", "faults")}
     run = {**RUN_DEFAULTS, **{k: v for k, v in run_config.items() if k not in settings}}
-    secret_file = str(run["run.secret-file"])
-    secret = Path(secret_file).read_text().strip() if secret_file else ""
     return FedpipeConfig().with_overrides(settings), RunSettings(
         dir=str(run["run.dir"]),
         resume=bool(run["run.resume"]),
         stage_address=str(run["run.stage-address"]),
-        secret=secret,
+        secret_file=str(run["run.secret-file"]),
         run_id=str(run["run.id"]),
         round_timeout_s=float(run["run.round-timeout"]),
         kill_partition=int(run["faults.kill-partition"]),
         kill_round=int(run["faults.kill-round"]),
     )
+
+
+def server_run_settings(run_config: dict[str, Any]) -> tuple[FedpipeConfig, RunSettings]:
+    """`run_settings` plus the master secret, read from ``run.secret-file``: ServerApp only."""
+    cfg, run = run_settings(run_config)
+    if not run.secret_file:
+        return cfg, run
+    path = Path(run.secret_file)
+    try:
+        secret = path.read_text().strip()
+    except OSError as exc:
+        raise FileNotFoundError(
+            f"the ServerApp cannot read the secret file {path} ({exc.strerror}): it must be "
+            "the StageServer's --secret-file, on the host where the SuperLink runs the ServerApp"
+        ) from None
+    return cfg, replace(run, secret=secret)
 
 
 def _profile(cfg: FedpipeConfig, partition_id: int, name: str | None) -> DeviceProfile | None:
@@ -103,9 +122,13 @@ class DeviceWork:
         profile: str | None = None,
         data: str | None = None,
         stage_ca: str = "",
+        stage_cert: str = "",
+        stage_key: str = "",
     ) -> None:
         self.cfg, self.partition = cfg, partition
-        self.stage_ca = stage_ca  # a device's own path to the StageServer's CA (node config)
+        # The device's own files (node config / `fedpipe client` flags), never the server's:
+        # the StageServer's CA, and its client certificate and key for mutual TLS.
+        self.stage_ca, self.stage_cert, self.stage_key = stage_ca, stage_cert, stage_key
         self.profile = _profile(cfg, partition, profile)
         self.trainer = DeviceTrainer(cfg, device_id=device_id, profile=self.profile)
         tokenizer = load_tokenizer(self.trainer.folder)
@@ -157,8 +180,7 @@ class DeviceWork:
         )
         batches = [sampler.batch(round_ * steps + i) for i in range(steps)]
         self.trainer.tracer.clear()
-        roots = self.cfg.server.root_certificates(self.stage_ca)
-        with StageClient(address, root_certificates=roots) as client:
+        with self._client(address) as client:
             report = self.trainer.train_round(
                 client,
                 batches,
@@ -167,10 +189,23 @@ class DeviceWork:
                 proximal_mu=proximal_mu,
                 fail_after_steps=fail_after_steps,
             )
-        if trace_dir is not None and trace_dir.parent.is_dir():
+        if trace_dir is not None and trace_dir.parent.is_dir():  # only where the run folder is
             path = trace_dir / f"device-{self.partition}-round-{round_}.json"
             self.trainer.tracer.write(path, pid=f"device {self.partition}")
         return report
+
+    def _client(self, address: str) -> StageClient:
+        """A stage-link client with this device's TLS files (its CA; cert and key for mTLS)."""
+        if bool(self.stage_cert) != bool(self.stage_key):
+            raise ValueError("stage-cert and stage-key go together: give both or neither")
+        chain = Path(self.stage_cert).read_bytes() if self.stage_cert else None
+        key = Path(self.stage_key).read_bytes() if self.stage_key else None
+        return StageClient(
+            address,
+            root_certificates=self.cfg.server.root_certificates(self.stage_ca),
+            certificate_chain=chain,
+            private_key=key,
+        )
 
 
 def evaluate_split(
@@ -183,13 +218,22 @@ def evaluate_split(
     trainer, cfg = work.trainer, work.cfg
     trainer.load_adapters(adapters)
     token = (
-        issue_token(run.secret, run_id=run.run_id, round=round_, device_id="evaluator")
+        issue_token(
+            run.secret,
+            run_id=run.run_id,
+            round=round_,
+            device_id="evaluator",
+            ttl_s=run.round_timeout_s,
+        )
         if run.secret
         else ""
     )
     loss_sum, tokens = 0.0, 0
+    chain, key = cfg.server.client_identity()
     roots = cfg.server.root_certificates()
-    with StageClient(run.stage_address, root_certificates=roots) as client:
+    with StageClient(
+        run.stage_address, root_certificates=roots, certificate_chain=chain, private_key=key
+    ) as client:
         session = client.open_session(
             device_id="evaluator", token=token, round_=round_, timeout_s=cfg.pipeline.timeout_s
         )

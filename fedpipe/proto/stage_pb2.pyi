@@ -152,14 +152,12 @@ class CloseSessionReply(_message.Message):
     def __init__(self, steps: _Optional[int] = ...) -> None: ...
 
 class BeginRoundRequest(_message.Message):
-    __slots__ = ("round", "secret", "run_id")
+    __slots__ = ("round", "run_id")
     ROUND_FIELD_NUMBER: _ClassVar[int]
-    SECRET_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     round: int
-    secret: str
     run_id: str
-    def __init__(self, round: _Optional[int] = ..., secret: _Optional[str] = ..., run_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, round: _Optional[int] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class BeginRoundReply(_message.Message):
     __slots__ = ()
@@ -174,14 +172,12 @@ class DeviceWeight(_message.Message):
     def __init__(self, device_id: _Optional[str] = ..., weight: _Optional[float] = ...) -> None: ...
 
 class CommitRoundRequest(_message.Message):
-    __slots__ = ("round", "secret", "finished")
+    __slots__ = ("round", "finished")
     ROUND_FIELD_NUMBER: _ClassVar[int]
-    SECRET_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     round: int
-    secret: str
     finished: _containers.RepeatedCompositeFieldContainer[DeviceWeight]
-    def __init__(self, round: _Optional[int] = ..., secret: _Optional[str] = ..., finished: _Optional[_Iterable[_Union[DeviceWeight, _Mapping]]] = ...) -> None: ...
+    def __init__(self, round: _Optional[int] = ..., finished: _Optional[_Iterable[_Union[DeviceWeight, _Mapping]]] = ...) -> None: ...
 
 class CommitRoundReply(_message.Message):
     __slots__ = ("merged", "discarded")
@@ -192,10 +188,8 @@ class CommitRoundReply(_message.Message):
     def __init__(self, merged: _Optional[int] = ..., discarded: _Optional[int] = ...) -> None: ...
 
 class AdapterRequest(_message.Message):
-    __slots__ = ("secret",)
-    SECRET_FIELD_NUMBER: _ClassVar[int]
-    secret: str
-    def __init__(self, secret: _Optional[str] = ...) -> None: ...
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class AdapterReply(_message.Message):
     __slots__ = ("safetensors",)
@@ -204,12 +198,10 @@ class AdapterReply(_message.Message):
     def __init__(self, safetensors: _Optional[bytes] = ...) -> None: ...
 
 class LoadAdapterRequest(_message.Message):
-    __slots__ = ("secret", "safetensors")
-    SECRET_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("safetensors",)
     SAFETENSORS_FIELD_NUMBER: _ClassVar[int]
-    secret: str
     safetensors: bytes
-    def __init__(self, secret: _Optional[str] = ..., safetensors: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, safetensors: _Optional[bytes] = ...) -> None: ...
 
 class LoadAdapterReply(_message.Message):
     __slots__ = ()

@@ -11,11 +11,15 @@ works on loopback without privileges.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
+import random
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 
@@ -26,14 +30,21 @@ from fedpipe.pipeline.trace import Tracer
 from fedpipe.proto import stage_pb2 as pb
 from fedpipe.proto import stage_pb2_grpc as pb_grpc
 from fedpipe.transport.codec import codec_to_proto
-from fedpipe.transport.errors import retry_call
 from fedpipe.transport.serde import codec_for, msg_from_proto, msg_to_proto
 
-__all__ = ["SessionStats", "StageClient", "StageSession", "channel_options"]
+__all__ = [
+    "SessionStats",
+    "StageClient",
+    "StageSession",
+    "channel_options",
+    "reconnect_call",
+    "secure_channel_credentials",
+]
 
 log = logging.getLogger(__name__)
 
 SESSION_HEADER = "fedpipe-session-id"
+T = TypeVar("T")
 # Timeline names of transfers, by message kind (activation, output, output grad, input grad).
 _TRANSFER_NAMES = {
     Kind.ACTIVATION: "a",
@@ -59,6 +70,60 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
     ]
 
 
+def secure_channel_credentials(
+    root_certificates: bytes,
+    certificate_chain: bytes | None = None,
+    private_key: bytes | None = None,
+) -> grpc.ChannelCredentials:
+    """TLS trusting ``root_certificates``; with a certificate and key, mutual TLS."""
+    if (certificate_chain is None) != (private_key is None):
+        raise ValueError(
+            "a client certificate and its private key go together (--stage-cert with --stage-key)"
+        )
+    return grpc.ssl_channel_credentials(
+        root_certificates=root_certificates,
+        private_key=private_key,
+        certificate_chain=certificate_chain,
+    )
+
+
+def reconnect_call(
+    fn: Callable[[], T],
+    *,
+    budget_s: float,
+    what: str,
+    base_delay: float = 0.2,
+    max_delay: float = 5.0,
+    rng: random.Random | None = None,
+) -> T:
+    """Call ``fn()``, retrying UNAVAILABLE for up to ``budget_s`` seconds (a server restarting).
+
+    Waits ``uniform(0, min(max_delay, base_delay * 2**i))`` before retry ``i`` (exponential
+    backoff, full jitter), so devices that lost the same server do not return in lockstep.
+    Other errors, and UNAVAILABLE once the budget is spent, are raised as they are.
+    """
+    rng = rng or random.Random()
+    deadline = time.monotonic() + budget_s
+    for attempt in itertools.count():
+        try:
+            return fn()
+        except grpc.RpcError as exc:
+            code = exc.code() if callable(getattr(exc, "code", None)) else None
+            left = deadline - time.monotonic()
+            if code != grpc.StatusCode.UNAVAILABLE or left <= 0:
+                raise
+            delay = min(left, rng.uniform(0.0, min(max_delay, base_delay * 2**attempt)))
+            log.warning(
+                "%s: UNAVAILABLE (try %d), retrying in %.2f s for up to %.0f s more",
+                what,
+                attempt + 1,
+                delay,
+                left,
+            )
+            time.sleep(delay)
+    raise AssertionError("unreachable")
+
+
 @dataclass
 class SessionStats:
     """Traffic of one session as seen on the wire (encoded protobuf bytes)."""
@@ -78,12 +143,16 @@ class StageClient:
         *,
         max_message_bytes: int = 64 * 1024 * 1024,
         root_certificates: bytes | None = None,
+        certificate_chain: bytes | None = None,
+        private_key: bytes | None = None,
+        reconnect_s: float = 60.0,
     ) -> None:
         self.address = address
+        self.reconnect_s = reconnect_s
         self.max_message_bytes = max_message_bytes
         options = channel_options(max_message_bytes)
         if root_certificates is not None:
-            creds = grpc.ssl_channel_credentials(root_certificates=root_certificates)
+            creds = secure_channel_credentials(root_certificates, certificate_chain, private_key)
             self.channel = grpc.secure_channel(address, creds, options=options)
         else:
             self.channel = grpc.insecure_channel(address, options=options)
@@ -116,7 +185,11 @@ class StageClient:
             learning_rate=lr,
             weight_decay=weight_decay,
         )
-        reply = retry_call(lambda: self.stub.OpenSession(request, timeout=30))
+        reply = reconnect_call(
+            lambda: self.stub.OpenSession(request, timeout=30),
+            budget_s=self.reconnect_s,
+            what=f"opening a session on {self.address}",
+        )
         duplex = DuplexLink.from_profile(link or LinkProfile.unlimited(), seed=link_seed)
         return StageSession(
             self,

@@ -8,11 +8,11 @@ errors to status codes; all compute happens in the runtime's worker.
 
 from __future__ import annotations
 
-import hmac
 import logging
 import queue
 import threading
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass
 
@@ -35,7 +35,10 @@ __all__ = ["SplitInfo", "StageServer"]
 
 log = logging.getLogger(__name__)
 
-Authenticator = Callable[[str, int, str], None]  # (token, round, device_id); raises AuthError
+# (token, round, device_id, run_id, when the round began) -> None; raises AuthError
+Authenticator = Callable[[str, int, str, str, float], None]
+# (method, request bytes, metadata) -> None; raises AuthError
+ControlAuth = Callable[[str, bytes, Sequence[tuple[str, str | bytes]]], None]
 _END = object()
 
 
@@ -70,10 +73,12 @@ class SplitInfo:
 
 
 class _RoundState:
-    """The round the ServerApp has begun; tokens are only valid for it."""
+    """The run and round the ServerApp has begun; tokens are only valid for them."""
 
     def __init__(self) -> None:
         self.current = 0
+        self.run_id = ""
+        self.begun = 0.0  # time.time() when BeginRound arrived
         self.lock = threading.Lock()
 
 
@@ -99,12 +104,16 @@ class _LinkServicer(pb_grpc.StageLinkServicer):
                 raise AuthError("OpenSession needs a device_id")
             if self.authenticate is not None:
                 with self.rounds.lock:
-                    current = self.rounds.current
+                    current, run_id, begun = (
+                        self.rounds.current,
+                        self.rounds.run_id,
+                        self.rounds.begun,
+                    )
                 if request.round != current:
                     raise AuthError(
                         f"session for round {request.round}, but the server is in round {current}"
                     )
-                self.authenticate(request.token, request.round, request.device_id)
+                self.authenticate(request.token, request.round, request.device_id, run_id, begun)
             codec = codec_from_proto(request.downlink_codec or pb.FP32)
             grad_codec = codec_from_proto(request.gradient_codec) if request.gradient_codec else ""
             session_id = self.runtime.open_session(
@@ -174,38 +183,46 @@ class _LinkServicer(pb_grpc.StageLinkServicer):
 
 
 class _ControlServicer(pb_grpc.StageControlServicer):
-    def __init__(self, runtime: StageRuntime, rounds: _RoundState, secret: str | None) -> None:
+    def __init__(
+        self, runtime: StageRuntime, rounds: _RoundState, auth: ControlAuth | None
+    ) -> None:
         self.runtime = runtime
         self.rounds = rounds
-        self.secret = secret
+        self.auth = auth
 
-    def _check(self, secret: str, context: grpc.ServicerContext) -> None:
-        if self.secret is not None and not hmac.compare_digest(
-            secret.encode(), self.secret.encode()
-        ):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "wrong control secret")
+    def _check(self, method: str, request, context: grpc.ServicerContext) -> None:  # type: ignore[no-untyped-def]
+        """Verify the call's MAC (over the method and the request as re-serialised here)."""
+        if self.auth is None:
+            return
+        try:
+            body = request.SerializeToString(deterministic=True)
+            self.auth(f"/fedpipe.proto.StageControl/{method}", body, context.invocation_metadata())
+        except AuthError as exc:
+            log.warning("%s", exc)
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
 
     def BeginRound(self, request: pb.BeginRoundRequest, context: grpc.ServicerContext):  # noqa: N802
-        self._check(request.secret, context)
+        self._check("BeginRound", request, context)
         with self.rounds.lock:
-            self.rounds.current = request.round
-        log.info("round %d begun", request.round)
+            self.rounds.current, self.rounds.run_id = request.round, request.run_id
+            self.rounds.begun = time.time()
+        log.info("round %d of run %r begun", request.round, request.run_id)
         return pb.BeginRoundReply()
 
     def CommitRound(self, request: pb.CommitRoundRequest, context: grpc.ServicerContext):  # noqa: N802
-        self._check(request.secret, context)
+        self._check("CommitRound", request, context)
         weights = {f.device_id: f.weight for f in request.finished}
         merged, discarded = self.runtime.commit_round(request.round, weights)
         log.info("round %d committed: %d merged, %d discarded", request.round, merged, discarded)
         return pb.CommitRoundReply(merged=merged, discarded=discarded)
 
     def GetAdapter(self, request: pb.AdapterRequest, context: grpc.ServicerContext):  # noqa: N802
-        self._check(request.secret, context)
+        self._check("GetAdapter", request, context)
         state = {k: v.contiguous() for k, v in self.runtime.bank.global_state().items()}
         return pb.AdapterReply(safetensors=st_save(state))
 
     def LoadAdapter(self, request: pb.LoadAdapterRequest, context: grpc.ServicerContext):  # noqa: N802
-        self._check(request.secret, context)
+        self._check("LoadAdapter", request, context)
         try:
             if request.safetensors:
                 self.runtime.bank.set_global_state(st_load(request.safetensors))
@@ -226,10 +243,11 @@ class StageServer:
         *,
         host: str = "127.0.0.1",
         port: int = 0,
-        secret: str | None = None,
         authenticate: Authenticator | None = None,
+        control_auth: ControlAuth | None = None,
         max_message_bytes: int = 64 * 1024 * 1024,
         tls: tuple[bytes, bytes] | None = None,
+        client_ca: bytes | None = None,
         workers: int = 64,
     ) -> None:
         self.runtime = runtime
@@ -242,14 +260,21 @@ class StageServer:
         self._link = _LinkServicer(runtime, split, self.rounds, authenticate, max_message_bytes)
         pb_grpc.add_StageLinkServicer_to_server(self._link, self._server)
         pb_grpc.add_StageControlServicer_to_server(
-            _ControlServicer(runtime, self.rounds, secret), self._server
+            _ControlServicer(runtime, self.rounds, control_auth), self._server
         )
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         bind = f"{host}:{port}"
+        self.tls = "mtls" if client_ca is not None else "tls" if tls is not None else "plaintext"
         if tls is not None:
-            creds = grpc.ssl_server_credentials([(tls[1], tls[0])])  # [(key, cert)]
+            creds = grpc.ssl_server_credentials(  # [(key, cert)]; client_ca: mutual TLS
+                [(tls[1], tls[0])],
+                root_certificates=client_ca,
+                require_client_auth=client_ca is not None,
+            )
             self.port = self._server.add_secure_port(bind, creds)
+        elif client_ca is not None:
+            raise ValueError("client certificates (mutual TLS) need the server's own TLS files")
         else:
             self.port = self._server.add_insecure_port(bind)
         if self.port == 0:
@@ -261,7 +286,14 @@ class StageServer:
         serving = health_pb2.HealthCheckResponse.SERVING
         for service in ("", "fedpipe.proto.StageLink", "fedpipe.proto.StageControl"):
             self._health.set(service, serving)
-        log.info("StageServer listening on %s", self.address)
+        log.info("StageServer listening on %s (%s)", self.address, self.tls)
+        if self.tls == "plaintext":
+            log.warning(
+                "the stage link on %s is plaintext: activations, gradients and session tokens "
+                "cross the network readable by anyone on the path; give the StageServer "
+                "server.tls_cert and server.tls_key (fedpipe certs makes test ones)",
+                self.address,
+            )
         return self
 
     def stop(self, grace: float | None = 1.0) -> None:

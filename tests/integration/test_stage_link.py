@@ -320,9 +320,9 @@ def test_tokens_gate_sessions_to_the_current_round(folder) -> None:  # type: ign
     secure = build_stage_server(CONFIG, secret=SECRET, port=0, folder=folder).start()
     try:
         with grpc.insecure_channel(secure.address) as chan:
-            _check_tokens(pb_grpc.StageLinkStub(chan), pb_grpc.StageControlStub(chan))
-        token = issue_token(SECRET, run_id="run", round=1, device_id="t1")
-        losses = _train(secure.address, folder, "t1", _batches(4, n=1), round_=1, token=token)
+            _check_tokens(pb_grpc.StageLinkStub(chan), secure.address)
+        token = issue_token(SECRET, run_id="run", round=1, device_id="t3")
+        losses = _train(secure.address, folder, "t3", _batches(4, n=1), round_=1, token=token)
         assert len(losses) == 1
     finally:
         secure.stop(grace=None)
@@ -335,25 +335,36 @@ def _refused(stub: pb_grpc.StageLinkStub, device_id: str, message: str, **kw) ->
     assert message in info.value.details()
 
 
-def _check_tokens(stub: pb_grpc.StageLinkStub, control: pb_grpc.StageControlStub) -> None:
-    def token(round_: int, device_id: str = "t1", secret: str = SECRET) -> str:
-        return issue_token(secret, run_id="run", round=round_, device_id=device_id)
+def _check_tokens(stub: pb_grpc.StageLinkStub, address: str) -> None:
+    from fedpipe.federated.control import StageControlClient
 
+    def token(round_: int, device_id: str = "t1", secret: str = SECRET, run: str = "run") -> str:
+        return issue_token(secret, run_id=run, round=round_, device_id=device_id)
+
+    _refused(stub, "t1", "no run has begun on this StageServer", token=token(0))
+    control = StageControlClient(address, SECRET)
+    control.begin_round(0, "run")
     _refused(stub, "t1", "malformed session token")
     _refused(stub, "t1", "MAC does not match", token=token(0, secret="another-secret-16b"))
     _refused(stub, "t1", "token is for device 't2', not 't1'", token=token(0, "t2"))
-    assert _open(stub, "t1", token=token(0))
+    _refused(stub, "t1", "token is for run 'other', this StageServer", token=token(0, run="other"))
+    once = token(0)
+    assert _open(stub, "t1", token=once)
+    _refused(stub, "t1", "this session token for device 't1' in round 0 was already", token=once)
+    _refused(stub, "t1", "a session token for device 't1' in round 0 was already", token=token(0))
     _refused(stub, "t1", "token is for round 1, this is round 0", token=token(1))
     _refused(
         stub, "t1", "session for round 1, but the server is in round 0", token=token(1), round=1
     )
 
     with pytest.raises(grpc.RpcError) as info:
-        control.BeginRound(pb.BeginRoundRequest(round=1, secret="guess"), timeout=RPC_TIMEOUT)
+        StageControlClient(address, "another-secret-16b").begin_round(1, "run")
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    control.BeginRound(pb.BeginRoundRequest(round=1, secret=SECRET), timeout=RPC_TIMEOUT)
+    assert "MAC does not match" in info.value.details()
+    control.begin_round(1, "run")
     assert _open(stub, "t1", token=token(1), round=1)
     _refused(stub, "t1", "session for round 0, but the server is in round 1", token=token(0))
+    control.close()
 
 
 def test_control_reset_restores_the_initial_server_adapter() -> None:
