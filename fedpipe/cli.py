@@ -264,6 +264,9 @@ def build_parser() -> argparse.ArgumentParser:
     from fedpipe.federated.commands import add_federated_commands
 
     add_federated_commands(sub, _add_common, _config)
+    from fedpipe.federated.certs import add_certs_command
+
+    add_certs_command(sub)
     return parser
 
 

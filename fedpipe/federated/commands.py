@@ -308,6 +308,9 @@ def _cmd_client(args: argparse.Namespace, make_config: Callable[..., FedpipeConf
         node_config["stage-address"] = args.stage_server
     if args.stage_ca:
         node_config["stage-ca"] = str(Path(args.stage_ca).resolve())
+    for key in ("stage_cert", "stage_key"):  # mutual TLS: this device's own certificate
+        if getattr(args, key):
+            node_config[key.replace("_", "-")] = str(Path(getattr(args, key)).resolve())
     # Handlers first: a SIGTERM during start-up still stops the SuperNode (start_supernode
     # stops it itself if it raises), and SIGTERM later stops it and its ClientApps.
     stop = threading.Event()
@@ -393,6 +396,8 @@ def add_federated_commands(
     c.add_argument("--superlink", default="127.0.0.1:8000", help="SuperLink address (host:port)")
     c.add_argument("--stage-server", help="StageServer address (host:port) for this device")
     c.add_argument("--stage-ca", help="CA certificate of a TLS StageServer (server.tls_ca)")
+    c.add_argument("--stage-cert", help="this device's client certificate (mutual TLS)")
+    c.add_argument("--stage-key", help="this device's client private key (mutual TLS)")
     c.add_argument("--partition-id", type=int, default=0)
     c.add_argument("--num-partitions", type=int, default=1)
     c.add_argument(

@@ -1,99 +1,151 @@
-"""TLS on the stage link: a device that trusts the server's CA trains; a plaintext one cannot."""
+"""TLS and mutual TLS on the stage link, with certificates from ``fedpipe certs``.
+
+A device that trusts the server's CA trains over TLS; a plaintext one cannot. With client
+certificates required, a device with a certificate from the CA trains and the ServerApp's
+control client (its own certificate) signs calls; a device without one, or with one from
+another CA, is refused at the handshake. A plaintext StageServer says so when it starts.
+"""
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
+import logging
+import subprocess
+import sys
 from pathlib import Path
 
 import grpc
 import pytest
 import torch
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
-from fedpipe.config import load_config
+from fedpipe.config import FedpipeConfig, load_config
 from fedpipe.device import DeviceTrainer
+from fedpipe.federated.certs import make_test_certificates
+from fedpipe.federated.control import StageControlClient
+from fedpipe.federated.tokens import issue_token
 from fedpipe.serving import build_stage_server
 from fedpipe.transport.client import StageClient
 
-
-def _certificates(folder: Path) -> tuple[Path, Path, Path]:
-    """A CA and a server certificate for 127.0.0.1 signed by it (PEM files)."""
-    now = datetime.datetime.now(datetime.UTC)
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fedpipe test CA")])
-    ca = (
-        x509.CertificateBuilder()
-        .subject_name(ca_name)
-        .issuer_name(ca_name)
-        .public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(ca_key, hashes.SHA256())
-    )
-    key = ec.generate_private_key(ec.SECP256R1())
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")]))
-        .issuer_name(ca_name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(
-            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-            critical=False,
-        )
-        .sign(ca_key, hashes.SHA256())
-    )
-    paths = folder / "ca.pem", folder / "server.pem", folder / "server.key"
-    paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    paths[1].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    paths[2].write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    return paths
+SECRET = "a-secret-for-the-tls-tests"
+SMALL = {
+    "model.name": "tiny-llama",
+    "train.batch_size": 4,
+    "train.seq_len": 16,
+    "pipeline.microbatches": 2,
+}
 
 
-def test_stage_link_over_tls(tmp_path: Path) -> None:
-    ca, cert, key = _certificates(tmp_path)
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The files `fedpipe certs` writes, made by running the command."""
+    out = tmp_path_factory.mktemp("certs")
+    done = subprocess.run(  # noqa: S603 - fixed argv
+        [sys.executable, "-m", "fedpipe.cli", "certs", "--out", str(out), "--host", "stage.lan"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "server.tls_cert" in done.stdout
+    assert (out / "server.key").stat().st_mode & 0o077 == 0  # keys readable by the owner only
+    return out
+
+
+def _batch() -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0))
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def _client(address: str, certs: Path, name: str | None) -> StageClient:
+    chain = (certs / f"{name}.pem").read_bytes() if name else None
+    key = (certs / f"{name}.key").read_bytes() if name else None
+    roots = (certs / "ca.pem").read_bytes()
+    return StageClient(address, root_certificates=roots, certificate_chain=chain, private_key=key)
+
+
+def test_stage_link_over_tls(certs: Path) -> None:
     config = load_config(
         None,
         {
-            "model.name": "tiny-llama",
-            "train.batch_size": 4,
-            "train.seq_len": 16,
-            "pipeline.microbatches": 2,
-            "server.tls_cert": str(cert),
-            "server.tls_key": str(key),
-            "server.tls_ca": str(ca),
+            **SMALL,
+            "server.tls_cert": str(certs / "server.pem"),
+            "server.tls_key": str(certs / "server.key"),
+            "server.tls_ca": str(certs / "ca.pem"),
         },
     )
     server = build_stage_server(config, port=0).start()
     try:
         trainer = DeviceTrainer(config, device_id="tls-device")
-        ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0))
-        batch = {"input_ids": ids, "labels": ids.clone()}
-        roots = config.server.root_certificates()
-        with StageClient(server.address, root_certificates=roots) as client:
-            report = trainer.train_round(client, [batch])
+        with _client(server.address, certs, None) as client:
+            report = trainer.train_round(client, [_batch()])
         assert len(report.steps) == 1 and report.steps[0].loss > 0
-        with StageClient(server.address) as plaintext, pytest.raises(grpc.RpcError) as info:
-            plaintext.open_session(device_id="plain", timeout_s=5)
+        with StageClient(server.address, reconnect_s=0) as plaintext:
+            with pytest.raises(grpc.RpcError) as info:
+                plaintext.open_session(device_id="plain", timeout_s=5)
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         server.stop(grace=None)
 
 
-def test_tls_cert_without_key_is_a_config_error() -> None:
+def test_mutual_tls_admits_only_clients_with_a_certificate_from_the_ca(
+    certs: Path, tmp_path: Path
+) -> None:
+    config = load_config(
+        None,
+        {
+            **SMALL,
+            "server.tls_cert": str(certs / "server.pem"),
+            "server.tls_key": str(certs / "server.key"),
+            "server.tls_ca": str(certs / "ca.pem"),
+            "server.tls_client_ca": str(certs / "ca.pem"),
+            "server.tls_client_cert": str(certs / "serverapp.pem"),
+            "server.tls_client_key": str(certs / "serverapp.key"),
+        },
+    )
+    server = build_stage_server(config, secret=SECRET, port=0).start()
+    try:
+        assert server.tls == "mtls"
+        chain, key = config.server.client_identity()
+        control = StageControlClient(
+            server.address,
+            SECRET,
+            root_certificates=config.server.root_certificates(),
+            certificate_chain=chain,
+            private_key=key,
+        )
+        control.begin_round(0, "run")
+        token = issue_token(SECRET, run_id="run", round=0, device_id="device-0")
+        trainer = DeviceTrainer(config, device_id="device-0")
+        with _client(server.address, certs, "device-0") as client:
+            report = trainer.train_round(client, [_batch()], token=token)
+        assert report.steps[0].loss > 0
+        assert control.commit_round(0, {"device-0": 1.0}) == (1, 0)
+        control.close()
+
+        other = make_test_certificates(tmp_path / "other", clients=["device-1"])
+        for name, folder in ((None, certs), ("device-1", other.ca.parent)):
+            with _client(server.address, folder, name) as stranger:
+                stranger.reconnect_s = 0  # a refused handshake is UNAVAILABLE: do not wait
+                with pytest.raises(grpc.RpcError) as info:
+                    stranger.open_session(device_id="device-1", timeout_s=5)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE, name
+    finally:
+        server.stop(grace=None)
+
+
+def test_plaintext_stage_link_warns_at_start(caplog: pytest.LogCaptureFixture) -> None:
+    config = FedpipeConfig().with_overrides(SMALL)
+    with caplog.at_level(logging.WARNING, logger="fedpipe.transport.server"):
+        server = build_stage_server(config, port=0).start()
+        server.stop(grace=None)
+    assert server.tls == "plaintext"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("is plaintext" in w and "fedpipe certs" in w for w in warnings), warnings
+
+
+def test_tls_settings_that_go_together_are_config_errors() -> None:
     with pytest.raises(ValueError, match="tls_cert and server.tls_key go together"):
         load_config(None, {"server.tls_cert": "/x.pem"})
+    with pytest.raises(ValueError, match="tls_client_cert and server.tls_client_key go together"):
+        load_config(None, {"server.tls_client_cert": "/x.pem"})
+    with pytest.raises(ValueError, match="tls_client_ca .* needs server.tls_cert"):
+        load_config(None, {"server.tls_client_ca": "/ca.pem"})
