@@ -67,6 +67,8 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
         ("grpc.keepalive_timeout_ms", 10_000),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
+        # a device whose server restarts tries to reconnect at least every 10 s (gRPC: 120 s)
+        ("grpc.max_reconnect_backoff_ms", 10_000),
     ]
 
 

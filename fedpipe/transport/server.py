@@ -79,6 +79,7 @@ class _RoundState:
         self.current = 0
         self.run_id = ""
         self.begun = 0.0  # time.time() when BeginRound arrived
+        self.adapter_set = False  # LoadAdapter (load or reset) since this server started
         self.lock = threading.Lock()
 
 
@@ -201,8 +202,31 @@ class _ControlServicer(pb_grpc.StageControlServicer):
             log.warning("%s", exc)
             context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
 
+    def _require_run(self, method: str, context: grpc.ServicerContext, round_: int = -1) -> None:
+        """Refuse calls that need the run's state when this server lacks it (it restarted).
+
+        A StageServer restarted mid-run holds the initial adapter, not the run's: carrying on
+        would train silently wrong, so the ServerApp is stopped with a status that says why.
+        """
+        with self.rounds.lock:
+            ready, current = self.rounds.adapter_set, self.rounds.current
+        if not ready:
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"{method}: this StageServer has not been given the run's server adapter since "
+                "it started (it restarted mid-run?): resume with `fedpipe run --resume`, which "
+                "reloads it from the last checkpoint",
+            )
+        if round_ >= 0 and round_ != current:
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"{method}: round {round_} was not begun on this StageServer (its round is "
+                f"{current}): resume with `fedpipe run --resume`",
+            )
+
     def BeginRound(self, request: pb.BeginRoundRequest, context: grpc.ServicerContext):  # noqa: N802
         self._check("BeginRound", request, context)
+        self._require_run("BeginRound", context)
         with self.rounds.lock:
             self.rounds.current, self.rounds.run_id = request.round, request.run_id
             self.rounds.begun = time.time()
@@ -211,6 +235,7 @@ class _ControlServicer(pb_grpc.StageControlServicer):
 
     def CommitRound(self, request: pb.CommitRoundRequest, context: grpc.ServicerContext):  # noqa: N802
         self._check("CommitRound", request, context)
+        self._require_run("CommitRound", context, request.round)
         weights = {f.device_id: f.weight for f in request.finished}
         merged, discarded = self.runtime.commit_round(request.round, weights)
         log.info("round %d committed: %d merged, %d discarded", request.round, merged, discarded)
@@ -218,6 +243,7 @@ class _ControlServicer(pb_grpc.StageControlServicer):
 
     def GetAdapter(self, request: pb.AdapterRequest, context: grpc.ServicerContext):  # noqa: N802
         self._check("GetAdapter", request, context)
+        self._require_run("GetAdapter", context)
         state = {k: v.contiguous() for k, v in self.runtime.bank.global_state().items()}
         return pb.AdapterReply(safetensors=st_save(state))
 
@@ -230,6 +256,8 @@ class _ControlServicer(pb_grpc.StageControlServicer):
                 self.runtime.bank.reset_global_state()
         except Exception as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad adapter: {exc}")
+        with self.rounds.lock:
+            self.rounds.adapter_set = True
         return pb.LoadAdapterReply()
 
 

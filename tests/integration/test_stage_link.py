@@ -343,6 +343,7 @@ def _check_tokens(stub: pb_grpc.StageLinkStub, address: str) -> None:
 
     _refused(stub, "t1", "no run has begun on this StageServer", token=token(0))
     control = StageControlClient(address, SECRET)
+    control.reset_adapter()
     control.begin_round(0, "run")
     _refused(stub, "t1", "malformed session token")
     _refused(stub, "t1", "MAC does not match", token=token(0, secret="another-secret-16b"))
@@ -380,6 +381,7 @@ def test_control_reset_restores_the_initial_server_adapter() -> None:
     server.start()
     try:
         control = StageControlClient(server.address, secret)
+        control.reset_adapter()  # a fresh StageServer serves adapters once a run set one
         initial = control.get_adapter()
         changed = {k: v + 1.0 for k, v in initial.items()}
         control.load_adapter(changed)

@@ -112,6 +112,7 @@ def test_mutual_tls_admits_only_clients_with_a_certificate_from_the_ca(
             certificate_chain=chain,
             private_key=key,
         )
+        control.reset_adapter()
         control.begin_round(0, "run")
         token = issue_token(SECRET, run_id="run", round=0, device_id="device-0")
         trainer = DeviceTrainer(config, device_id="device-0")
