@@ -161,3 +161,18 @@ def test_stale_and_unsigned_calls_are_refused() -> None:
         verify(METHOD, b"x", (), now=NOW)
     with pytest.raises(AuthError, match="no valid"):
         verify(METHOD, b"x", ((CONTROL_HEADER, "v1.notanumber.n.m"),), now=NOW)
+
+
+# -- who reads the secret ------------------------------------------------------------------------
+def test_only_the_server_side_reads_the_secret_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from fedpipe.federated.local import run_settings, server_run_settings
+
+    secret_file = tmp_path / "server-host-only" / "secret"  # absent, as on a device's host
+    run_config = {"run.secret-file": str(secret_file), "run.id": "r"}
+    _, run = run_settings(run_config)  # what the ClientApp calls: reads no file
+    assert (run.secret, run.secret_file) == ("", str(secret_file))
+    with pytest.raises(FileNotFoundError, match="the ServerApp cannot read the secret file"):
+        server_run_settings(run_config)
+    secret_file.parent.mkdir()
+    secret_file.write_text(SECRET + "\n")
+    assert server_run_settings(run_config)[1].secret == SECRET
