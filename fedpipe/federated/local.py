@@ -198,6 +198,12 @@ class DeviceWork:
         """A stage-link client with this device's TLS files (its CA; cert and key for mTLS)."""
         if bool(self.stage_cert) != bool(self.stage_key):
             raise ValueError("stage-cert and stage-key go together: give both or neither")
+        server_ca = self.cfg.server.tls_ca  # a path on the server host: only for simulations
+        if not self.stage_ca and server_ca and not Path(server_ca).is_file():
+            raise FileNotFoundError(
+                f"the StageServer uses TLS (its CA is {server_ca} on the server host), but this "
+                "device has no CA of its own: pass `fedpipe client --stage-ca ca.pem`"
+            )
         chain = Path(self.stage_cert).read_bytes() if self.stage_cert else None
         key = Path(self.stage_key).read_bytes() if self.stage_key else None
         return StageClient(

@@ -150,3 +150,12 @@ def test_tls_settings_that_go_together_are_config_errors() -> None:
         load_config(None, {"server.tls_client_cert": "/x.pem"})
     with pytest.raises(ValueError, match="tls_client_ca .* needs server.tls_cert"):
         load_config(None, {"server.tls_client_ca": "/ca.pem"})
+
+
+def test_device_without_its_own_ca_is_told_to_pass_stage_ca() -> None:
+    from fedpipe.federated.local import DeviceWork
+
+    config = load_config(None, {**SMALL, "server.tls_ca": "/on/the/server/host/ca.pem"})
+    work = DeviceWork(config, device_id="d", partition=0, num_partitions=1)
+    with pytest.raises(FileNotFoundError, match="pass `fedpipe client --stage-ca ca.pem`"):
+        work.train("127.0.0.1:1", round_=0, token="")
