@@ -191,7 +191,11 @@ def evaluate_split(
     roots = cfg.server.root_certificates()
     with StageClient(run.stage_address, root_certificates=roots) as client:
         session = client.open_session(
-            device_id="evaluator", token=token, round_=round_, timeout_s=cfg.pipeline.timeout_s
+            device_id="evaluator",
+            token=token,
+            round_=round_,
+            timeout_s=cfg.pipeline.timeout_s,
+            split=trainer.split,
         )
         with session:
             runtime = DeviceRuntime(

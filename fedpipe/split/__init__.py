@@ -1,6 +1,7 @@
 """Splitting a causal LM into stages that hold only their own weights, with LoRA adapters."""
 
 from fedpipe.split.adapters import GLOBAL_ADAPTER, AdapterBank
+from fedpipe.split.agreement import SplitLike, SplitTerms, check_agreement
 from fedpipe.split.build import build_device_stages, build_stage, stage_blocks
 from fedpipe.split.lora import (
     LoraSettings,
@@ -32,12 +33,15 @@ __all__ = [
     "MiddleStage",
     "ServerLossStage",
     "SplitMode",
+    "SplitLike",
     "SplitPlan",
+    "SplitTerms",
     "TailStage",
     "apply_lora",
     "average_state_dicts",
     "build_device_stages",
     "build_stage",
+    "check_agreement",
     "device_memory_report",
     "global_name",
     "load_lora_state_dict",

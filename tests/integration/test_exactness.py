@@ -236,7 +236,7 @@ def test_evaluation_through_the_split_model_equals_unsplit(setups, model: str, s
     trainer.load_adapters({k: v for k, v in setup.adapter.items() if k not in setup.server_keys})
     before = setup.runtime.bank.global_state()
     with StageClient(setup.server.address) as client:
-        with client.open_session(device_id="evaluator") as session:
+        with client.open_session(device_id="evaluator", split=trainer.split) as session:
             runtime = DeviceRuntime(
                 trainer.head, trainer.tail, session, optimizer=None, microbatches=4
             )
