@@ -22,6 +22,7 @@ from fedpipe.split.stages import (
     ServerLossStage,
     TailStage,
     shifted_loss_sum,
+    sliding_window,
 )
 
 __all__ = [
@@ -50,5 +51,6 @@ __all__ = [
     "plan_split",
     "set_active_adapter",
     "shifted_loss_sum",
+    "sliding_window",
     "stage_blocks",
 ]
