@@ -29,11 +29,20 @@ from transformers import (
     PreTrainedModel,
 )
 
+from fedpipe.errors import ModelFileError
 from fedpipe.models.tokenizer import BYTE_VOCAB_SIZE, build_byte_tokenizer
 
-__all__ = ["NAMED_CONFIGS", "DEFAULT_GGUF", "cache_root", "resolve_model", "named_config"]
+__all__ = [
+    "NAMED_CONFIGS",
+    "DEFAULT_GGUF",
+    "cache_root",
+    "check_gguf",
+    "resolve_model",
+    "named_config",
+]
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_GGUF_MAGIC = b"GGUF"
 _EOS_ID = 256  # the byte tokenizer's <|endoftext|>
 _SEED = 1234  # weights of the named configs; bump the cache key ("-v1") if this ever changes
 _KEY_VERSION = "v1"
@@ -184,12 +193,48 @@ def _gguf_writer(path: Path) -> Callable[[Path], None]:
     return lambda out: _convert_gguf(path, out)
 
 
+def check_gguf(path: Path) -> None:
+    """Refuse a file that is not a complete GGUF, in one line naming it (before a long convert)."""
+    from gguf import GGUFReader
+
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        magic = f.read(4)
+    if magic != _GGUF_MAGIC:
+        raise ModelFileError(
+            f"{path}: not a GGUF file (it starts with {magic!r}, a GGUF file with "
+            f"{_GGUF_MAGIC!r}); give a .gguf model, or a Hugging Face folder"
+        )
+    try:
+        GGUFReader(str(path))
+    except Exception as exc:  # the reader raises ValueError/IndexError on torn files
+        reason = " ".join(str(exc).split())[:200]
+        raise ModelFileError(
+            f"{path}: truncated or corrupt GGUF ({size} bytes; reading it failed: {reason}); "
+            "copy or download it again"
+        ) from None
+
+
 def _convert_gguf(path: Path, out: Path) -> None:
     """Dequantize a GGUF file to an fp32 safetensors folder.
 
     ``save_pretrained`` refuses on a GGUF-loaded model, so the weights are moved into a fresh model
     built from the same config without its quantization settings.
     """
+    check_gguf(path)
+    try:
+        _convert_gguf_unchecked(path, out)
+    except ModelFileError:
+        raise
+    except Exception as exc:
+        reason = " ".join(str(exc).split())[:200]
+        raise ModelFileError(
+            f"{path}: cannot convert this GGUF model ({type(exc).__name__}: {reason}); fedpipe "
+            "reads GGUF files of the Llama, Qwen2, Mistral and GPT-2 architectures"
+        ) from None
+
+
+def _convert_gguf_unchecked(path: Path, out: Path) -> None:
     folder, name = path.parent, path.name
     loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
@@ -200,7 +245,10 @@ def _convert_gguf(path: Path, out: Path) -> None:
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     missing = [k for k in missing if not _is_tied(model, k)]
     if missing or unexpected:
-        raise RuntimeError(f"GGUF conversion of {path}: missing {missing}, unexpected {unexpected}")
+        raise ModelFileError(
+            f"{path}: GGUF conversion left tensors missing {missing[:5]} or unexpected "
+            f"{unexpected[:5]}; the file's architecture is not one fedpipe can split"
+        )
     model.tie_weights()
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -43,12 +43,6 @@ class WeightFiles:
                 f"{self.folder}: no {SINGLE_FILE} or {INDEX_FILE}; fedpipe reads safetensors "
                 "weights (save the model with save_pretrained, or give a .gguf file)"
             )
-        for name in sorted(set(self.where.values())):
-            if not (self.folder / name).is_file():
-                raise ModelFileError(
-                    f"{self.folder / name}: missing, but {INDEX_FILE} lists it as a shard; "
-                    "copy every shard into the folder"
-                )
 
     def keys(self) -> set[str]:
         return set(self.where)
@@ -74,11 +68,12 @@ class WeightFiles:
         return out
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every tensor in key order, one file open at a time (for fingerprints)."""
-        for path in self.files_for(self.where):
-            with _opened(path) as f:
-                for key in sorted(k for k in f.keys() if self.where.get(k) == path.name):
-                    yield key, _get(f, path, key)
+        """Every tensor in key order across all files (the same order sharded or not)."""
+        with ExitStack() as stack:
+            handles = {p.name: stack.enter_context(_opened(p)) for p in self.files_for(self.where)}
+            for key in sorted(self.where):
+                name = self.where[key]
+                yield key, _get(handles[name], self.folder / name, key)
 
     def shape(self, key: str) -> list[int]:
         path = self.folder / self._file(key)
@@ -111,6 +106,11 @@ def _read_index(path: Path) -> dict[str, str]:
 @contextmanager
 def _opened(path: Path) -> Iterator[Any]:
     """``safe_open`` whose failures name the file (a torn download, a file of another format)."""
+    if not path.is_file():
+        raise ModelFileError(
+            f"{path}: missing, but {INDEX_FILE} lists it as a shard of this model; copy every "
+            "shard into the folder"
+        )
     try:
         handle = safe_open(str(path), framework="pt", device="cpu")
     except Exception as exc:  # safetensors raises its own error types, and OSError

@@ -2,7 +2,7 @@
 
 from fedpipe.split.adapters import GLOBAL_ADAPTER, AdapterBank
 from fedpipe.split.agreement import SplitLike, SplitTerms, check_agreement
-from fedpipe.split.build import build_device_stages, build_stage, stage_blocks
+from fedpipe.split.build import build_device_stages, build_stage, stage_blocks, stage_file_keys
 from fedpipe.split.lora import (
     LoraSettings,
     apply_lora,
@@ -53,4 +53,5 @@ __all__ = [
     "shifted_loss_sum",
     "sliding_window",
     "stage_blocks",
+    "stage_file_keys",
 ]
