@@ -101,7 +101,7 @@ class StageClient:
         uplink_codec: str = "fp32",
         downlink_codec: str = "fp32",
         gradient_codec: str = "",
-        link: LinkProfile | None = None,
+        link: LinkProfile | str | None = None,
         link_seed: int | str | None = None,
         tracer: Tracer | None = None,
         timeout_s: float = 120.0,
