@@ -4,7 +4,8 @@ The sha256 runs over the normalized config (keys that say where or how the model
 dropped) and every base tensor's name, shape, dtype and bytes, in name order. It is therefore the
 same for the same model loaded from different folders or homes, sharded or not, and differs for a
 different architecture or a single changed weight. Hashing a large model takes seconds, so the
-result is cached beside the weights, keyed by the files' sizes and modification times.
+result is cached beside the weights (or, for a read-only folder, in fedpipe's cache), keyed by the
+files' sizes and modification times; models fedpipe converts get theirs as they are written.
 """
 
 from __future__ import annotations
@@ -50,12 +51,23 @@ def model_fingerprint(folder: Path) -> str:
     folder = Path(folder)
     files = WeightFiles(folder)
     stamp = _stamp(folder, files)
-    cached = _read_cache(folder / FINGERPRINT_FILE, stamp)
-    if cached:
-        return cached
+    places = _cache_files(folder)
+    for place in places:
+        cached = _read_cache(place, stamp)
+        if cached:
+            return cached
     digest = _compute(folder, files)
-    _write_cache(folder / FINGERPRINT_FILE, stamp, digest)
+    for place in places:  # beside the model, else (a read-only folder) in fedpipe's cache
+        if _write_cache(place, stamp, digest):
+            break
     return digest
+
+
+def _cache_files(folder: Path) -> list[Path]:
+    from fedpipe.models.registry import cache_root  # registry imports this module
+
+    key = hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:24]
+    return [folder / FINGERPRINT_FILE, cache_root() / "fingerprints" / f"{key}.json"]
 
 
 def normalized_config(folder: Path) -> dict[str, Any]:
@@ -97,11 +109,14 @@ def _read_cache(path: Path, stamp: list[list[Any]]) -> str | None:
     return str(data["sha256"])
 
 
-def _write_cache(path: Path, stamp: list[list[Any]], digest: str) -> None:
+def _write_cache(path: Path, stamp: list[list[Any]], digest: str) -> bool:
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         tmp.write_text(json.dumps({"sha256": digest, "stamp": stamp}))
         os.replace(tmp, path)
-    except OSError as exc:  # a read-only model folder: hash again next time
+        return True
+    except OSError as exc:
         log.debug("cannot cache the fingerprint in %s: %s", path, exc)
         tmp.unlink(missing_ok=True)
+        return False

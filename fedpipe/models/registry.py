@@ -147,6 +147,9 @@ def _cached(final: Path, write: Callable[[Path], None]) -> Path:
     tmp = final.parent / f".tmp-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         write(tmp)
+        from fedpipe.models.fingerprint import model_fingerprint  # it imports cache_root
+
+        model_fingerprint(tmp)  # hashed once, cached beside the weights (renames keep mtimes)
         try:
             os.rename(tmp, final)
         except OSError:

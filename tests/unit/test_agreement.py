@@ -102,6 +102,23 @@ def test_fingerprint_is_cached_beside_the_model_and_recomputed_when_files_change
     assert model_fingerprint(copy) == digest
 
 
+def test_a_fresh_model_is_fingerprinted_as_it_is_written(tmp_path: Path) -> None:
+    folder = resolve_model("tiny-gpt2", cache_dir=tmp_path)
+    cached = json.loads((folder / FINGERPRINT_FILE).read_text())["sha256"]
+    assert cached == model_fingerprint(folder) == model_fingerprint(resolve_model("tiny-gpt2"))
+
+
+def test_a_folder_that_cannot_hold_the_cache_uses_fedpipes_cache(
+    folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FEDPIPE_CACHE", str(tmp_path / "cache"))
+    copy = _copy(folder, tmp_path / "copy")
+    (copy / FINGERPRINT_FILE).mkdir()  # stands in for a read-only folder (tests run as root)
+    assert model_fingerprint(copy) == model_fingerprint(folder)
+    (entry,) = (tmp_path / "cache" / "fingerprints").iterdir()
+    assert json.loads(entry.read_text())["sha256"] == model_fingerprint(folder)
+
+
 # -- the comparison -------------------------------------------------------------------------------
 TERMS = SplitTerms("ab" * 32, num_layers=4, head_layers=1, tail_layers=2, mode="u", hidden_size=64)
 
