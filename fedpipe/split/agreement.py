@@ -64,19 +64,19 @@ def check_agreement(device: SplitLike | None, server: SplitLike, *, model: str =
     refused too, since nothing then proves the two halves fit. ``model`` is the server's model
     spec, named in the messages so the user knows what to load on the device.
     """
-    held = f"the server holds {_describe(server)}" + (f" of model {model!r}" if model else "")
     if device is None or not device.fingerprint:
         raise SplitMismatchError(
-            f"the device sent no split (model fingerprint and cut) on OpenSession, so the server "
-            f"cannot check that both halves fit; {held}: upgrade fedpipe on the device (it sends "
-            "its split since this version) and start it with the same model and cut"
+            "the device sent no split (model fingerprint and cut) on OpenSession, so the server "
+            f"cannot check that both halves fit; the server holds {_describe(server, model)}: "
+            "upgrade fedpipe on the device (it sends its split since this version) and start it "
+            "with the same model and cut"
         )
-    problems = [p for p in (_model_problem(device, server), _cut_problem(device, server)) if p]
-    if problems:
-        raise SplitMismatchError(f"{'; '.join(problems)} ({held})")
+    problems = [_model_problem(device, server, model), _cut_problem(device, server)]
+    if any(problems):
+        raise SplitMismatchError("; ".join(p for p in problems if p))
 
 
-def _model_problem(device: SplitLike, server: SplitLike) -> str:
+def _model_problem(device: SplitLike, server: SplitLike, model: str) -> str:
     if (device.fingerprint, device.hidden_size, device.num_layers) == (
         server.fingerprint,
         server.hidden_size,
@@ -87,7 +87,8 @@ def _model_problem(device: SplitLike, server: SplitLike) -> str:
         f"device model fingerprint {device.fingerprint[:12]} (hidden {device.hidden_size}, "
         f"{device.num_layers} blocks), server model fingerprint {server.fingerprint[:12]} "
         f"(hidden {server.hidden_size}, {server.num_layers} blocks): the two sides loaded "
-        "different models or weights; start the device with the server's model (model.name)"
+        "different models or weights; start the device with the server's model"
+        + (f" (model.name {model!r} on the server)" if model else "")
     )
 
 
@@ -107,8 +108,9 @@ def _cut_problem(device: SplitLike, server: SplitLike) -> str:
     )
 
 
-def _describe(split: SplitLike) -> str:
+def _describe(split: SplitLike, model: str) -> str:
+    name = f"model {model!r} " if model else "a model "
     return (
-        f"head={split.head_layers} tail={split.tail_layers} mode={split.mode} of "
-        f"{split.num_layers} blocks, fingerprint {split.fingerprint[:12] or '(none)'}"
+        f"{name}(fingerprint {split.fingerprint[:12] or '(none)'}, {split.num_layers} blocks) "
+        f"cut head={split.head_layers} tail={split.tail_layers} mode={split.mode}"
     )
