@@ -31,7 +31,14 @@ def load_config(folder: Path) -> Any:
 
 def load_tokenizer(folder: Path) -> Any:
     """The tokenizer saved in ``folder`` (offline; nothing is fetched)."""
-    return AutoTokenizer.from_pretrained(folder)
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError) as exc:
+        reason = " ".join(str(exc).split())[:200]
+        raise ModelFileError(
+            f"{folder}: no usable tokenizer ({reason}); save the tokenizer into the model folder "
+            "(tokenizer.json and tokenizer_config.json, e.g. tokenizer.save_pretrained(folder))"
+        ) from None
 
 
 def load_causal_lm(folder: Path, *, dtype: torch.dtype = torch.float32) -> PreTrainedModel:

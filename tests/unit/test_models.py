@@ -259,3 +259,16 @@ def test_a_file_that_is_not_gguf_says_so(tmp_path: Path) -> None:
     fake.write_bytes(b"PK\x03\x04 a zip, not a model")
     with pytest.raises(ModelFileError, match=r"model.gguf: not a GGUF file \(it starts with b'PK"):
         resolve_model(str(fake), cache_dir=tmp_path / "cache")
+
+
+def test_a_folder_without_a_tokenizer_says_so_in_one_line(cache: Path, tmp_path: Path) -> None:
+    import shutil
+
+    source = resolve_model("tiny-llama", cache_dir=cache)
+    folder = tmp_path / "weights-only"
+    folder.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(source / name, folder / name)
+    with pytest.raises(ModelFileError) as info:
+        load_tokenizer(folder)
+    assert _one_line(info.value).startswith(f"{folder}: no usable tokenizer")
