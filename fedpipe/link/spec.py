@@ -174,7 +174,14 @@ def parse_device_profile(spec: str) -> DeviceProfile:
     slow = [i for i in items if i.partition("=")[0].strip().lower() == "slowdown"]
     if len(slow) > 1:
         raise ValueError(f"device spec {spec!r}: 'slowdown' is given twice.")
-    link = parse_link(",".join(i for i in items if i not in slow))
+    try:
+        link = parse_link(",".join(i for i in items if i not in slow))
+    except UnknownProfileError:
+        raise
+    except ValueError as exc:
+        if "unknown key" not in str(exc):
+            raise
+        raise ValueError(f"{str(exc).rstrip('.')}, and for a device, slowdown.") from None
     slowdown = _parse_slowdown(spec, slow[0].partition("=")[2]) if slow else 1.0
     name = link.name if slowdown == 1.0 or "name=" in text else f"{link.name},slowdown={slowdown:g}"
     return DeviceProfile(name, link, compute_slowdown=slowdown)

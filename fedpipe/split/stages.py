@@ -70,9 +70,13 @@ def sliding_window(config: Any, block: int) -> int | None:
     if not window:
         return None
     layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None and layer_types[block] != "sliding_attention":
-        return None
-    return int(window)
+    kind = "sliding_attention" if layer_types is None else layer_types[block]
+    if kind not in ("full_attention", "sliding_attention"):
+        raise ValueError(
+            f"block {block} has attention type {kind!r}; fedpipe's stages compute "
+            "full_attention and sliding_attention blocks only, so this model cannot be split"
+        )
+    return int(window) if kind == "sliding_attention" else None
 
 
 def _window_mask(length: int, window: int | None, device: torch.device) -> Tensor | None:
@@ -102,6 +106,8 @@ class _Stage(nn.Module):
         self.block_indices = tuple(int(i) for i in blocks)
         if self.family == "llama":
             layer_cls = _LLAMA_LAYOUT[config.model_type][0]
+            for i in self.block_indices:
+                sliding_window(config, i)  # refuses attention types the stages cannot compute
             self.layers = nn.ModuleDict({str(i): layer_cls(config, i) for i in self.block_indices})
             if self.block_indices:
                 self.rotary_emb = rotary_embedding(config)

@@ -547,7 +547,7 @@ def test_parse_device_profile_names_links_and_inline_specs() -> None:
         ("toaster", r"a link \(1gbit-5ms.*inline spec such as 'up=10,down=25,rtt=50ms,slowdown=2'"),
         ("up=10,down=25,slowdown=fast", "slowdown='fast' is not a number"),
         ("up=10,down=25,slowdown=0.5", "compute_slowdown must be a finite number >= 1.0"),
-        ("up=10,dwn=25", "unknown key 'dwn'"),
+        ("up=10,dwn=25", "unknown key 'dwn'.*name, and for a device, slowdown"),
     ],
 )
 def test_parse_device_profile_errors_teach(spec: str, match: str) -> None:

@@ -219,3 +219,7 @@ def test_sliding_window_per_block() -> None:
     assert sliding_window(MistralConfig(sliding_window=8), 0) == 8
     assert sliding_window(MistralConfig(sliding_window=None), 0) is None
     assert sliding_window(LlamaConfig(), 0) is None
+    chunked = MistralConfig(sliding_window=8)
+    chunked.layer_types = ["chunked_attention"] * 4
+    with pytest.raises(ValueError, match="block 1 has attention type 'chunked_attention'"):
+        sliding_window(chunked, 1)
