@@ -134,7 +134,11 @@ class DeviceTrainer:
             mode=config.model.split,  # type: ignore[arg-type]
         )
         # What the StageServer checks on OpenSession: the same weights, the same cut.
-        self.split = split_terms(config, self.folder)
+        self.split = SplitTerms.of(
+            self.plan,
+            fingerprint=model_fingerprint(self.folder),
+            hidden_size=int(hf_config.hidden_size),
+        )
         head, tail = build_device_stages(self.folder, self.plan)
         settings = lora_settings(config)
         self.head = apply_lora(head, settings, self.family)

@@ -92,9 +92,7 @@ def _build(
             f"plan is for {plan.num_layers} blocks but {folder} has {config.num_hidden_layers}; "
             "make the plan with plan_split(config) for this model"
         )
-    cls = {"head": HeadStage, "middle": MiddleStage, "tail": TailStage}.get(part, ServerLossStage)
-    with torch.device("meta"):
-        stage = cls(config, stage_blocks(plan, part))
+    stage = _meta_stage(config, plan, part)
     names = [n for n in stage.state_dict() if not (lm_head is not None and n == "lm_head.weight")]
     tensors = _read_tensors(folder, names, dtype=dtype, device=device)
     if lm_head is not None:
@@ -107,6 +105,13 @@ def _build(
         stage.rotary_emb = rotary_embedding(config).to(device)  # computed buffers, not weights
     stage.requires_grad_(False)
     return stage.eval()
+
+
+def _meta_stage(config: Any, plan: SplitPlan, part: Part) -> Any:
+    """``part``'s modules on the meta device: its structure and names, no memory."""
+    cls = {"head": HeadStage, "middle": MiddleStage, "tail": TailStage}.get(part, ServerLossStage)
+    with torch.device("meta"):
+        return cls(config, stage_blocks(plan, part))
 
 
 def _read_tensors(
@@ -123,10 +128,7 @@ def _read_tensors(
 
 def stage_file_keys(folder: Path, plan: SplitPlan, part: Part) -> list[str]:
     """The file keys of the tensors ``part`` reads (to check which shards a stage opens)."""
-    config = load_config(folder)
-    cls = {"head": HeadStage, "middle": MiddleStage, "tail": TailStage}.get(part, ServerLossStage)
-    with torch.device("meta"):
-        stage = cls(config, stage_blocks(plan, part))
+    stage = _meta_stage(load_config(folder), plan, part)
     keys = WeightFiles(folder).keys()
     prefix = _body_prefix(keys, folder)
     return [_file_key(name, prefix, keys) for name in stage.state_dict()]
