@@ -197,10 +197,25 @@ def _gguf_writer(path: Path) -> Callable[[Path], None]:
 
 
 def check_gguf(path: Path) -> None:
-    """Refuse a file that is not a complete GGUF, in one line naming it (before a long convert)."""
+    """Refuse a file that is not a complete GGUF, in one line naming it.
+
+    Reading a large GGUF's header takes seconds (the reader parses every metadata field), so the
+    conversion runs this only to explain a failure.
+    """
     from gguf import GGUFReader
 
-    size = path.stat().st_size
+    _check_gguf_magic(path)
+    try:
+        GGUFReader(str(path))
+    except Exception as exc:  # the reader raises ValueError/IndexError on torn files
+        reason = " ".join(str(exc).split())[:200]
+        raise ModelFileError(
+            f"{path}: truncated or corrupt GGUF ({path.stat().st_size} bytes; reading it failed: "
+            f"{reason}); copy or download it again"
+        ) from None
+
+
+def _check_gguf_magic(path: Path) -> None:
     with path.open("rb") as f:
         magic = f.read(4)
     if magic != _GGUF_MAGIC:
@@ -208,14 +223,6 @@ def check_gguf(path: Path) -> None:
             f"{path}: not a GGUF file (it starts with {magic!r}, a GGUF file with "
             f"{_GGUF_MAGIC!r}); give a .gguf model, or a Hugging Face folder"
         )
-    try:
-        GGUFReader(str(path))
-    except Exception as exc:  # the reader raises ValueError/IndexError on torn files
-        reason = " ".join(str(exc).split())[:200]
-        raise ModelFileError(
-            f"{path}: truncated or corrupt GGUF ({size} bytes; reading it failed: {reason}); "
-            "copy or download it again"
-        ) from None
 
 
 def _convert_gguf(path: Path, out: Path) -> None:
@@ -224,12 +231,13 @@ def _convert_gguf(path: Path, out: Path) -> None:
     ``save_pretrained`` refuses on a GGUF-loaded model, so the weights are moved into a fresh model
     built from the same config without its quantization settings.
     """
-    check_gguf(path)
+    _check_gguf_magic(path)
     try:
         _convert_gguf_unchecked(path, out)
     except ModelFileError:
         raise
     except Exception as exc:
+        check_gguf(path)  # a torn or corrupt file says so; otherwise the model is the problem
         reason = " ".join(str(exc).split())[:200]
         raise ModelFileError(
             f"{path}: cannot convert this GGUF model ({type(exc).__name__}: {reason}); fedpipe "
