@@ -14,7 +14,7 @@ from fedpipe.config import load_config
 from fedpipe.data import BlockSampler, default_corpus, tokenize_blocks
 from fedpipe.device import DeviceTrainer
 from fedpipe.federated.plots import plot_timeline
-from fedpipe.link import get_device_profile
+from fedpipe.link import parse_device_profile
 from fedpipe.models import load_tokenizer
 from fedpipe.serving import build_stage_server
 from fedpipe.transport.client import StageClient
@@ -23,7 +23,11 @@ from fedpipe.transport.client import StageClient
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="tiny-llama")
-    parser.add_argument("--link", default="phone-lte", help="device profile")
+    parser.add_argument(
+        "--link",
+        default="phone-lte",
+        help="device profile, link name, or inline spec such as up=10,down=25,rtt=50ms",
+    )
     parser.add_argument("--schedule", default="greedy")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("runs/example"))
@@ -41,7 +45,7 @@ def main() -> None:
     )
     server = build_stage_server(config, port=0).start()  # the middle blocks, on port 0
     try:
-        device = DeviceTrainer(config, device_id="phone-0", profile=get_device_profile(args.link))
+        device = DeviceTrainer(config, device_id="phone-0", profile=parse_device_profile(args.link))
         tokenizer = load_tokenizer(device.folder)
         blocks = tokenize_blocks(default_corpus()[:20], tokenizer, config.train.seq_len)
         sampler = BlockSampler(blocks, config.train.batch_size, seed=0)

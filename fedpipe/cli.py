@@ -171,7 +171,7 @@ def _add_server(sub: argparse._SubParsersAction) -> None:
 # -- bench ------------------------------------------------------------------------------------
 def _cmd_bench_pipeline(args: argparse.Namespace) -> int:
     from fedpipe.bench.pipeline import BENCH_SCHEDULES, run_pipeline_bench
-    from fedpipe.link import REFERENCE_LINKS
+    from fedpipe.link import REFERENCE_LINKS, split_specs
 
     model = {"small": "small-llama", None: None}.get(args.model, args.model)
     flags: dict[str, Any] = {"model.name": model or "small-llama"}
@@ -184,7 +184,7 @@ def _cmd_bench_pipeline(args: argparse.Namespace) -> int:
     flags["pipeline.downlink_codec"] = args.codec
     flags["pipeline.gradient_codec"] = args.gradient_codec
     config = _config(args, **flags)
-    links = args.links.split(",") if args.links else list(REFERENCE_LINKS)
+    links = split_specs(args.links) if args.links else list(REFERENCE_LINKS)
     schedules = args.schedules.split(",") if args.schedules else list(BENCH_SCHEDULES)
     report = run_pipeline_bench(
         config, links=links, schedules=schedules, steps=args.steps, warmup=args.warmup
@@ -219,7 +219,11 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     q = bsub.add_parser("pipeline", help="schedules x reference links vs the pipeline bound")
     _add_common(q)
     q.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    q.add_argument("--links", help="comma-separated link names (default: the reference settings)")
+    q.add_argument(
+        "--links",
+        help="comma-separated link names or inline specs such as up=10,down=25,rtt=50ms "
+        "(default: the reference settings)",
+    )
     q.add_argument("--schedules", help="comma-separated schedules (default: all)")
     q.add_argument("--microbatches", type=int, default=8)
     q.add_argument("--batch-size", type=int, default=16)

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, get_type_hints
 
+from fedpipe.link.spec import parse_device_profiles
+
 __all__ = [
     "FedpipeConfig",
     "FederatedConfig",
@@ -177,6 +179,10 @@ class FederatedConfig:
             self.partition in ("iid", "by-source", "dirichlet"),
             f"federated.partition must be iid, by-source or dirichlet, got {self.partition!r}",
         )
+        try:  # names and inline specs, checked here so a typo fails before any process starts
+            parse_device_profiles(self.profiles)
+        except ValueError as exc:
+            raise ValueError(f"federated.profiles: {exc}") from None
 
 
 @dataclass(frozen=True)

@@ -18,11 +18,12 @@ import torch
 
 from fedpipe.config import FedpipeConfig
 from fedpipe.link import ComputeThrottle, DeviceProfile, LinkProfile, RealClock
-from fedpipe.models import load_config, model_family, resolve_model
+from fedpipe.models import load_config, model_family, model_fingerprint, resolve_model
 from fedpipe.pipeline.device_runtime import DeviceRuntime, StepResult
 from fedpipe.pipeline.trace import Tracer
 from fedpipe.split import (
     LoraSettings,
+    SplitTerms,
     apply_lora,
     build_device_stages,
     load_lora_state_dict,
@@ -31,7 +32,7 @@ from fedpipe.split import (
 )
 from fedpipe.transport.client import StageClient, StageSession
 
-__all__ = ["DeviceFailure", "DeviceTrainer", "RoundReport", "lora_settings"]
+__all__ = ["DeviceFailure", "DeviceTrainer", "RoundReport", "lora_settings", "split_terms"]
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,20 @@ def lora_settings(config: FedpipeConfig) -> LoraSettings:
         alpha=config.model.lora_alpha,
         targets=targets or None,
         seed=config.model.seed,
+    )
+
+
+def split_terms(config: FedpipeConfig, folder: Path) -> SplitTerms:
+    """What a device built from ``config`` and ``folder`` (model fingerprint and cut)."""
+    hf_config = load_config(folder)
+    plan = plan_split(
+        hf_config,
+        head_layers=config.model.head_layers,
+        tail_layers=config.model.tail_layers,
+        mode=config.model.split,  # type: ignore[arg-type]
+    )
+    return SplitTerms.of(
+        plan, fingerprint=model_fingerprint(folder), hidden_size=int(hf_config.hidden_size)
     )
 
 
@@ -118,6 +133,12 @@ class DeviceTrainer:
             tail_layers=config.model.tail_layers,
             mode=config.model.split,  # type: ignore[arg-type]
         )
+        # What the StageServer checks on OpenSession: the same weights, the same cut.
+        self.split = SplitTerms.of(
+            self.plan,
+            fingerprint=model_fingerprint(self.folder),
+            hidden_size=int(hf_config.hidden_size),
+        )
         head, tail = build_device_stages(self.folder, self.plan)
         settings = lora_settings(config)
         self.head = apply_lora(head, settings, self.family)
@@ -178,6 +199,7 @@ class DeviceTrainer:
             link_seed=f"{self.device_id}/{round_}",
             tracer=tracer,
             timeout_s=cfg.pipeline.timeout_s,
+            split=self.split,
         )
         runtime = DeviceRuntime(
             self.head,

@@ -6,7 +6,9 @@ __all__ = [
     "AuthError",
     "FedpipeError",
     "MessageTooLargeError",
+    "ModelFileError",
     "SessionStateError",
+    "SplitMismatchError",
     "StageCapacityError",
     "StageLinkError",
     "UnknownSessionError",
@@ -39,3 +41,11 @@ class StageCapacityError(FedpipeError):
 
 class StageLinkError(FedpipeError, ConnectionError):
     """The stage link failed on the device side: the server aborted or the stream broke."""
+
+
+class ModelFileError(FedpipeError, ValueError):
+    """A model file is missing, truncated or corrupt; the message names the file (one line)."""
+
+
+class SplitMismatchError(FedpipeError):
+    """Device and StageServer hold different models or cuts (FAILED_PRECONDITION)."""

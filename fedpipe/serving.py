@@ -10,7 +10,7 @@ import torch
 from fedpipe.config import FedpipeConfig, ServerConfig
 from fedpipe.device import lora_settings
 from fedpipe.errors import AuthError
-from fedpipe.models import load_config, model_family, resolve_model
+from fedpipe.models import load_config, model_family, model_fingerprint, resolve_model
 from fedpipe.pipeline.server_runtime import StageRuntime
 from fedpipe.split import AdapterBank, build_stage, plan_split
 from fedpipe.transport.server import SplitInfo, StageServer
@@ -66,6 +66,7 @@ def build_runtime(
         mode=plan.mode,
         hidden_size=int(hf_config.hidden_size),
         dtype=str(dtype).removeprefix("torch."),
+        fingerprint=model_fingerprint(folder),
         max_positions=int(
             getattr(hf_config, "max_position_embeddings", 0) or getattr(hf_config, "n_positions", 0)
         ),

@@ -26,7 +26,7 @@ import torch
 from fedpipe.bench.bound import Components, pipeline_bound, sequential_model
 from fedpipe.config import FedpipeConfig
 from fedpipe.device import DeviceTrainer
-from fedpipe.link import LinkProfile, get_link
+from fedpipe.link import LinkProfile, parse_link
 from fedpipe.pipeline.device_runtime import StepResult
 from fedpipe.pipeline.trace import Tracer
 from fedpipe.transport.client import StageClient, StageSession
@@ -214,6 +214,7 @@ def run_pipeline_bench(
     warmup: int = 1,
 ) -> dict[str, Any]:
     """Measure every schedule at every link; returns the JSON-ready report."""
+    profiles = [parse_link(name) for name in links]  # a typo fails now, not after the server
     cpus = sorted(os.sched_getaffinity(0))
     with tempfile.TemporaryDirectory(prefix="fedpipe-bench-") as tmp:
         server, address = _start_server(config, Path(tmp), cpus)
@@ -230,10 +231,8 @@ def run_pipeline_bench(
             )
             entries = []
             with StageClient(address) as client:
-                for name in links:
-                    entries.append(
-                        _bench_link(trainer, client, get_link(name), schedules, batches, warmup)
-                    )
+                for link in profiles:
+                    entries.append(_bench_link(trainer, client, link, schedules, batches, warmup))
         finally:
             server.terminate()
             server.wait(timeout=30)

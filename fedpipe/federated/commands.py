@@ -301,6 +301,9 @@ def _cmd_client(args: argparse.Namespace, make_config: Callable[..., FedpipeConf
         "num-partitions": args.num_partitions,
     }
     if args.profile:
+        from fedpipe.link import parse_device_profile
+
+        parse_device_profile(args.profile)  # a typo fails here, not later in the ClientApp
         node_config["profile"] = args.profile
     if args.data:
         node_config["data"] = str(Path(args.data).resolve())
@@ -380,7 +383,9 @@ def add_federated_commands(
     p.add_argument("--rounds", type=int)
     p.add_argument("--devices", type=int, help="number of simulated devices")
     p.add_argument(
-        "--profiles", help="device profiles, cycled over devices (e.g. phone-lte,rpi-wifi)"
+        "--profiles",
+        help="device profiles or inline specs, cycled over devices "
+        "(e.g. phone-lte,rpi-wifi,up=10,down=25,rtt=50ms)",
     )
     p.add_argument("--strategy", help="fedavg | fedprox | fedadam | fedyogi | fedadagrad | fedavgm")
     p.add_argument("--data", help="text file or folder (default: the bundled public-domain corpus)")
@@ -404,7 +409,8 @@ def add_federated_commands(
         "--profile",
         default="loopback",
         help="emulated device profile (default loopback: emulate nothing, use the real link; "
-        "phone-lte, rpi-wifi, jetson-ethernet, ... to emulate one)",
+        "phone-lte, rpi-wifi, jetson-ethernet, ... or an inline spec such as "
+        "up=10,down=25,rtt=50ms,slowdown=2 to emulate one)",
     )
     c.add_argument("--data", help="this device's text (file or folder)")
     c.add_argument("--port", type=int, help="this SuperNode's own port (default: a free one)")

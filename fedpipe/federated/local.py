@@ -26,7 +26,7 @@ from fedpipe.data import (
 from fedpipe.data import partition as partition_docs
 from fedpipe.device import DeviceTrainer, RoundReport
 from fedpipe.federated.tokens import issue_token
-from fedpipe.link import DeviceProfile, get_device_profile
+from fedpipe.link import DeviceProfile, parse_device_profile, split_specs
 from fedpipe.models import load_tokenizer
 from fedpipe.pipeline.device_runtime import DeviceRuntime
 from fedpipe.transport.client import StageClient
@@ -102,9 +102,9 @@ def server_run_settings(run_config: dict[str, Any]) -> tuple[FedpipeConfig, RunS
 def _profile(cfg: FedpipeConfig, partition_id: int, name: str | None) -> DeviceProfile | None:
     if partition_id < 0:
         return None  # the evaluator runs beside the server, unthrottled
-    names = [n.strip() for n in cfg.federated.profiles.split(",") if n.strip()]
+    names = split_specs(cfg.federated.profiles)  # names and inline specs (fedpipe.link.spec)
     chosen = name or (names[partition_id % len(names)] if names else "loopback")
-    return get_device_profile(chosen)
+    return parse_device_profile(chosen)
 
 
 class DeviceWork:
@@ -241,7 +241,11 @@ def evaluate_split(
         run.stage_address, root_certificates=roots, certificate_chain=chain, private_key=key
     ) as client:
         session = client.open_session(
-            device_id="evaluator", token=token, round_=round_, timeout_s=cfg.pipeline.timeout_s
+            device_id="evaluator",
+            token=token,
+            round_=round_,
+            timeout_s=cfg.pipeline.timeout_s,
+            split=trainer.split,
         )
         with session:
             runtime = DeviceRuntime(

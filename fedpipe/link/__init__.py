@@ -19,7 +19,13 @@ from fedpipe.link.profiles import (
     get_link,
     link_names,
 )
-from fedpipe.link.spec import parse_link
+from fedpipe.link.spec import (
+    parse_device_profile,
+    parse_device_profiles,
+    parse_link,
+    parse_links,
+    split_specs,
+)
 from fedpipe.link.throttle import ComputeThrottle, ThrottleStats
 
 __all__ = [
@@ -45,5 +51,9 @@ __all__ = [
     "get_device_profile",
     "get_link",
     "link_names",
+    "parse_device_profile",
+    "parse_device_profiles",
     "parse_link",
+    "parse_links",
+    "split_specs",
 ]

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from fedpipe.link.profiles import Direction, LinkProfile
+from fedpipe.link.spec import parse_link
 
 __all__ = ["DuplexLink", "LinkDirection", "LinkStats", "Transfer"]
 
@@ -92,13 +93,14 @@ class LinkDirection:
     @classmethod
     def from_profile(
         cls,
-        profile: LinkProfile,
+        profile: LinkProfile | str,
         direction: Direction,
         *,
         rng: random.Random | None = None,
         max_records: int | None = DEFAULT_MAX_RECORDS,
     ) -> LinkDirection:
-        """The `direction` ('up' or 'down') half of `profile`."""
+        """The `direction` ('up' or 'down') half of `profile` (a link name or spec is parsed)."""
+        profile = parse_link(profile) if isinstance(profile, str) else profile
         return cls(
             profile.bytes_per_s(direction),
             profile.one_way_s,
@@ -199,8 +201,14 @@ class DuplexLink:
     down: LinkDirection
 
     @classmethod
-    def from_profile(cls, profile: LinkProfile, *, seed: int | str | None = None) -> DuplexLink:
-        """Each direction gets its own jitter stream; a `seed` makes both reproducible."""
+    def from_profile(
+        cls, profile: LinkProfile | str, *, seed: int | str | None = None
+    ) -> DuplexLink:
+        """Each direction gets its own jitter stream; a `seed` makes both reproducible.
+
+        ``profile`` may be a link name or an inline spec (``'up=10,down=25,rtt=50ms'``).
+        """
+        profile = parse_link(profile) if isinstance(profile, str) else profile
         up_rng = random.Random(f"{seed}/up") if seed is not None else None
         down_rng = random.Random(f"{seed}/down") if seed is not None else None
         return cls(

@@ -6,16 +6,38 @@ Inline specs are comma-separated `key=value` pairs, e.g. `up=10,down=25,rtt=50ms
 - `rtt`, `jitter`, `overhead`: times with a unit, `ms`, `s` or `us` (a bare number is refused,
   because `rtt=50` could mean seconds or milliseconds);
 - `name`: optional; otherwise the canonical spec string becomes the name.
+
+Where a device profile is wanted, the same spec may add `slowdown=<factor>` (how many times slower
+the device computes than the host, default 1), and a link name stands for a device with that link.
+Lists (`--links`, `federated.profiles`) are comma-separated; an inline spec's own commas are kept
+together, and a key seen again starts the next spec (`;` also separates entries):
+`phone-lte,up=10,down=25,rtt=50ms,rpi-wifi` holds three entries. This module is the one parser
+every command, setting and the emulator use for link and profile names.
 """
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
 
-from fedpipe.link.profiles import LinkProfile, get_link
+from fedpipe.link.profiles import (
+    DeviceProfile,
+    LinkProfile,
+    UnknownProfileError,
+    device_profile_names,
+    get_device_profile,
+    get_link,
+    link_names,
+)
 
-__all__ = ["parse_link"]
+__all__ = [
+    "parse_device_profile",
+    "parse_device_profiles",
+    "parse_link",
+    "parse_links",
+    "split_specs",
+]
 
 _NUMBER = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?|inf|unlimited)\s*([a-z/]*)\s*$")
 _RATE_UNITS = {
@@ -40,6 +62,12 @@ def parse_link(spec: str) -> LinkProfile:
     """A `LinkProfile` from a registered name (`'100mbit-100ms'`) or an inline spec (module doc)."""
     text = spec.strip()
     if "=" not in text:
+        if text.lower() not in link_names():
+            raise UnknownProfileError(
+                f"unknown link {text!r}{_did_you_mean(text, link_names())}; choose one of "
+                f"{', '.join(link_names())}, or give an inline spec such as "
+                "'up=10,down=25,rtt=50ms'"
+            )
         return get_link(text)
     fields = _split_pairs(text)
     if "bw" in fields and ("up" in fields or "down" in fields):
@@ -120,3 +148,86 @@ def _canonical(up: float, down: float, times: dict[str, float]) -> str:
     parts = [f"up={up:g}", f"down={down:g}"]
     parts += [f"{key}={times[key] * 1e3:g}ms" for key in _TIME_KEYS if times.get(key)]
     return ",".join(parts)
+
+
+def parse_device_profile(spec: str) -> DeviceProfile:
+    """A `DeviceProfile` from a device profile name, a link name, or an inline spec.
+
+    An inline spec is a link spec plus an optional `slowdown=<factor>` (module doc); a link name
+    gives a device with that link that computes as fast as the host.
+    """
+    text = spec.strip()
+    if "=" not in text:
+        key = text.lower()
+        if key in device_profile_names():
+            return get_device_profile(key)
+        if key in link_names():
+            return DeviceProfile(key, get_link(key), compute_slowdown=1.0)
+        choices = (*device_profile_names(), *link_names())
+        raise UnknownProfileError(
+            f"unknown device profile {text!r}{_did_you_mean(text, choices)}; choose a device "
+            f"profile ({', '.join(device_profile_names())}), a link "
+            f"({', '.join(n for n in link_names() if n not in device_profile_names())}), or an "
+            "inline spec such as 'up=10,down=25,rtt=50ms,slowdown=2'"
+        )
+    items = [item for item in text.split(",") if item.strip()]
+    slow = [i for i in items if i.partition("=")[0].strip().lower() == "slowdown"]
+    if len(slow) > 1:
+        raise ValueError(f"device spec {spec!r}: 'slowdown' is given twice.")
+    try:
+        link = parse_link(",".join(i for i in items if i not in slow))
+    except UnknownProfileError:
+        raise
+    except ValueError as exc:
+        if "unknown key" not in str(exc):
+            raise
+        raise ValueError(f"{str(exc).rstrip('.')}, and for a device, slowdown.") from None
+    slowdown = _parse_slowdown(spec, slow[0].partition("=")[2]) if slow else 1.0
+    name = link.name if slowdown == 1.0 or "name=" in text else f"{link.name},slowdown={slowdown:g}"
+    return DeviceProfile(name, link, compute_slowdown=slowdown)
+
+
+def split_specs(text: str) -> list[str]:
+    """Entries of a comma-separated list of names and inline specs (module doc)."""
+    entries: list[str] = []
+    for part in text.split(";"):
+        group: list[str] = []
+        for item in (i.strip() for i in part.split(",")):
+            if not item:
+                continue
+            key = item.partition("=")[0].strip().lower()
+            if "=" not in item or key in {g.partition("=")[0].strip().lower() for g in group}:
+                entries += [",".join(group)] if group else []
+                group = []
+            if "=" in item:
+                group.append(item)
+            else:
+                entries.append(item)
+        entries += [",".join(group)] if group else []
+    return entries
+
+
+def parse_links(text: str) -> list[LinkProfile]:
+    """Every link of a comma-separated list of link names and inline specs."""
+    return [parse_link(entry) for entry in split_specs(text)]
+
+
+def parse_device_profiles(text: str) -> list[DeviceProfile]:
+    """Every device profile of a comma-separated list of names and inline specs."""
+    return [parse_device_profile(entry) for entry in split_specs(text)]
+
+
+def _parse_slowdown(spec: str, value: str) -> float:
+    try:
+        factor = float(value.strip().removesuffix("x"))
+    except ValueError:
+        raise ValueError(
+            f"device spec {spec!r}: slowdown={value.strip()!r} is not a number; write e.g. "
+            "slowdown=3 for a device that computes 3 times slower than this host."
+        ) from None
+    return factor
+
+
+def _did_you_mean(text: str, choices: tuple[str, ...]) -> str:
+    close = difflib.get_close_matches(text.lower(), choices, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""

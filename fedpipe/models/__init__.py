@@ -6,18 +6,22 @@ import os
 # huggingface_hub fail fast instead of trying the network, unless the user says otherwise.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from fedpipe.models.fingerprint import model_fingerprint
 from fedpipe.models.loading import load_causal_lm, load_config, load_tokenizer, model_family
 from fedpipe.models.registry import NAMED_CONFIGS, cache_root, named_config, resolve_model
 from fedpipe.models.tokenizer import build_byte_tokenizer
+from fedpipe.models.weights import WeightFiles
 
 __all__ = [
     "NAMED_CONFIGS",
+    "WeightFiles",
     "build_byte_tokenizer",
     "cache_root",
     "load_causal_lm",
     "load_config",
     "load_tokenizer",
     "model_family",
+    "model_fingerprint",
     "named_config",
     "resolve_model",
 ]

@@ -8,6 +8,8 @@ from typing import Any, Literal
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from fedpipe.errors import ModelFileError
+
 __all__ = ["LLAMA_FAMILY_TYPES", "load_config", "load_tokenizer", "load_causal_lm", "model_family"]
 
 # Model types sharing the Llama decoder layout (pre-norm RMSNorm, rotary attention, gated MLP).
@@ -18,12 +20,25 @@ Family = Literal["llama", "gpt2"]
 
 def load_config(folder: Path) -> Any:
     """The model's config with sdpa attention (causal via ``is_causal`` when no mask is given)."""
-    return AutoConfig.from_pretrained(folder, attn_implementation="sdpa")
+    try:
+        return AutoConfig.from_pretrained(folder, attn_implementation="sdpa")
+    except (OSError, ValueError, KeyError) as exc:
+        reason = " ".join(str(exc).split())[:200]
+        raise ModelFileError(
+            f"{Path(folder) / 'config.json'}: not a usable model config ({reason})"
+        ) from None
 
 
 def load_tokenizer(folder: Path) -> Any:
     """The tokenizer saved in ``folder`` (offline; nothing is fetched)."""
-    return AutoTokenizer.from_pretrained(folder)
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError) as exc:
+        reason = " ".join(str(exc).split())[:200]
+        raise ModelFileError(
+            f"{folder}: no usable tokenizer ({reason}); save the tokenizer into the model folder "
+            "(tokenizer.json and tokenizer_config.json, e.g. tokenizer.save_pretrained(folder))"
+        ) from None
 
 
 def load_causal_lm(folder: Path, *, dtype: torch.dtype = torch.float32) -> PreTrainedModel:

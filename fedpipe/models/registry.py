@@ -29,11 +29,20 @@ from transformers import (
     PreTrainedModel,
 )
 
+from fedpipe.errors import ModelFileError
 from fedpipe.models.tokenizer import BYTE_VOCAB_SIZE, build_byte_tokenizer
 
-__all__ = ["NAMED_CONFIGS", "DEFAULT_GGUF", "cache_root", "resolve_model", "named_config"]
+__all__ = [
+    "NAMED_CONFIGS",
+    "DEFAULT_GGUF",
+    "cache_root",
+    "check_gguf",
+    "resolve_model",
+    "named_config",
+]
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_GGUF_MAGIC = b"GGUF"
 _EOS_ID = 256  # the byte tokenizer's <|endoftext|>
 _SEED = 1234  # weights of the named configs; bump the cache key ("-v1") if this ever changes
 _KEY_VERSION = "v1"
@@ -138,6 +147,9 @@ def _cached(final: Path, write: Callable[[Path], None]) -> Path:
     tmp = final.parent / f".tmp-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         write(tmp)
+        from fedpipe.models.fingerprint import model_fingerprint  # it imports cache_root
+
+        model_fingerprint(tmp)  # hashed once, cached beside the weights (renames keep mtimes)
         try:
             os.rename(tmp, final)
         except OSError:
@@ -184,12 +196,56 @@ def _gguf_writer(path: Path) -> Callable[[Path], None]:
     return lambda out: _convert_gguf(path, out)
 
 
+def check_gguf(path: Path) -> None:
+    """Refuse a file that is not a complete GGUF, in one line naming it.
+
+    Reading a large GGUF's header takes seconds (the reader parses every metadata field), so the
+    conversion runs this only to explain a failure.
+    """
+    from gguf import GGUFReader
+
+    _check_gguf_magic(path)
+    try:
+        GGUFReader(str(path))
+    except Exception as exc:  # the reader raises ValueError/IndexError on torn files
+        reason = " ".join(str(exc).split())[:200]
+        raise ModelFileError(
+            f"{path}: truncated or corrupt GGUF ({path.stat().st_size} bytes; reading it failed: "
+            f"{reason}); copy or download it again"
+        ) from None
+
+
+def _check_gguf_magic(path: Path) -> None:
+    with path.open("rb") as f:
+        magic = f.read(4)
+    if magic != _GGUF_MAGIC:
+        raise ModelFileError(
+            f"{path}: not a GGUF file (it starts with {magic!r}, a GGUF file with "
+            f"{_GGUF_MAGIC!r}); give a .gguf model, or a Hugging Face folder"
+        )
+
+
 def _convert_gguf(path: Path, out: Path) -> None:
     """Dequantize a GGUF file to an fp32 safetensors folder.
 
     ``save_pretrained`` refuses on a GGUF-loaded model, so the weights are moved into a fresh model
     built from the same config without its quantization settings.
     """
+    _check_gguf_magic(path)
+    try:
+        _convert_gguf_unchecked(path, out)
+    except ModelFileError:
+        raise
+    except Exception as exc:
+        check_gguf(path)  # a torn or corrupt file says so; otherwise the model is the problem
+        reason = " ".join(str(exc).split())[:200]
+        raise ModelFileError(
+            f"{path}: cannot convert this GGUF model ({type(exc).__name__}: {reason}); fedpipe "
+            "reads GGUF files of the Llama, Qwen2, Mistral and GPT-2 architectures"
+        ) from None
+
+
+def _convert_gguf_unchecked(path: Path, out: Path) -> None:
     folder, name = path.parent, path.name
     loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
@@ -200,7 +256,10 @@ def _convert_gguf(path: Path, out: Path) -> None:
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     missing = [k for k in missing if not _is_tied(model, k)]
     if missing or unexpected:
-        raise RuntimeError(f"GGUF conversion of {path}: missing {missing}, unexpected {unexpected}")
+        raise ModelFileError(
+            f"{path}: GGUF conversion left tensors missing {missing[:5]} or unexpected "
+            f"{unexpected[:5]}; the file's architecture is not one fedpipe can split"
+        )
     model.tie_weights()
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)

@@ -132,9 +132,13 @@ class DeviceRuntime:
         make_schedule(schedule, microbatches, has_tail=tail is not None)  # validate early
 
     def train_step(self, batch: dict[str, torch.Tensor], *, step: int) -> StepResult:
-        """Run one pipelined step over ``batch`` (``input_ids`` and ``labels``, (B, T))."""
-        start = time.perf_counter()
-        n_events = len(self.tracer.events)
+        """Run one pipelined step over ``batch`` (``input_ids`` and ``labels``, (B, T)).
+
+        Gradients are cleared before the step and again if it fails, and a failed step's
+        stashed head outputs are dropped: a step that breaks halfway (the link fails, the
+        server refuses a message) must not leave half a gradient for the next step to add to.
+        """
+        self._clear_grads()
         schedule = make_schedule(
             self.schedule_name,
             self.microbatches,
@@ -147,18 +151,37 @@ class DeviceRuntime:
             count_tokens(batch["labels"]),
             schedule,
         )
-        if schedule.strict:
-            for action in schedule.actions:
+        try:
+            return self._walk(state)
+        except BaseException:
+            state.heads.clear()  # the graphs of microbatches whose backward never came
+            self._clear_grads()
+            log.warning("step %d failed; its gradients and stashed activations are dropped", step)
+            raise
+
+    def _walk(self, state: _StepState) -> StepResult:
+        """The step's actions, the optimizer update, and the server's confirmation."""
+        start = time.perf_counter()
+        n_events = len(self.tracer.events)
+        if state.schedule.strict:
+            for action in state.schedule.actions:
                 self._run(action, state)
         else:
             self._run_greedy(state)
-        self.channel.send(StageMsg(Kind.STEP_END, step))
+        self.channel.send(StageMsg(Kind.STEP_END, state.step))
         with self._compute("O", "device"):
             if self.optimizer is not None:
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
-        self._server_span("So", 0, self.channel.receive(Kind.STEP_DONE, step, 0), state)
+        self._server_span("So", 0, self.channel.receive(Kind.STEP_DONE, state.step, 0), state)
         return self._result(state, time.perf_counter() - start, n_events)
+
+    def _clear_grads(self) -> None:
+        for stage in (self.head, self.tail):
+            if stage is not None:
+                stage.zero_grad(set_to_none=True)
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
 
     @torch.no_grad()
     def evaluate(self, batch: dict[str, torch.Tensor], *, step: int) -> tuple[float, int]:

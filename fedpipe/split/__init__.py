@@ -1,7 +1,8 @@
 """Splitting a causal LM into stages that hold only their own weights, with LoRA adapters."""
 
 from fedpipe.split.adapters import GLOBAL_ADAPTER, AdapterBank
-from fedpipe.split.build import build_device_stages, build_stage, stage_blocks
+from fedpipe.split.agreement import SplitLike, SplitTerms, check_agreement
+from fedpipe.split.build import build_device_stages, build_stage, stage_blocks, stage_file_keys
 from fedpipe.split.lora import (
     LoraSettings,
     apply_lora,
@@ -21,6 +22,7 @@ from fedpipe.split.stages import (
     ServerLossStage,
     TailStage,
     shifted_loss_sum,
+    sliding_window,
 )
 
 __all__ = [
@@ -32,12 +34,15 @@ __all__ = [
     "MiddleStage",
     "ServerLossStage",
     "SplitMode",
+    "SplitLike",
     "SplitPlan",
+    "SplitTerms",
     "TailStage",
     "apply_lora",
     "average_state_dicts",
     "build_device_stages",
     "build_stage",
+    "check_agreement",
     "device_memory_report",
     "global_name",
     "load_lora_state_dict",
@@ -46,5 +51,7 @@ __all__ = [
     "plan_split",
     "set_active_adapter",
     "shifted_loss_sum",
+    "sliding_window",
     "stage_blocks",
+    "stage_file_keys",
 ]

@@ -1,7 +1,8 @@
-"""Building a stage that holds only its own weights, read tensor by tensor from model.safetensors.
+"""Building a stage that holds only its own weights, read tensor by tensor from safetensors.
 
 Modules are created on the meta device (no memory), then exactly the tensors the stage needs are
-read with ``safe_open`` and assigned, so the whole model is never materialised on a device.
+read (from ``model.safetensors``, or from only the shards that hold them when the folder is
+sharded) and assigned, so the whole model is never materialised on a device.
 """
 
 from __future__ import annotations
@@ -10,10 +11,11 @@ from pathlib import Path
 from typing import Any, Literal, cast
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
+from fedpipe.errors import ModelFileError
 from fedpipe.models.loading import load_config
+from fedpipe.models.weights import WeightFiles
 from fedpipe.split.plan import SplitPlan
 from fedpipe.split.stages import (
     HeadStage,
@@ -23,10 +25,9 @@ from fedpipe.split.stages import (
     rotary_embedding,
 )
 
-__all__ = ["Part", "build_stage", "build_device_stages", "stage_blocks"]
+__all__ = ["Part", "build_stage", "build_device_stages", "stage_blocks", "stage_file_keys"]
 
 Part = Literal["head", "middle", "tail", "server_loss"]
-_WEIGHTS = "model.safetensors"
 _BODY_PREFIXES = ("model.", "transformer.", "")
 
 
@@ -91,9 +92,7 @@ def _build(
             f"plan is for {plan.num_layers} blocks but {folder} has {config.num_hidden_layers}; "
             "make the plan with plan_split(config) for this model"
         )
-    cls = {"head": HeadStage, "middle": MiddleStage, "tail": TailStage}.get(part, ServerLossStage)
-    with torch.device("meta"):
-        stage = cls(config, stage_blocks(plan, part))
+    stage = _meta_stage(config, plan, part)
     names = [n for n in stage.state_dict() if not (lm_head is not None and n == "lm_head.weight")]
     tensors = _read_tensors(folder, names, dtype=dtype, device=device)
     if lm_head is not None:
@@ -108,28 +107,40 @@ def _build(
     return stage.eval()
 
 
+def _meta_stage(config: Any, plan: SplitPlan, part: Part) -> Any:
+    """``part``'s modules on the meta device: its structure and names, no memory."""
+    cls = {"head": HeadStage, "middle": MiddleStage, "tail": TailStage}.get(part, ServerLossStage)
+    with torch.device("meta"):
+        return cls(config, stage_blocks(plan, part))
+
+
 def _read_tensors(
     folder: Path, names: list[str], *, dtype: torch.dtype, device: str | torch.device
 ) -> dict[str, torch.Tensor]:
-    """Read exactly ``names`` (stage-local names) from the folder's safetensors file."""
-    path = folder / _WEIGHTS
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found; resolve the model with fedpipe.models first")
-    out: dict[str, torch.Tensor] = {}
-    with safe_open(str(path), framework="pt", device="cpu") as f:
-        keys = set(f.keys())
-        prefix = _body_prefix(keys)
-        for name in names:
-            key = _file_key(name, prefix, keys)
-            out[name] = f.get_tensor(key).to(device=device, dtype=dtype)
-    return out
+    """Read exactly ``names`` (stage-local names), opening only the files that hold them."""
+    files = WeightFiles(folder)
+    keys = files.keys()
+    prefix = _body_prefix(keys, folder)
+    file_keys = {name: _file_key(name, prefix, keys) for name in names}
+    tensors = files.read(file_keys.values(), dtype=dtype, device=device)
+    return {name: tensors[key] for name, key in file_keys.items()}
 
 
-def _body_prefix(keys: set[str]) -> str:
+def stage_file_keys(folder: Path, plan: SplitPlan, part: Part) -> list[str]:
+    """The file keys of the tensors ``part`` reads (to check which shards a stage opens)."""
+    stage = _meta_stage(load_config(folder), plan, part)
+    keys = WeightFiles(folder).keys()
+    prefix = _body_prefix(keys, folder)
+    return [_file_key(name, prefix, keys) for name in stage.state_dict()]
+
+
+def _body_prefix(keys: set[str], folder: Path) -> str:
     for prefix in _BODY_PREFIXES:
         if f"{prefix}embed_tokens.weight" in keys or f"{prefix}wte.weight" in keys:
             return prefix
-    raise ValueError("model.safetensors holds no token embedding (embed_tokens / wte)")
+    raise ModelFileError(
+        f"{folder}: its weights hold no token embedding (embed_tokens / wte); is it a causal LM?"
+    )
 
 
 def _file_key(name: str, prefix: str, keys: set[str]) -> str:
@@ -145,5 +156,4 @@ def _ties_embeddings(folder: Path, config: Any) -> bool:
     """Tied when the config says so, or when the file has no separate LM head."""
     if getattr(config, "tie_word_embeddings", False):
         return True
-    with safe_open(str(folder / _WEIGHTS), framework="pt", device="cpu") as f:
-        return "lm_head.weight" not in set(f.keys())
+    return "lm_head.weight" not in WeightFiles(folder).keys()

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-from safetensors import safe_open
 
 from fedpipe.models.loading import load_config
+from fedpipe.models.weights import WeightFiles
 from fedpipe.split.plan import SplitPlan
 from fedpipe.split.stages import HeadStage, TailStage
 
@@ -89,19 +89,14 @@ def _device_param_bytes(folder: Path, plan: SplitPlan) -> int:
 
 def _file_param_bytes(folder: Path) -> int:
     """fp32 bytes of every tensor in model.safetensors (a tied LM head is stored once)."""
-    total = 0
-    with safe_open(str(folder / "model.safetensors"), framework="pt", device="cpu") as f:
-        for key in f.keys():
-            shape = f.get_slice(key).get_shape()
-            total += int(torch.Size(shape).numel())
-    return total * 4
+    files = WeightFiles(folder)
+    return sum(int(torch.Size(files.shape(key)).numel()) for key in files.keys()) * 4
 
 
 def _tied(folder: Path, config: Any) -> bool:
     if getattr(config, "tie_word_embeddings", False):
         return True
-    with safe_open(str(folder / "model.safetensors"), framework="pt", device="cpu") as f:
-        return "lm_head.weight" not in set(f.keys())
+    return "lm_head.weight" not in WeightFiles(folder).keys()
 
 
 def _measure(folder: Path, plan: SplitPlan, what: str) -> dict[str, int]:

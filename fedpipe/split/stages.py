@@ -4,7 +4,8 @@ Block containers keep the Hugging Face names (``layers`` for the Llama family, `
 keyed by the global block index, so ``layers.5.self_attn.q_proj`` names the same module in every
 stage and in the unsplit model (after its ``model.`` / ``transformer.`` prefix). Positions are
 ``arange(T)``; attention is causal sdpa with no mask (right padding, pads masked out of the loss by
-label -100).
+label -100), except in blocks with a sliding window shorter than the sequence (Mistral, Qwen2 with
+``use_sliding_window``), which get the banded causal mask the unsplit model uses.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ __all__ = [
     "TailStage",
     "ServerLossStage",
     "shifted_loss_sum",
+    "sliding_window",
 ]
 
 IGNORE_INDEX = -100
@@ -58,6 +60,34 @@ def rotary_embedding(config: Any) -> nn.Module:
     return _LLAMA_LAYOUT[config.model_type][2](config=config)
 
 
+def sliding_window(config: Any, block: int) -> int | None:
+    """How many tokens ``block`` attends to (itself included), or None for full causal attention.
+
+    Mistral puts its ``sliding_window`` on every block; Qwen2 (with ``use_sliding_window``) on the
+    blocks its ``layer_types`` mark ``sliding_attention``.
+    """
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    kind = "sliding_attention" if layer_types is None else layer_types[block]
+    if kind not in ("full_attention", "sliding_attention"):
+        raise ValueError(
+            f"block {block} has attention type {kind!r}; fedpipe's stages compute "
+            "full_attention and sliding_attention blocks only, so this model cannot be split"
+        )
+    return int(window) if kind == "sliding_attention" else None
+
+
+def _window_mask(length: int, window: int | None, device: torch.device) -> Tensor | None:
+    """(1, 1, T, T) bool, True where query i may attend key j: j <= i and i - j < window."""
+    if window is None or window >= length:
+        return None  # plain causal attention (sdpa's is_causal) is the same and faster
+    i = torch.arange(length, device=device).unsqueeze(1)  # (T, 1)
+    j = torch.arange(length, device=device).unsqueeze(0)  # (1, T)
+    return ((j <= i) & (j > i - window)).unsqueeze(0).unsqueeze(0)
+
+
 def shifted_loss_sum(logits: Tensor, labels: Tensor) -> tuple[Tensor, int]:
     """Sum of next-token cross-entropy (logits[:, :-1] vs labels[:, 1:]) and the tokens counted."""
     targets = labels[:, 1:].reshape(-1)  # (B*(T-1),)
@@ -76,6 +106,8 @@ class _Stage(nn.Module):
         self.block_indices = tuple(int(i) for i in blocks)
         if self.family == "llama":
             layer_cls = _LLAMA_LAYOUT[config.model_type][0]
+            for i in self.block_indices:
+                sliding_window(config, i)  # refuses attention types the stages cannot compute
             self.layers = nn.ModuleDict({str(i): layer_cls(config, i) for i in self.block_indices})
             if self.block_indices:
                 self.rotary_emb = rotary_embedding(config)
@@ -94,11 +126,13 @@ class _Stage(nn.Module):
             for block in self.h.values():
                 hidden = block(hidden)
             return hidden
-        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)  # (1, T)
+        length = hidden.shape[1]
+        positions = torch.arange(length, device=hidden.device).unsqueeze(0)  # (1, T)
         cos_sin = self.rotary_emb(hidden, position_ids=positions)
-        for block in self.layers.values():
+        for index, block in zip(self.block_indices, self.layers.values(), strict=True):
+            mask = _window_mask(length, sliding_window(self.config, index), hidden.device)
             hidden = block(
-                hidden, attention_mask=None, position_ids=positions, position_embeddings=cos_sin
+                hidden, attention_mask=mask, position_ids=positions, position_embeddings=cos_sin
             )
         return hidden
 

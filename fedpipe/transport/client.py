@@ -29,6 +29,7 @@ from fedpipe.pipeline.messages import Kind, StageMsg
 from fedpipe.pipeline.trace import Tracer
 from fedpipe.proto import stage_pb2 as pb
 from fedpipe.proto import stage_pb2_grpc as pb_grpc
+from fedpipe.split.agreement import SplitLike
 from fedpipe.transport.codec import codec_to_proto
 from fedpipe.transport.serde import codec_for, msg_from_proto, msg_to_proto
 
@@ -39,6 +40,7 @@ __all__ = [
     "channel_options",
     "reconnect_call",
     "secure_channel_credentials",
+    "split_to_proto",
 ]
 
 log = logging.getLogger(__name__)
@@ -171,13 +173,19 @@ class StageClient:
         uplink_codec: str = "fp32",
         downlink_codec: str = "fp32",
         gradient_codec: str = "",
-        link: LinkProfile | None = None,
+        link: LinkProfile | str | None = None,
         link_seed: int | str | None = None,
         tracer: Tracer | None = None,
         timeout_s: float = 120.0,
+        split: SplitLike | None = None,
     ) -> StageSession:
-        """Open a session (retrying while the server is unavailable) and start its stream."""
+        """Open a session (retrying while the server is unavailable) and start its stream.
+
+        ``split`` is what the device built (model fingerprint and cut); the server refuses a
+        session without one, or one that differs from its own, with FAILED_PRECONDITION.
+        """
         request = pb.OpenSessionRequest(
+            split=split_to_proto(split),
             device_id=device_id,
             token=token,
             round=round_,
@@ -211,6 +219,20 @@ class StageClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def split_to_proto(split: SplitLike | None) -> pb.SplitSpec | None:
+    """The agreed fields of ``split`` as the proto OpenSession carries (None stays None)."""
+    if split is None:
+        return None
+    return pb.SplitSpec(
+        fingerprint=split.fingerprint,
+        num_layers=split.num_layers,
+        head_layers=split.head_layers,
+        tail_layers=split.tail_layers,
+        mode=split.mode,
+        hidden_size=split.hidden_size,
+    )
 
 
 class StageSession:

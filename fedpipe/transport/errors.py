@@ -25,6 +25,7 @@ from fedpipe.errors import (
     AuthError,
     MessageTooLargeError,
     SessionStateError,
+    SplitMismatchError,
     StageCapacityError,
     UnknownSessionError,
 )
@@ -57,6 +58,7 @@ _STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (UnknownSessionError, grpc.StatusCode.NOT_FOUND),
     (AuthError, grpc.StatusCode.UNAUTHENTICATED),
     (SessionStateError, grpc.StatusCode.FAILED_PRECONDITION),
+    (SplitMismatchError, grpc.StatusCode.FAILED_PRECONDITION),
     (MessageTooLargeError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (StageCapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
 )

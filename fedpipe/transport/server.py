@@ -26,6 +26,7 @@ from fedpipe.pipeline.messages import StageMsg
 from fedpipe.pipeline.server_runtime import StageRuntime
 from fedpipe.proto import stage_pb2 as pb
 from fedpipe.proto import stage_pb2_grpc as pb_grpc
+from fedpipe.split.agreement import check_agreement
 from fedpipe.transport.client import SESSION_HEADER, channel_options
 from fedpipe.transport.codec import codec_from_proto
 from fedpipe.transport.errors import status_for
@@ -115,6 +116,12 @@ class _LinkServicer(pb_grpc.StageLinkServicer):
                         f"session for round {request.round}, but the server is in round {current}"
                     )
                 self.authenticate(request.token, request.round, request.device_id, run_id, begun)
+            # After authentication: strangers learn nothing of the model or the cut.
+            check_agreement(
+                request.split if request.HasField("split") else None,
+                self.split,
+                model=self.split.model,
+            )
             codec = codec_from_proto(request.downlink_codec or pb.FP32)
             grad_codec = codec_from_proto(request.gradient_codec) if request.gradient_codec else ""
             session_id = self.runtime.open_session(

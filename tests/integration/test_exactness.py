@@ -236,7 +236,7 @@ def test_evaluation_through_the_split_model_equals_unsplit(setups, model: str, s
     trainer.load_adapters({k: v for k, v in setup.adapter.items() if k not in setup.server_keys})
     before = setup.runtime.bank.global_state()
     with StageClient(setup.server.address) as client:
-        with client.open_session(device_id="evaluator") as session:
+        with client.open_session(device_id="evaluator", split=trainer.split) as session:
             runtime = DeviceRuntime(
                 trainer.head, trainer.tail, session, optimizer=None, microbatches=4
             )
@@ -245,3 +245,37 @@ def test_evaluation_through_the_split_model_equals_unsplit(setups, model: str, s
     after = setup.runtime.bank.global_state()
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert not [s for s in setup.runtime.sessions() if s.device_id == "evaluator"]
+
+
+@pytest.fixture(scope="module")
+def windowed_folder(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny Mistral whose sliding window (4) is shorter than the sequence (16)."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=258,
+        max_position_embeddings=64,
+        sliding_window=4,
+    )
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("windowed") / "tiny-mistral"
+    MistralForCausalLM(config).save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "greedy"])
+def test_sliding_window_model_over_the_wire_equals_unsplit(
+    setups, windowed_folder: str, schedule: str
+) -> None:
+    setup = _setup(setups, windowed_folder, "u")
+    batches = _batches(setup.vocab)
+    ref_losses, ref_grads, _ = setup.reference_run(batches)
+    losses, grads, _ = _pipelined(setup, _config(windowed_folder, "u", schedule, 4), batches)
+    assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
+    for key, grad in ref_grads.items():
+        torch.testing.assert_close(grads[key], grad, rtol=1e-4, atol=1e-6, msg=f"grad {key}")

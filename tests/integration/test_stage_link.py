@@ -7,6 +7,7 @@ that must keep training alongside.
 
 from __future__ import annotations
 
+import functools
 import queue
 import re
 import time
@@ -19,7 +20,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fedpipe.config import FedpipeConfig, PipelineConfig, ServerConfig, TrainConfig
-from fedpipe.device import DeviceTrainer
+from fedpipe.device import DeviceTrainer, split_terms
 from fedpipe.federated.tokens import issue_token
 from fedpipe.models import resolve_model
 from fedpipe.pipeline.messages import Kind, StageMsg
@@ -27,7 +28,7 @@ from fedpipe.pipeline.server_runtime import StageRuntime
 from fedpipe.proto import stage_pb2 as pb
 from fedpipe.proto import stage_pb2_grpc as pb_grpc
 from fedpipe.serving import build_stage_server
-from fedpipe.transport.client import SESSION_HEADER, StageClient
+from fedpipe.transport.client import SESSION_HEADER, StageClient, split_to_proto
 from fedpipe.transport.server import StageServer
 
 BATCH, SEQ, HIDDEN = 4, 16, 64  # tiny-llama's hidden size is 64
@@ -83,7 +84,14 @@ def _train(address: str, folder, device_id: str, batches: list[Batch], **kw) -> 
     return [step.loss for step in report.steps]
 
 
+@functools.cache
+def _split() -> pb.SplitSpec:
+    """The split a device built from CONFIG sends (the server refuses sessions without it)."""
+    return split_to_proto(split_terms(CONFIG, resolve_model("tiny-llama")))
+
+
 def _open(stub: pb_grpc.StageLinkStub, device_id: str, **kw) -> str:  # type: ignore[no-untyped-def]
+    kw.setdefault("split", _split())
     request = pb.OpenSessionRequest(device_id=device_id, learning_rate=1e-2, **kw)
     return stub.OpenSession(request, timeout=RPC_TIMEOUT).session_id
 
@@ -266,7 +274,9 @@ def test_vanished_device_leaves_nothing_and_others_train_on(server: StageServer,
     alone = _train(server.address, folder, "alone", batches)
 
     with ThreadPoolExecutor(1) as pool, StageClient(server.address) as client:
-        session = client.open_session(device_id="vanisher", lr=1e-2, timeout_s=RPC_TIMEOUT)
+        session = client.open_session(
+            device_id="vanisher", lr=1e-2, timeout_s=RPC_TIMEOUT, split=split_terms(CONFIG, folder)
+        )
         activation = torch.randn(2, SEQ, HIDDEN)
         for mb in range(2):
             session.send(StageMsg(Kind.ACTIVATION, 0, mb, tensor=activation))

@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fedpipe.config import FedpipeConfig
 from fedpipe.link import (
     DEVICE_PROFILES,
     REFERENCE_LINKS,
@@ -32,7 +33,11 @@ from fedpipe.link import (
     get_device_profile,
     get_link,
     link_names,
+    parse_device_profile,
+    parse_device_profiles,
     parse_link,
+    parse_links,
+    split_specs,
 )
 
 MB = 1_000_000  # bytes; 1 MB at 8 Mbit/s (1e6 B/s) takes exactly 1 s
@@ -497,3 +502,86 @@ def test_throttle_noop_and_errors() -> None:
     assert clock.now() == 2.0 and slow.stats().calls == 0  # no delay added on an error
     with pytest.raises(ValueError, match=">= 1.0 \\(got 0.9\\)"):
         ComputeThrottle(0.9)
+
+
+# -- one parser for every place that takes a link or a profile -------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "entries"),
+    [
+        ("phone-lte,rpi-wifi", ["phone-lte", "rpi-wifi"]),
+        (
+            "phone-lte, up=10,down=25,rtt=50ms ,rpi-wifi",
+            ["phone-lte", "up=10,down=25,rtt=50ms", "rpi-wifi"],
+        ),
+        ("up=10,down=25,up=5,down=5,rtt=1ms", ["up=10,down=25", "up=5,down=5,rtt=1ms"]),
+        ("up=10,down=25;bw=40,rtt=9ms", ["up=10,down=25", "bw=40,rtt=9ms"]),
+        ("up=1,down=2,slowdown=3,loopback,", ["up=1,down=2,slowdown=3", "loopback"]),
+        ("", []),
+    ],
+)
+def test_split_specs_keeps_inline_specs_together(text: str, entries: list[str]) -> None:
+    assert split_specs(text) == entries
+
+
+def test_parse_device_profile_names_links_and_inline_specs() -> None:
+    assert parse_device_profile("phone-lte") is get_device_profile("phone-lte")
+    edge = parse_device_profile("10up-25down-50ms")  # a link name: a device as fast as the host
+    assert edge.link is get_link("10up-25down-50ms") and edge.compute_slowdown == 1.0
+    inline = parse_device_profile("up=10,down=25,rtt=50ms,slowdown=2")
+    assert inline.link == parse_link("up=10,down=25,rtt=50ms")
+    assert inline.compute_slowdown == 2.0 and inline.name == "up=10,down=25,rtt=50ms,slowdown=2"
+    assert parse_device_profile("name=lab,bw=40,rtt=10ms,slowdown=4").name == "lab"
+    assert [p.name for p in parse_device_profiles("loopback,bw=5,rtt=1ms")] == [
+        "loopback",
+        "up=5,down=5,rtt=1ms",
+    ]
+    assert [link.up_mbps for link in parse_links("100mbit-5ms,up=7,down=9")] == [100, 7]
+
+
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        ("phone-lt", r"unknown device profile 'phone-lt' \(did you mean 'phone-lte'\?\).*rpi-wifi"),
+        ("toaster", r"a link \(1gbit-5ms.*inline spec such as 'up=10,down=25,rtt=50ms,slowdown=2'"),
+        ("up=10,down=25,slowdown=fast", "slowdown='fast' is not a number"),
+        ("up=10,down=25,slowdown=0.5", "compute_slowdown must be a finite number >= 1.0"),
+        ("up=10,dwn=25", "unknown key 'dwn'.*name, and for a device, slowdown"),
+    ],
+)
+def test_parse_device_profile_errors_teach(spec: str, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        parse_device_profile(spec)
+
+
+def test_a_link_name_typo_suggests_and_lists_the_names() -> None:
+    with pytest.raises(UnknownProfileError, match=r"did you mean '100mbit-5ms'.*1gbit-5ms"):
+        parse_links("100mbit-5s")
+
+
+def test_profiles_setting_accepts_inline_specs_and_refuses_typos() -> None:
+    from fedpipe.config import FederatedConfig
+    from fedpipe.federated.local import _profile
+
+    config = FedpipeConfig(federated=FederatedConfig(profiles="phone-lte,up=10,down=25,rtt=50ms"))
+    assert _profile(config, 0, None) is get_device_profile("phone-lte")
+    assert _profile(config, 1, None).link == parse_link("up=10,down=25,rtt=50ms")
+    assert _profile(config, 1, "bw=3,rtt=2ms,slowdown=2").compute_slowdown == 2.0  # node config
+    with pytest.raises(ValueError, match="federated.profiles: unknown device profile 'rpi-wfi'"):
+        FederatedConfig(profiles="phone-lte,rpi-wfi")
+
+
+def test_the_emulator_takes_a_link_name_or_spec() -> None:
+    duplex = DuplexLink.from_profile("up=8,down=16,rtt=100ms", seed=0)
+    assert duplex.up.bytes_per_s == 1e6 and duplex.down.bytes_per_s == 2e6
+    assert DuplexLink.from_profile("phone-lte").profile is get_link("phone-lte")
+
+
+def test_bench_pipeline_refuses_a_bad_link_before_starting(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from fedpipe.cli import main
+
+    assert main(["bench", "pipeline", "--model", "tiny-llama", "--links", "up=10,dwn=25"]) == 2
+    assert "unknown key 'dwn'; valid keys are up, down, bw" in capsys.readouterr().err

@@ -164,3 +164,62 @@ def test_plan_split_and_part_errors(folders: dict[str, Path]) -> None:
         build_stage(folder, plan_split(config, mode="two"), "middle")
     with pytest.raises(ValueError, match="plan is for 6 blocks.*has 4"):
         build_stage(folder, SplitPlan(6, 1, 1), "head")
+
+
+# -- sliding-window attention (Mistral; Qwen2 with use_sliding_window) -----------------------------
+def _save_windowed(kind: str, out: Path, window: int) -> Path:
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    common = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=258,
+        max_position_embeddings=64,
+        sliding_window=window,
+    )
+    if kind == "mistral":
+        config, cls = MistralConfig(**common), MistralForCausalLM
+    else:  # blocks 2 and 3 slide, 0 and 1 attend to everything
+        config = Qwen2Config(**common, use_sliding_window=True, max_window_layers=2)
+        cls = Qwen2ForCausalLM
+    torch.manual_seed(0)
+    cls(config).save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["mistral", "qwen2"])
+def test_sliding_window_shorter_than_the_sequence_is_computed_exactly(
+    kind: str, tmp_path: Path
+) -> None:
+    folder = _save_windowed(kind, tmp_path / kind, window=4)
+    ids = torch.randint(0, 258, (2, 16), generator=torch.Generator().manual_seed(4))
+    whole = load_causal_lm(folder)
+    reference = whole(ids, labels=ids).loss
+    plan = plan_split(load_config(folder), head_layers=1, tail_layers=1)
+    loss_sum, count = split_loss(folder, plan, ids, ids)
+    torch.testing.assert_close(loss_sum / count, reference, rtol=1e-6, atol=1e-6)
+    # The window matters here: ignoring it (a window as long as the sequence) changes the loss.
+    whole.config.sliding_window = 64
+    assert not torch.allclose(whole(ids, labels=ids).loss, reference, atol=1e-4)
+
+
+def test_sliding_window_per_block() -> None:
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    from fedpipe.split import sliding_window
+
+    qwen = Qwen2Config(
+        num_hidden_layers=4, sliding_window=8, use_sliding_window=True, max_window_layers=2
+    )
+    assert [sliding_window(qwen, i) for i in range(4)] == [None, None, 8, 8]
+    assert sliding_window(Qwen2Config(num_hidden_layers=4, sliding_window=8), 3) is None
+    assert sliding_window(MistralConfig(sliding_window=8), 0) == 8
+    assert sliding_window(MistralConfig(sliding_window=None), 0) is None
+    assert sliding_window(LlamaConfig(), 0) is None
+    chunked = MistralConfig(sliding_window=8)
+    chunked.layer_types = ["chunked_attention"] * 4
+    with pytest.raises(ValueError, match="block 1 has attention type 'chunked_attention'"):
+        sliding_window(chunked, 1)
