@@ -18,6 +18,7 @@ import grpc
 import pytest
 
 from fedpipe.config import FedpipeConfig
+from fedpipe.device import split_terms
 from fedpipe.federated.control import StageControlClient
 from fedpipe.models import resolve_model
 from fedpipe.serving import build_stage_server
@@ -30,6 +31,11 @@ SECRET = "a-secret-for-the-restart-tests"
 @pytest.fixture(scope="module")
 def folder() -> Path:
     return resolve_model("tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def split(folder: Path):  # type: ignore[no-untyped-def]
+    return split_terms(CONFIG, folder)
 
 
 class _Retries(logging.Handler):
@@ -61,18 +67,22 @@ def retries() -> Iterator[_Retries]:
         logger.setLevel(old)
 
 
-def test_device_reconnects_to_a_restarted_stage_server(folder: Path, retries: _Retries) -> None:
+def test_device_reconnects_to_a_restarted_stage_server(
+    folder: Path, split, retries: _Retries
+) -> None:
     first = build_stage_server(CONFIG, port=0, folder=folder).start()
     port = first.port
     with StageClient(first.address, reconnect_s=120) as client:
-        client.open_session(device_id="d0", timeout_s=10).close()
+        client.open_session(device_id="d0", split=split, timeout_s=10).close()
         first.stop(grace=None)  # the server goes away
         opened: list[str] = []
         failed: list[BaseException] = []
 
         def reopen() -> None:
             try:
-                opened.append(client.open_session(device_id="d0", timeout_s=10).session_id)
+                opened.append(
+                    client.open_session(device_id="d0", split=split, timeout_s=10).session_id
+                )
             except BaseException as exc:  # reported by the assertions below
                 failed.append(exc)
 
@@ -92,10 +102,10 @@ def test_device_reconnects_to_a_restarted_stage_server(folder: Path, retries: _R
     assert "(try 1)" in retries.messages[0]
 
 
-def test_device_gives_up_after_its_reconnect_budget(retries: _Retries) -> None:
+def test_device_gives_up_after_its_reconnect_budget(split, retries: _Retries) -> None:  # type: ignore[no-untyped-def]
     with StageClient("127.0.0.1:1", reconnect_s=0.5) as client:  # nothing listens on port 1
         with pytest.raises(grpc.RpcError) as info:
-            client.open_session(device_id="d0", timeout_s=5)
+            client.open_session(device_id="d0", split=split, timeout_s=5)
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
