@@ -100,12 +100,18 @@ class StageClient:
         uplink_codec: str = "fp32",
         downlink_codec: str = "fp32",
         gradient_codec: str = "",
+        microbatch_size: int = 0,
+        seq_len: int = 0,
         link: LinkProfile | None = None,
         link_seed: int | str | None = None,
         tracer: Tracer | None = None,
         timeout_s: float = 120.0,
     ) -> StageSession:
-        """Open a session (retrying while the server is unavailable) and start its stream."""
+        """Open a session (retrying while the server is unavailable) and start its stream.
+
+        ``microbatch_size`` and ``seq_len`` declare the largest tensors the device will send
+        (0: the server's bounds); the server refuses larger ones with INVALID_ARGUMENT.
+        """
         request = pb.OpenSessionRequest(
             device_id=device_id,
             token=token,
@@ -115,6 +121,8 @@ class StageClient:
             gradient_codec=codec_to_proto(gradient_codec) if gradient_codec else None,
             learning_rate=lr,
             weight_decay=weight_decay,
+            microbatch_size=microbatch_size,
+            seq_len=seq_len,
         )
         reply = retry_call(lambda: self.stub.OpenSession(request, timeout=30))
         duplex = DuplexLink.from_profile(link or LinkProfile.unlimited(), seed=link_seed)
