@@ -586,3 +586,20 @@ def test_device_killed_mid_step_frees_its_session(folder) -> None:  # type: igno
             os.kill(device.pid, signal.SIGKILL)
             device.wait(timeout=10)
         victim_server.stop(grace=None)
+
+
+# -- 4. control calls ----------------------------------------------------------------------------
+def test_load_adapter_refuses_non_finite_values(server: StageServer) -> None:
+    from safetensors.torch import save as st_save
+
+    with grpc.insecure_channel(server.address) as chan:
+        control = pb_grpc.StageControlStub(chan)
+        before = st_load(control.GetAdapter(pb.AdapterRequest(), timeout=RPC_TIMEOUT).safetensors)
+        bad = {k: v.clone() for k, v in before.items()}
+        next(iter(bad.values())).view(-1)[0] = float("inf")
+        request = pb.LoadAdapterRequest(safetensors=st_save(bad))
+        error = _refusal(lambda: control.LoadAdapter(request, timeout=RPC_TIMEOUT))
+        assert error.code() == S.INVALID_ARGUMENT
+        assert "values of" in error.details() and "are NaN or Inf" in error.details()
+        after = st_load(control.GetAdapter(pb.AdapterRequest(), timeout=RPC_TIMEOUT).safetensors)
+    _assert_equal(after, before)
