@@ -192,6 +192,7 @@ class StageRuntime:
         self.on_compute: Callable[[str, StageMsg], None] | None = None
         self._sessions: dict[str, SessionInfo] = {}
         self._commits: dict[int, CommitResult] = {}
+        self._opening = 0  # sessions being opened: their adapter is being added
         self._lock = threading.RLock()  # sessions, streams, counters; never held by compute
         self._bank_lock = threading.RLock()  # the bank; taken after _lock, never before
         self._queue: FairQueue[str, tuple[StreamHandle | None, object]] = FairQueue()
@@ -223,16 +224,25 @@ class StageRuntime:
         with self._lock:
             for old in [s for s in self._sessions.values() if s.device_id == device_id]:
                 self._drop(old, reason="replaced by a new session")
-            if len(self._sessions) >= self.limits.max_sessions:
+            held = len(self._sessions) + self._opening
+            if held >= self.limits.max_sessions:
                 raise StageCapacityError(
-                    f"StageServer holds {len(self._sessions)} sessions, its limit "
+                    f"StageServer holds {held} sessions, its limit "
                     f"(server.max_sessions = {self.limits.max_sessions}); retry later or raise it"
                 )
-            session_id = secrets.token_urlsafe(24)  # 192 random bits
-            with self._bank_lock:
+            self._opening += 1  # a reserved place: adding the adapter may take a while
+        session_id = secrets.token_urlsafe(24)  # 192 random bits
+        try:
+            with self._bank_lock:  # not under _lock: other sessions' streams keep flowing
                 self.bank.add(session_id)
                 opt = self.optimizer_factory(self.bank.parameters(session_id), lr, weight_decay)
-            info = SessionInfo(session_id, device_id, round_, opt, rows, tokens, codecs)
+        finally:
+            with self._lock:
+                self._opening -= 1
+        info = SessionInfo(session_id, device_id, round_, opt, rows, tokens, codecs)
+        with self._lock:
+            for old in [s for s in self._sessions.values() if s.device_id == device_id]:
+                self._drop(old, reason="replaced by a newer session")  # a concurrent open
             self._sessions[session_id] = info
         log.info(
             "[%s] session %s… opened for round %d (microbatch <= %d, seq_len <= %d, lr %g)",
