@@ -2,8 +2,9 @@
 
 The StageServer's single compute worker takes its next item from here. Each session has its own
 FIFO (a device's messages must be computed in the order it sent them), and the worker serves the
-sessions that have work in turn, one item each, so a device that floods the server with work
-delays another device by at most one of its items per turn instead of by its whole backlog.
+sessions that have work in turn, a few queued items each, so a device that floods the server
+with work delays another device by at most one turn's worth of its items instead of by its whole
+backlog.
 The queue knows nothing of torch or gRPC; tests drive it directly.
 """
 
@@ -21,11 +22,21 @@ T = TypeVar("T")
 
 
 class FairQueue(Generic[K, T]):
-    """FIFO per key; ``get`` serves the keys that have items round-robin, one item per turn."""
+    """FIFO per key; ``get`` serves the keys that have items round-robin.
 
-    def __init__(self) -> None:
+    A turn serves up to ``quantum`` items of one key that are already queued (the server
+    switches adapters between sessions, which costs as much as a small microbatch), so a key
+    waits at most ``quantum`` items per other key with work.
+    """
+
+    def __init__(self, *, quantum: int = 1) -> None:
+        if quantum < 1:
+            raise ValueError(f"quantum must be >= 1, got {quantum}")
+        self.quantum = quantum
         self._queues: dict[K, deque[T]] = {}
         self._ring: deque[K] = deque()  # keys with at least one item, in serving order
+        self._turn: K | None = None  # the key at the head of the ring being served
+        self._served = 0  # items served in the current turn
         self._cond = threading.Condition()
         self._closed = False
 
@@ -45,13 +56,19 @@ class FairQueue(Generic[K, T]):
                 return None
             if self._closed:
                 return None
-            key = self._ring.popleft()
+            key = self._ring[0]
+            if key != self._turn:
+                self._turn, self._served = key, 0
             items = self._queues[key]
             item = items.popleft()
-            if items:
-                self._ring.append(key)  # back of the line: the others go first
-            else:
+            self._served += 1
+            if not items:
                 del self._queues[key]
+                self._ring.popleft()
+                self._turn = None
+            elif self._served >= self.quantum:
+                self._ring.rotate(-1)  # back of the line: the others go first
+                self._turn = None
             return key, item
 
     def clear(self, key: K) -> list[T]:
@@ -60,6 +77,8 @@ class FairQueue(Generic[K, T]):
             items = self._queues.pop(key, deque())
             if items:
                 self._ring.remove(key)
+                if self._turn == key:
+                    self._turn = None
             return list(items)
 
     def pending(self, key: K) -> int:

@@ -9,7 +9,8 @@ schedule sent them, and applies the session's optimizer on ``STEP_END``.
 
 No device can poison, crash or starve the others: settings a device asks for are checked
 against :class:`RuntimeLimits` at open, each session's queued work is bounded, the worker serves
-sessions round-robin (:class:`~fedpipe.pipeline.fair_queue.FairQueue`), a failed step leaves
+sessions round-robin, two queued messages per turn
+(:class:`~fedpipe.pipeline.fair_queue.FairQueue`), a failed step leaves
 no graph or gradient behind, one stream per session is live (a newer one replaces it), idle
 streams and sessions expire, and no adapter holding NaN or Inf is ever merged.
 
@@ -53,6 +54,10 @@ OptimizerFactory = Callable[[list[nn.Parameter], float, float], torch.optim.Opti
 Reply = StageMsg | BaseException
 END = object()  # the stream's last reply: the device half-closed and everything was answered
 _RESET = object()  # queue marker: forget the session's unfinished step
+# Queued messages of one session the worker computes per turn before serving the next session:
+# 2 cuts adapter switches by about 40% with 16 devices (495 -> 304 for 496 messages) while a
+# flooding session delays another by at most 2 messages per turn.
+_COMPUTE_QUANTUM = 2
 _KEEP_COMMITS = 64  # committed rounds remembered so that a retried commit is answered the same
 
 
@@ -195,7 +200,9 @@ class StageRuntime:
         self._opening = 0  # sessions being opened: their adapter is being added
         self._lock = threading.RLock()  # sessions, streams, counters; never held by compute
         self._bank_lock = threading.RLock()  # the bank; taken after _lock, never before
-        self._queue: FairQueue[str, tuple[StreamHandle | None, object]] = FairQueue()
+        self._queue: FairQueue[str, tuple[StreamHandle | None, object]] = FairQueue(
+            quantum=_COMPUTE_QUANTUM
+        )
         self._stopped = threading.Event()
         self._worker = threading.Thread(target=self._run, name="stage-compute", daemon=True)
         self._reaper = threading.Thread(target=self._reap, name="stage-reaper", daemon=True)

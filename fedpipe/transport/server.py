@@ -296,9 +296,16 @@ class StageServer:
         # Each live stream holds a gRPC thread; streams are capped below the pool's size so that
         # health checks, sessions and control calls always find a thread.
         workers = max_streams + _UNARY_THREADS
+        # Devices ping every 20 s (keepalive) also while they wait quietly for replies queued
+        # behind other sessions' work; gRPC's default (one ping per 5 min without data) would
+        # answer a wait of about a minute with GOAWAY "too many pings" and drop the device.
+        options = [
+            *channel_options(max_message_bytes),
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+        ]
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="stage-grpc"),
-            options=channel_options(max_message_bytes),
+            options=options,
         )
         self._link = _LinkServicer(
             runtime, split, self.rounds, authenticate, max_message_bytes, max_streams

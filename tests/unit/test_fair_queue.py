@@ -61,3 +61,13 @@ def test_close_wakes_a_waiting_get() -> None:
     waiter.join(timeout=5)
     assert got == [None]
     assert q.get(timeout=0) is None
+
+
+def test_a_quantum_serves_queued_items_of_one_key_together() -> None:
+    q: FairQueue[str, int] = FairQueue(quantum=2)
+    for i in range(5):
+        q.put("a", i)
+    q.put("b", 0)
+    q.put("b", 1)
+    q.put("b", 2)
+    assert [k for k, _ in _drain(q)] == ["a", "a", "b", "b", "a", "a", "b", "a"]
