@@ -43,7 +43,8 @@ from fedpipe.errors import (
     UnknownSessionError,
 )
 from fedpipe.pipeline.fair_queue import FairQueue
-from fedpipe.pipeline.messages import Kind, StageMsg
+from fedpipe.pipeline.messages import StageMsg
+from fedpipe.pipeline.stage_executor import StageExecutor
 from fedpipe.split import AdapterBank
 
 __all__ = ["CommitResult", "RuntimeLimits", "SessionInfo", "StageRuntime", "StreamHandle"]
@@ -192,6 +193,14 @@ class StageRuntime:
         self.device = device
         self.dtype = dtype
         self.limits = limits or RuntimeLimits()
+        self.executor = StageExecutor(
+            bank,
+            mode=mode,
+            hidden_size=hidden_size,
+            device=device,
+            dtype=dtype,
+            max_in_flight=self.limits.max_in_flight,
+        )
         self.max_seq_len = _seq_bound(max_positions, self.limits.max_seq_len)
         # Called on the worker before each message is computed (traces, tests).
         self.on_compute: Callable[[str, StageMsg], None] | None = None
@@ -559,142 +568,25 @@ class StageRuntime:
                 if not info.closed and not busy and now - info.last_seen > lim.session_idle_s:
                     idle = now - info.last_seen
                     reason = (
-                        f"idle for {idle:.0f} s (server.session_idle_s = {lim.session_idle_s:g})"
+                        f"idle for {idle:.1f} s (server.session_idle_s = {lim.session_idle_s:g})"
                     )
                     self._drop(info, reason=reason)
 
-    # -- compute ----------------------------------------------------------------------------
+    # -- compute (the executor runs it, under the bank lock) ---------------------------------
     def _handle(self, info: SessionInfo, msg: StageMsg) -> StageMsg:
         if msg.step != info.step:
             raise SessionStateError(
                 f"message for step {msg.step}, but session {info.session_id} is at step {info.step}"
             )
-        start = time.perf_counter()
         with self._bank_lock:
             if info.dropped:
                 raise UnknownSessionError(f"session {info.session_id} was dropped")
-            self.bank.activate(info.session_id)
-            if msg.kind is Kind.ACTIVATION:
-                reply = self._forward(info, msg)
-            elif msg.kind is Kind.OUTPUT_GRAD:
-                reply = self._backward(info, msg)
-            elif msg.kind is Kind.STEP_END:
-                reply = self._step(info, msg)
-            else:
-                raise InvalidRequestError(f"{msg.kind.name} is not a device-to-server message")
-        if reply.tensor is not None and not _all_finite(reply.tensor):
-            raise InvalidRequestError(
-                f"{msg}: the reply would hold NaN or Inf; the session's inputs made the "
-                "computation overflow (send values of a sane magnitude)"
-            )
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        reply.compute_s = time.perf_counter() - start
-        return reply
-
-    def _to_stage(self, info: SessionInfo, tensor: torch.Tensor | None, what: str) -> torch.Tensor:
-        """The tensor on the stage's device, if it fits what the session declared."""
-        if tensor is None:
-            raise InvalidRequestError(f"{what} message carries no tensor")
-        shape = tuple(tensor.shape)
-        if (
-            len(shape) != 3
-            or shape[-1] != self.hidden_size
-            or not 1 <= shape[0] <= info.microbatch_size
-            or not 1 <= shape[1] <= info.seq_len
-        ):
-            raise InvalidRequestError(
-                f"{what} must be (batch <= {info.microbatch_size}, tokens <= {info.seq_len}, "
-                f"{self.hidden_size}), got {shape}"
-            )
-        return tensor.to(self.device, self.dtype)
-
-    def _forward(self, info: SessionInfo, msg: StageMsg) -> StageMsg:
-        if msg.forward_only:
-            with torch.no_grad():
-                return self._evaluate(info, msg)
-        mb = msg.microbatch
-        if mb in info.cache:
-            raise SessionStateError(f"duplicate ACTIVATION for step {msg.step} microbatch {mb}")
-        if len(info.cache) >= self.limits.max_in_flight:
-            raise StageCapacityError(
-                f"session {info.session_id} has {len(info.cache)} microbatches in flight, the "
-                f"server's limit (server.max_in_flight = {self.limits.max_in_flight}); send "
-                "fewer before their gradients"
-            )
-        x = self._to_stage(info, msg.tensor, "ACTIVATION").requires_grad_(True)
-        if self.mode == "two":
-            return self._forward_loss(info, msg, x)
-        y = self.bank.stage(x)  # (B, T, C)
-        info.cache[mb] = (x, y)
-        return StageMsg(Kind.OUTPUT, msg.step, mb, tensor=y.detach().float())
-
-    def _evaluate(self, info: SessionInfo, msg: StageMsg) -> StageMsg:
-        x = self._to_stage(info, msg.tensor, "ACTIVATION")
-        if self.mode == "u":
-            y = self.bank.stage(x)
-            return StageMsg(Kind.OUTPUT, msg.step, msg.microbatch, tensor=y.float())
-        labels = self._labels(msg, x)
-        loss_sum, tokens = self.bank.stage(x, labels)
-        return StageMsg(
-            Kind.INPUT_GRAD, msg.step, msg.microbatch, loss_sum=float(loss_sum), tokens=int(tokens)
-        )
-
-    def _labels(self, msg: StageMsg, x: torch.Tensor) -> torch.Tensor:
-        if msg.labels is None or tuple(msg.labels.shape) != tuple(x.shape[:2]):
-            got = None if msg.labels is None else tuple(msg.labels.shape)
-            raise InvalidRequestError(f"labels must have shape {tuple(x.shape[:2])}, got {got}")
-        return msg.labels.to(self.device)
-
-    def _forward_loss(self, info: SessionInfo, msg: StageMsg, x: torch.Tensor) -> StageMsg:
-        loss_sum, tokens = self.bank.stage(x, self._labels(msg, x))
-        (loss_sum.float() * msg.loss_scale).backward()
-        assert x.grad is not None
-        info.cache[msg.microbatch] = (x, x)  # marks the microbatch as seen this step
-        return StageMsg(
-            Kind.INPUT_GRAD,
-            msg.step,
-            msg.microbatch,
-            tensor=x.grad.float(),
-            loss_sum=float(loss_sum.detach()),
-            tokens=int(tokens),
-        )
-
-    def _backward(self, info: SessionInfo, msg: StageMsg) -> StageMsg:
-        mb = msg.microbatch
-        if mb not in info.cache:
-            raise SessionStateError(
-                f"OUTPUT_GRAD for step {msg.step} microbatch {mb} without its ACTIVATION"
-            )
-        x, y = info.cache[mb]
-        grad = self._to_stage(info, msg.tensor, "OUTPUT_GRAD")
-        if grad.shape != y.shape:
-            raise InvalidRequestError(
-                f"OUTPUT_GRAD shape {tuple(grad.shape)} != OUTPUT shape {tuple(y.shape)}"
-            )
-        y.backward(grad)
-        del info.cache[mb]
-        assert x.grad is not None
-        return StageMsg(Kind.INPUT_GRAD, msg.step, mb, tensor=x.grad.float())
-
-    def _step(self, info: SessionInfo, msg: StageMsg) -> StageMsg:
-        if self.mode == "u" and info.cache:
-            pending = sorted(info.cache)
-            raise SessionStateError(
-                f"STEP_END for step {msg.step} while microbatches {pending} await gradients"
-            )
-        info.optimizer.step()
-        info.optimizer.zero_grad(set_to_none=True)
-        info.cache.clear()
-        info.step += 1
-        info.steps_done += 1
-        return StageMsg(Kind.STEP_DONE, msg.step)
+            return self.executor.compute(info, msg)
 
     def _reset_step(self, info: SessionInfo) -> None:
         """Forget a failed step's graphs and gradients; the session may retry the same step."""
         with self._bank_lock:
-            info.cache.clear()
-            info.optimizer.zero_grad(set_to_none=True)
+            self.executor.reset(info)
 
 
 def _seq_bound(max_positions: int, max_seq_len: int) -> int:
@@ -707,11 +599,6 @@ def _nbytes(msg: object) -> int:
     if not isinstance(msg, StageMsg):
         return 0
     return sum(t.numel() * t.element_size() for t in (msg.tensor, msg.labels) if t is not None)
-
-
-def _all_finite(t: torch.Tensor) -> bool:
-    """True when no value is NaN or Inf (a finite sum proves it; otherwise count)."""
-    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
 
 
 def _non_finite(state: dict[str, torch.Tensor]) -> str:
