@@ -608,3 +608,18 @@ def test_load_adapter_refuses_non_finite_values(server: StageServer) -> None:
         assert "values of" in error.details() and "are NaN or Inf" in error.details()
         after = st_load(control.GetAdapter(pb.AdapterRequest(), timeout=RPC_TIMEOUT).safetensors)
     _assert_equal(after, before)
+
+
+def test_get_adapter_waits_for_a_merge_in_progress(server: StageServer) -> None:
+    """GetAdapter/LoadAdapter take the lock merges hold, so they never see half a merge."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with grpc.insecure_channel(server.address) as chan, ThreadPoolExecutor(2) as pool:
+        control = pb_grpc.StageControlStub(chan)
+        with server.runtime._bank_lock:  # what CommitRound holds while it merges
+            get = pool.submit(control.GetAdapter, pb.AdapterRequest(), timeout=RPC_TIMEOUT)
+            load = pool.submit(control.LoadAdapter, pb.LoadAdapterRequest(), timeout=RPC_TIMEOUT)
+            time.sleep(0.5)
+            assert not get.done() and not load.done()
+        assert get.result(timeout=RPC_TIMEOUT).safetensors
+        load.result(timeout=RPC_TIMEOUT)
