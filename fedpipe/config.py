@@ -110,7 +110,17 @@ class ServerConfig:
     device: str = "auto"  # auto | cpu | cuda
     max_message_mb: float = 64.0
     max_sessions: int = 64
-    max_in_flight: int = 64
+    max_in_flight: int = 64  # per session: microbatches forwarded, gradients not yet received
+    # Per session: messages waiting for compute plus replies its stream has not yet taken.
+    max_pending: int = 64
+    max_pending_mb: float = 256.0
+    max_streams: int = 64  # Exchange streams served at once (each holds a gRPC thread)
+    max_microbatch_size: int = 64  # rows of one tensor a session may declare and send
+    max_seq_len: int = 0  # tokens of one tensor; 0 = the model's positions
+    max_learning_rate: float = 1e-2  # bounds on the server-side optimizer a device may ask for
+    max_weight_decay: float = 0.1
+    session_idle_s: float = 120.0  # an open session with no traffic this long is dropped
+    stream_idle_s: float = 60.0  # a stream with nothing sent or pending this long is ended
     threads: int = 1  # torch threads for the server's compute
     tls_cert: str = ""  # the StageServer's certificate (PEM); with tls_key, serves TLS
     tls_key: str = ""
@@ -126,6 +136,25 @@ class ServerConfig:
             f"server.device must be auto, cpu or cuda, got {self.device!r}",
         )
         _check(self.max_message_mb > 0, "server.max_message_mb must be > 0")
+        for name in (
+            "max_sessions",
+            "max_in_flight",
+            "max_pending",
+            "max_streams",
+            "max_microbatch_size",
+        ):
+            _check(
+                getattr(self, name) >= 1, f"server.{name} must be >= 1, got {getattr(self, name)}"
+            )
+        _check(self.max_seq_len >= 0, f"server.max_seq_len must be >= 0, got {self.max_seq_len}")
+        for name in (
+            "max_pending_mb",
+            "max_learning_rate",
+            "session_idle_s",
+            "stream_idle_s",
+        ):
+            _check(getattr(self, name) > 0, f"server.{name} must be > 0, got {getattr(self, name)}")
+        _check(self.max_weight_decay >= 0, "server.max_weight_decay must be >= 0")
         _check(
             bool(self.tls_cert) == bool(self.tls_key),
             "server.tls_cert and server.tls_key go together: give both or neither",
@@ -153,6 +182,10 @@ class ServerConfig:
     @property
     def max_message_bytes(self) -> int:
         return int(self.max_message_mb * 1024 * 1024)
+
+    @property
+    def max_pending_bytes(self) -> int:
+        return int(self.max_pending_mb * 1024 * 1024)
 
 
 @dataclass(frozen=True)

@@ -5,12 +5,15 @@ from __future__ import annotations
 __all__ = [
     "AuthError",
     "FedpipeError",
+    "IdleTimeoutError",
+    "InvalidRequestError",
     "MessageTooLargeError",
     "ModelFileError",
     "SessionStateError",
     "SplitMismatchError",
     "StageCapacityError",
     "StageLinkError",
+    "StreamReplacedError",
     "UnknownSessionError",
 ]
 
@@ -27,6 +30,12 @@ class AuthError(FedpipeError, PermissionError):
     """A session token or control secret was missing, forged or for another round."""
 
 
+class InvalidRequestError(FedpipeError, ValueError):
+    """A request asks for what the server does not allow: a setting out of its bounds, a tensor
+    that does not fit what the session declared, labels outside the vocabulary (INVALID_ARGUMENT).
+    """
+
+
 class SessionStateError(FedpipeError):
     """A message arrived out of order: wrong step, duplicate or unknown microbatch."""
 
@@ -37,6 +46,14 @@ class MessageTooLargeError(FedpipeError):
 
 class StageCapacityError(FedpipeError):
     """The StageServer is full: too many sessions or microbatches in flight."""
+
+
+class StreamReplacedError(FedpipeError):
+    """A newer Exchange stream of the same session took over; this one ends (ABORTED)."""
+
+
+class IdleTimeoutError(FedpipeError, TimeoutError):
+    """A stream sent nothing for longer than the server's idle deadline (DEADLINE_EXCEEDED)."""
 
 
 class StageLinkError(FedpipeError, ConnectionError):

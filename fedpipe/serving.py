@@ -11,11 +11,11 @@ from fedpipe.config import FedpipeConfig, ServerConfig
 from fedpipe.device import lora_settings
 from fedpipe.errors import AuthError
 from fedpipe.models import load_config, model_family, model_fingerprint, resolve_model
-from fedpipe.pipeline.server_runtime import StageRuntime
+from fedpipe.pipeline.server_runtime import RuntimeLimits, StageRuntime
 from fedpipe.split import AdapterBank, build_stage, plan_split
 from fedpipe.transport.server import SplitInfo, StageServer
 
-__all__ = ["build_runtime", "build_stage_server", "pick_device"]
+__all__ = ["build_runtime", "build_stage_server", "pick_device", "runtime_limits"]
 
 log = logging.getLogger(__name__)
 
@@ -49,14 +49,17 @@ def build_runtime(
     stage = build_stage(folder, plan, part, dtype=dtype, device=device)  # type: ignore[arg-type]
     if device.type == "cpu":
         torch.set_num_threads(config.server.threads)
+    max_positions = int(
+        getattr(hf_config, "max_position_embeddings", 0) or getattr(hf_config, "n_positions", 0)
+    )
     runtime = StageRuntime(
         AdapterBank(stage, lora_settings(config), family=family),
         mode=plan.mode,
         hidden_size=int(hf_config.hidden_size),
         device=device,
         dtype=dtype,
-        max_sessions=config.server.max_sessions,
-        max_in_flight=config.server.max_in_flight,
+        limits=runtime_limits(config.server),
+        max_positions=max_positions,
     )
     split = SplitInfo(
         model=config.model.name,
@@ -67,13 +70,27 @@ def build_runtime(
         hidden_size=int(hf_config.hidden_size),
         dtype=str(dtype).removeprefix("torch."),
         fingerprint=model_fingerprint(folder),
-        max_positions=int(
-            getattr(hf_config, "max_position_embeddings", 0) or getattr(hf_config, "n_positions", 0)
-        ),
+        max_positions=max_positions,
         vocab_size=int(hf_config.vocab_size),
     )
     log.info("server stage: %s on %s (%s)", plan, device, split.dtype)
     return runtime, split
+
+
+def runtime_limits(server: ServerConfig) -> RuntimeLimits:
+    """The runtime's bounds from the ``server.*`` settings."""
+    return RuntimeLimits(
+        max_sessions=server.max_sessions,
+        max_in_flight=server.max_in_flight,
+        max_pending=server.max_pending,
+        max_pending_bytes=server.max_pending_bytes,
+        max_microbatch_size=server.max_microbatch_size,
+        max_seq_len=server.max_seq_len,
+        max_learning_rate=server.max_learning_rate,
+        max_weight_decay=server.max_weight_decay,
+        session_idle_s=server.session_idle_s,
+        stream_idle_s=server.stream_idle_s,
+    )
 
 
 def _authenticator(secret: str):  # type: ignore[no-untyped-def]
@@ -132,4 +149,5 @@ def build_stage_server(
         max_message_bytes=config.server.max_message_bytes,
         tls=tls,
         client_ca=client_ca,
+        max_streams=config.server.max_streams,
     )

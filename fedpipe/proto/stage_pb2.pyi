@@ -180,12 +180,16 @@ class CommitRoundRequest(_message.Message):
     def __init__(self, round: _Optional[int] = ..., finished: _Optional[_Iterable[_Union[DeviceWeight, _Mapping]]] = ...) -> None: ...
 
 class CommitRoundReply(_message.Message):
-    __slots__ = ("merged", "discarded")
+    __slots__ = ("merged", "discarded", "dropped", "dropped_reason")
     MERGED_FIELD_NUMBER: _ClassVar[int]
     DISCARDED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_REASON_FIELD_NUMBER: _ClassVar[int]
     merged: int
     discarded: int
-    def __init__(self, merged: _Optional[int] = ..., discarded: _Optional[int] = ...) -> None: ...
+    dropped: _containers.RepeatedScalarFieldContainer[str]
+    dropped_reason: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, merged: _Optional[int] = ..., discarded: _Optional[int] = ..., dropped: _Optional[_Iterable[str]] = ..., dropped_reason: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class AdapterRequest(_message.Message):
     __slots__ = ()

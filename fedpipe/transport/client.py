@@ -173,6 +173,8 @@ class StageClient:
         uplink_codec: str = "fp32",
         downlink_codec: str = "fp32",
         gradient_codec: str = "",
+        microbatch_size: int = 0,
+        seq_len: int = 0,
         link: LinkProfile | str | None = None,
         link_seed: int | str | None = None,
         tracer: Tracer | None = None,
@@ -183,6 +185,9 @@ class StageClient:
 
         ``split`` is what the device built (model fingerprint and cut); the server refuses a
         session without one, or one that differs from its own, with FAILED_PRECONDITION.
+
+        ``microbatch_size`` and ``seq_len`` declare the largest tensors the device will send
+        (0: the server's bounds); the server refuses larger ones with INVALID_ARGUMENT.
         """
         request = pb.OpenSessionRequest(
             split=split_to_proto(split),
@@ -194,6 +199,8 @@ class StageClient:
             gradient_codec=codec_to_proto(gradient_codec) if gradient_codec else None,
             learning_rate=lr,
             weight_decay=weight_decay,
+            microbatch_size=microbatch_size,
+            seq_len=seq_len,
         )
         reply = reconnect_call(
             lambda: self.stub.OpenSession(request, timeout=30),

@@ -9,7 +9,7 @@ value ``y`` against the sent value ``x`` (taken as fp32):
   bf16 has fp32's exponent range, so this holds for all normal values up to ``3.38e38``.
 - ``fp16`` (2 bytes/value): ``|y - x| <= 2**-11 * |x|`` in fp16's normal range
   ``6.1e-5 <= |x| <= 65504``. Below it the absolute error is at most ``2**-25``; above it values
-  overflow to ``inf`` -- use bf16 for such tensors.
+  overflow to ``inf``, which the receiver refuses -- use bf16 for such tensors.
 - ``int8`` (1 byte/value + one fp32 scale per row, a row being the last dimension): symmetric
   per-row quantization with ``scale = max|row| / 127``, so ``|y - x| <= 0.5 * max|row| / 127``
   per element; an all-zero row decodes to zeros. Inputs must be finite.
@@ -19,7 +19,8 @@ Integer tensors (labels, token ids) are not compressed: ``labels_to_proto`` and
 proto has no integer codec, and an unspecified codec on a float tensor is an error, so the two
 cannot be confused).
 
-Decoding validates everything a peer could get wrong -- codec, shape, byte counts, scales -- and
+Decoding validates everything a peer could get wrong -- codec, shape, byte counts, scales, and
+that every value is finite (NaN and Inf are refused) -- and
 raises ``TensorFormatError`` (a ``ValueError``; the server maps it to ``INVALID_ARGUMENT``) with the
 numbers and what was expected. Decoded tensors are contiguous, writable and own their memory.
 """
@@ -200,7 +201,8 @@ def tensor_from_proto(
 
     ``expect_shape`` pins the shape (``None`` in a dimension accepts any size there);
     ``max_elements`` bounds the element count; ``name`` (e.g. ``"ACTIVATION tensor"``) starts
-    every error message. Raises ``TensorFormatError`` for anything a peer could have sent wrong.
+    every error message. Raises ``TensorFormatError`` for anything a peer could have sent wrong,
+    NaN and Inf values included.
     """
     if not dtype.is_floating_point:
         raise TypeError(f"tensor_from_proto decodes to a float dtype, got {dtype}")
@@ -214,12 +216,29 @@ def tensor_from_proto(
     if codec == "int8":
         rows = _num_rows(shape)
         _check_nbytes(name, "scales", len(msg.scales), rows * _SCALE_BYTES, shape, codec)
-        return _dequantize_int8(msg.data, msg.scales, shape, dtype)
+        return _check_finite(_dequantize_int8(msg.data, msg.scales, shape, dtype), name)
     if msg.scales:
         raise TensorFormatError(
             f"{name}: codec {codec.upper()} carries no scales, got {len(msg.scales)} scale bytes"
         )
-    return _from_bytes(msg.data, _WIRE_DTYPE[codec], shape).to(dtype)
+    return _check_finite(_from_bytes(msg.data, _WIRE_DTYPE[codec], shape).to(dtype), name)
+
+
+def _check_finite(t: torch.Tensor, name: str) -> torch.Tensor:
+    """Refuse NaN and Inf: one such value from one peer would poison every adapter it touches.
+
+    A finite sum proves every value finite (NaN or Inf anywhere makes the sum NaN or Inf); only
+    when the sum overflows or is not finite do we count the culprits.
+    """
+    if t.numel() == 0 or bool(torch.isfinite(t.sum())):
+        return t
+    bad = int((~torch.isfinite(t)).sum())
+    if bad == 0:  # the sum overflowed, the values are fine
+        return t
+    raise TensorFormatError(
+        f"{name}: {bad} of {t.numel()} values are NaN or Inf; the sender's computation "
+        "diverged (lower its learning rate, or use bf16 instead of fp16 for large values)"
+    )
 
 
 def labels_from_proto(

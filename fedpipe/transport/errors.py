@@ -23,19 +23,25 @@ import grpc
 # them; this module re-exports them beside the status mapping.
 from fedpipe.errors import (
     AuthError,
+    IdleTimeoutError,
+    InvalidRequestError,
     MessageTooLargeError,
     SessionStateError,
     SplitMismatchError,
     StageCapacityError,
+    StreamReplacedError,
     UnknownSessionError,
 )
 from fedpipe.transport.codec import TensorFormatError
 
 __all__ = [
     "AuthError",
+    "IdleTimeoutError",
+    "InvalidRequestError",
     "MessageTooLargeError",
     "SessionStateError",
     "StageCapacityError",
+    "StreamReplacedError",
     "TensorFormatError",
     "UnknownSessionError",
     "retry_call",
@@ -52,15 +58,19 @@ RETRYABLE: tuple[grpc.StatusCode, ...] = (
 )
 
 
-# Checked in order; the first matching type wins, anything else is INTERNAL.
+# Checked in order; the first matching type wins, anything else is INTERNAL (a server bug: bad
+# input from a peer always raises one of these types).
 _STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (TensorFormatError, grpc.StatusCode.INVALID_ARGUMENT),
+    (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
     (UnknownSessionError, grpc.StatusCode.NOT_FOUND),
     (AuthError, grpc.StatusCode.UNAUTHENTICATED),
     (SessionStateError, grpc.StatusCode.FAILED_PRECONDITION),
     (SplitMismatchError, grpc.StatusCode.FAILED_PRECONDITION),
     (MessageTooLargeError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (StageCapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (StreamReplacedError, grpc.StatusCode.ABORTED),
+    (IdleTimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
 )
 
 

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import cast
 
+import torch
+
+from fedpipe.errors import InvalidRequestError
 from fedpipe.pipeline.messages import Kind, StageMsg
 from fedpipe.proto import stage_pb2 as pb
 from fedpipe.transport.codec import (
@@ -14,9 +19,25 @@ from fedpipe.transport.codec import (
     tensor_to_proto,
 )
 
-__all__ = ["codec_for", "msg_from_proto", "msg_to_proto"]
+__all__ = ["MessageBounds", "codec_for", "msg_from_proto", "msg_to_proto"]
 
 _KINDS = {int(k) for k in Kind}
+_DEVICE_KINDS = (Kind.ACTIVATION, Kind.OUTPUT_GRAD, Kind.STEP_END)
+IGNORE_INDEX = -100  # labels that do not count in the loss (torch's cross-entropy default)
+
+
+@dataclass(frozen=True)
+class MessageBounds:
+    """What a session declared at OpenSession; every tensor it sends must fit inside.
+
+    Checked on the wire shape before anything is decoded or allocated, so a hostile shape such
+    as ``(0, 2**40, C)`` costs nothing. ``vocab_size`` 0 leaves label values unchecked.
+    """
+
+    hidden_size: int
+    max_batch: int  # the session's microbatch size
+    max_tokens: int  # the session's sequence length (at most the model's positions)
+    vocab_size: int = 0
 
 
 def codec_for(kind: Kind, direction_codec: str, gradient_codec: str = "") -> str:
@@ -48,14 +69,26 @@ def msg_to_proto(msg: StageMsg, *, session_id: str, codec: str) -> pb.StageMessa
 
 
 def msg_from_proto(
-    raw: pb.StageMessage, *, hidden_size: int | None = None, max_elements: int | None = None
+    raw: pb.StageMessage,
+    *,
+    hidden_size: int | None = None,
+    max_elements: int | None = None,
+    bounds: MessageBounds | None = None,
 ) -> StageMsg:
-    """Decode and validate a message; tensors must be (batch, tokens, hidden_size)."""
+    """Decode and validate a message; tensors must be (batch, tokens, hidden_size).
+
+    With ``bounds`` (the server's side), shapes must fit what the session declared, labels
+    must be token ids or -100, and ``loss_scale`` must lie in [0, 1]; any violation raises
+    ``InvalidRequestError`` (INVALID_ARGUMENT). Every float tensor must be finite, on both sides.
+    """
     if raw.kind not in _KINDS:
         raise TensorFormatError(
             f"unknown message kind {raw.kind}; expected one of {sorted(_KINDS)}"
         )
     kind = Kind(raw.kind)
+    if bounds is not None:
+        _check_bounds(raw, kind, bounds)
+        hidden_size = bounds.hidden_size
     if raw.step < 0 or raw.microbatch < 0:
         raise TensorFormatError(
             f"{kind.name}: step and microbatch must be >= 0, got {raw.step} and {raw.microbatch}"
@@ -83,4 +116,62 @@ def msg_from_proto(
         msg.labels = labels_from_proto(
             raw.labels, expect_shape=(None, None), max_elements=max_elements
         )
+        if bounds is not None and bounds.vocab_size > 0:
+            _check_label_values(msg.labels, bounds.vocab_size, kind, raw)
     return msg
+
+
+def _check_bounds(raw: pb.StageMessage, kind: Kind, bounds: MessageBounds) -> None:
+    """Refuse shapes and scales outside the session's declaration, from the wire shape alone."""
+    where = f"{kind.name} (step {raw.step}, microbatch {raw.microbatch})"
+    if kind not in _DEVICE_KINDS:
+        raise InvalidRequestError(
+            f"{where} is not a device-to-server message; send ACTIVATION, OUTPUT_GRAD or STEP_END"
+        )
+    if kind is not Kind.STEP_END and not raw.HasField("tensor"):
+        raise InvalidRequestError(f"{where} carries no tensor")
+    if raw.HasField("tensor"):
+        name = f"{kind.name} tensor (step {raw.step}, microbatch {raw.microbatch})"
+        _check_shape(tuple(raw.tensor.shape), bounds, name)
+    if raw.HasField("labels"):
+        labels = tuple(raw.labels.shape)
+        if not raw.HasField("tensor") or labels != tuple(raw.tensor.shape)[:2]:
+            tensor = tuple(raw.tensor.shape) if raw.HasField("tensor") else None
+            raise InvalidRequestError(
+                f"{where}: labels of shape {labels} must be (batch, tokens) of the tensor, "
+                f"whose shape is {tensor}"
+            )
+    if not (math.isfinite(raw.loss_scale) and 0.0 <= raw.loss_scale <= 1.0):
+        raise InvalidRequestError(
+            f"{where}: loss_scale {raw.loss_scale} is outside [0, 1]; it must be "
+            "1 / (tokens in the whole step)"
+        )
+
+
+def _check_shape(shape: tuple[int, ...], bounds: MessageBounds, name: str) -> None:
+    limits = (bounds.max_batch, bounds.max_tokens)
+    ok = (
+        len(shape) == 3
+        and shape[2] == bounds.hidden_size
+        and all(1 <= d <= limit for d, limit in zip(shape[:2], limits, strict=True))
+    )
+    if not ok:
+        raise InvalidRequestError(
+            f"{name}: shape {shape} does not fit the session: expected (*, *, "
+            f"{bounds.hidden_size}) with 1 <= batch <= {bounds.max_batch} (its microbatch "
+            f"size) and 1 <= tokens <= {bounds.max_tokens} (its sequence length); open the "
+            "session with the microbatch size and sequence length you send"
+        )
+
+
+def _check_label_values(
+    labels: torch.Tensor, vocab_size: int, kind: Kind, raw: pb.StageMessage
+) -> None:
+    ok = (labels == IGNORE_INDEX) | ((labels >= 0) & (labels < vocab_size))
+    if not bool(ok.all()):
+        bad = labels[~ok]
+        raise InvalidRequestError(
+            f"{kind.name} (step {raw.step}, microbatch {raw.microbatch}): {bad.numel()} labels "
+            f"outside [0, {vocab_size}) and not {IGNORE_INDEX} (first: {int(bad[0])}); labels "
+            "are token ids of the server's model, or -100 for tokens that do not count"
+        )

@@ -9,7 +9,6 @@ errors to status codes; all compute happens in the runtime's worker.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -23,14 +22,14 @@ from safetensors.torch import save as st_save
 
 from fedpipe.errors import AuthError
 from fedpipe.pipeline.messages import StageMsg
-from fedpipe.pipeline.server_runtime import StageRuntime
+from fedpipe.pipeline.server_runtime import END, StageRuntime, StreamHandle
 from fedpipe.proto import stage_pb2 as pb
 from fedpipe.proto import stage_pb2_grpc as pb_grpc
 from fedpipe.split.agreement import check_agreement
 from fedpipe.transport.client import SESSION_HEADER, channel_options
 from fedpipe.transport.codec import codec_from_proto
 from fedpipe.transport.errors import status_for
-from fedpipe.transport.serde import codec_for, msg_from_proto, msg_to_proto
+from fedpipe.transport.serde import MessageBounds, codec_for, msg_from_proto, msg_to_proto
 
 __all__ = ["SplitInfo", "StageServer"]
 
@@ -40,7 +39,8 @@ log = logging.getLogger(__name__)
 Authenticator = Callable[[str, int, str, str, float], None]
 # (method, request bytes, metadata) -> None; raises AuthError
 ControlAuth = Callable[[str, bytes, Sequence[tuple[str, str | bytes]]], None]
-_END = object()
+_POLL_S = 1.0  # how often a waiting reply loop checks that its RPC is still alive
+_UNARY_THREADS = 16  # gRPC threads kept free of streams: health, sessions and control
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,26 @@ class _RoundState:
         self.lock = threading.Lock()
 
 
+class _StreamSlots:
+    """Counts live Exchange streams, so that they can never take every gRPC thread."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.live = 0
+        self._lock = threading.Lock()
+
+    def acquire(self) -> bool:
+        with self._lock:
+            if self.live >= self.limit:
+                return False
+            self.live += 1
+            return True
+
+    def release(self) -> None:
+        with self._lock:
+            self.live -= 1
+
+
 class _LinkServicer(pb_grpc.StageLinkServicer):
     def __init__(
         self,
@@ -92,13 +112,14 @@ class _LinkServicer(pb_grpc.StageLinkServicer):
         rounds: _RoundState,
         authenticate: Authenticator | None,
         max_message_bytes: int,
+        max_streams: int,
     ) -> None:
         self.runtime = runtime
         self.split = split
         self.rounds = rounds
         self.authenticate = authenticate
         self.max_message_bytes = max_message_bytes
-        self.codecs: dict[str, tuple[str, str]] = {}  # session -> (downlink, gradient) codecs
+        self.slots = _StreamSlots(max_streams)
 
     def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.ServicerContext):  # noqa: N802
         try:
@@ -127,12 +148,14 @@ class _LinkServicer(pb_grpc.StageLinkServicer):
             session_id = self.runtime.open_session(
                 request.device_id,
                 request.round,
-                lr=request.learning_rate or 1e-3,
+                lr=request.learning_rate,
                 weight_decay=request.weight_decay,
+                microbatch_size=request.microbatch_size,
+                seq_len=request.seq_len,
+                codecs=(codec, grad_codec),
             )
         except Exception as exc:
             context.abort(status_for(exc), str(exc))
-        self.codecs[session_id] = (codec, grad_codec)
         return pb.OpenSessionReply(
             session_id=session_id,
             split=self.split.to_proto(),
@@ -144,50 +167,73 @@ class _LinkServicer(pb_grpc.StageLinkServicer):
             steps = self.runtime.close_session(request.session_id)
         except Exception as exc:
             context.abort(status_for(exc), str(exc))
-        self.codecs.pop(request.session_id, None)
         return pb.CloseSessionReply(steps=steps)
 
     def Exchange(
         self, request_iterator, context: grpc.ServicerContext
     ) -> Iterator[pb.StageMessage]:  # noqa: N802
+        if not self.slots.acquire():
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the StageServer serves {self.slots.limit} streams at once "
+                "(server.max_streams); retry later",
+            )
+        try:
+            yield from self._exchange(request_iterator, context)
+        finally:
+            self.slots.release()
+
+    def _exchange(self, request_iterator, context: grpc.ServicerContext):  # type: ignore[no-untyped-def]
         session_id = dict(context.invocation_metadata()).get(SESSION_HEADER, "")
         try:
-            self.runtime.session(session_id)
+            handle = self.runtime.attach(session_id)
         except Exception as exc:
             context.abort(status_for(exc), str(exc))
-        outbox: queue.Queue[object] = queue.Queue()
-        self.runtime.attach(session_id, outbox.put)
+        context.add_callback(lambda: handle.fail(_Gone()))  # wakes the loop below at once
+        info = handle.info
+        bounds = MessageBounds(
+            hidden_size=self.split.hidden_size,
+            max_batch=info.microbatch_size,
+            max_tokens=info.seq_len,
+            vocab_size=self.split.vocab_size if self.split.mode == "two" else 0,
+        )
         reader = threading.Thread(
-            target=self._read, args=(session_id, request_iterator, outbox), daemon=True
+            target=self._read,
+            args=(handle, request_iterator, bounds),
+            name=f"stage-read-{session_id[:8]}",
+            daemon=True,
         )
         reader.start()
-        codec, grad_codec = self.codecs.get(session_id, ("fp32", ""))
+        codec, grad_codec = info.codecs
         try:
-            while (item := outbox.get()) is not _END:
+            while (item := handle.next_reply(timeout=_POLL_S)) is not END:
+                if isinstance(item, _Gone) or (item is None and not context.is_active()):
+                    return
+                if item is None:
+                    continue
                 if isinstance(item, BaseException):
                     context.abort(status_for(item), str(item))
                 assert isinstance(item, StageMsg)
                 kind_codec = codec_for(item.kind, codec, grad_codec)
                 yield msg_to_proto(item, session_id=session_id, codec=kind_codec)
         finally:
-            self.runtime.detach(session_id)
+            handle.close()
 
-    def _read(self, session_id: str, requests, outbox: queue.Queue[object]) -> None:  # type: ignore[no-untyped-def]
+    def _read(self, handle: StreamHandle, requests, bounds: MessageBounds) -> None:  # type: ignore[no-untyped-def]
         try:
             for raw in requests:
-                msg = msg_from_proto(
-                    raw,
-                    hidden_size=self.split.hidden_size,
-                    max_elements=self.max_message_bytes,
-                )
-                self.runtime.submit(session_id, msg)
+                msg = msg_from_proto(raw, bounds=bounds, max_elements=self.max_message_bytes)
+                handle.submit(msg)
         except grpc.RpcError:
-            pass  # the device went away; the finally below cleans up
+            return  # the device went away; the stream's end cleans up
         except Exception as exc:
-            outbox.put(exc)
+            handle.fail(exc)
             return
-        # The device half-closed: end the reply stream after the replies to what it sent.
-        self.runtime.after_pending(session_id, lambda: outbox.put(_END))
+        handle.finish()  # half-closed: end the replies after those to what it sent
+
+
+class _Gone(Exception):
+    """The RPC ended (cancelled, deadline, client gone): the reply loop stops."""
 
 
 class _ControlServicer(pb_grpc.StageControlServicer):
@@ -244,23 +290,35 @@ class _ControlServicer(pb_grpc.StageControlServicer):
         self._check("CommitRound", request, context)
         self._require_run("CommitRound", context, request.round)
         weights = {f.device_id: f.weight for f in request.finished}
-        merged, discarded = self.runtime.commit_round(request.round, weights)
-        log.info("round %d committed: %d merged, %d discarded", request.round, merged, discarded)
-        return pb.CommitRoundReply(merged=merged, discarded=discarded)
+        try:
+            result = self.runtime.commit_round(request.round, weights)
+        except Exception as exc:
+            context.abort(status_for(exc), str(exc))
+        log.info(
+            "round %d committed: %d merged, %d discarded, dropped %s",
+            request.round,
+            result.merged,
+            result.discarded,
+            result.dropped or "none",
+        )
+        return pb.CommitRoundReply(
+            merged=result.merged,
+            discarded=result.discarded,
+            dropped=list(result.dropped),
+            dropped_reason=list(result.dropped.values()),
+        )
 
     def GetAdapter(self, request: pb.AdapterRequest, context: grpc.ServicerContext):  # noqa: N802
         self._check("GetAdapter", request, context)
         self._require_run("GetAdapter", context)
-        state = {k: v.contiguous() for k, v in self.runtime.bank.global_state().items()}
+        state = {k: v.contiguous() for k, v in self.runtime.global_state().items()}
         return pb.AdapterReply(safetensors=st_save(state))
 
     def LoadAdapter(self, request: pb.LoadAdapterRequest, context: grpc.ServicerContext):  # noqa: N802
         self._check("LoadAdapter", request, context)
         try:
-            if request.safetensors:
-                self.runtime.bank.set_global_state(st_load(request.safetensors))
-            else:
-                self.runtime.bank.reset_global_state()
+            state = st_load(request.safetensors) if request.safetensors else None
+            self.runtime.load_global_state(state)
         except Exception as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad adapter: {exc}")
         with self.rounds.lock:
@@ -283,16 +341,28 @@ class StageServer:
         max_message_bytes: int = 64 * 1024 * 1024,
         tls: tuple[bytes, bytes] | None = None,
         client_ca: bytes | None = None,
-        workers: int = 64,
+        max_streams: int = 64,
     ) -> None:
         self.runtime = runtime
         self.split = split
         self.rounds = _RoundState()
+        # Each live stream holds a gRPC thread; streams are capped below the pool's size so that
+        # health checks, sessions and control calls always find a thread.
+        workers = max_streams + _UNARY_THREADS
+        # Devices ping every 20 s (keepalive) also while they wait quietly for replies queued
+        # behind other sessions' work; gRPC's default (one ping per 5 min without data) would
+        # answer a wait of about a minute with GOAWAY "too many pings" and drop the device.
+        options = [
+            *channel_options(max_message_bytes),
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+        ]
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="stage-grpc"),
-            options=channel_options(max_message_bytes),
+            options=options,
         )
-        self._link = _LinkServicer(runtime, split, self.rounds, authenticate, max_message_bytes)
+        self._link = _LinkServicer(
+            runtime, split, self.rounds, authenticate, max_message_bytes, max_streams
+        )
         pb_grpc.add_StageLinkServicer_to_server(self._link, self._server)
         pb_grpc.add_StageControlServicer_to_server(
             _ControlServicer(runtime, self.rounds, control_auth), self._server

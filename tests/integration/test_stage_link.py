@@ -303,7 +303,7 @@ def test_concurrent_sessions_and_commit_round(server: StageServer, folder) -> No
     devices = ["d0", "d1", "d2"]
     with ThreadPoolExecutor(len(devices)) as pool:
         runs = [
-            pool.submit(_train, server.address, folder, d, _batches(10 + i))
+            pool.submit(_train, server.address, folder, d, _batches(10 + i), round_=1)
             for i, d in enumerate(devices)
         ]
         results = [run.result(timeout=60) for run in runs]
@@ -316,7 +316,8 @@ def test_concurrent_sessions_and_commit_round(server: StageServer, folder) -> No
     key = next(iter(states["d0"]))
     assert not torch.equal(states["d0"][key], states["d1"][key]), "sessions share an adapter"
 
-    assert runtime.commit_round(0, {"d0": 1.0, "d1": 3.0}) == (2, 1)
+    result = runtime.commit_round(1, {"d0": 1.0, "d1": 3.0})
+    assert (result.merged, result.discarded, result.dropped) == (2, 1, {})
     assert runtime.bank.names() == [] and runtime.sessions() == []
     merged = runtime.bank.global_state()
     assert set(merged) == set(states["d0"])

@@ -81,8 +81,24 @@ def test_bf16_keeps_fp32_range() -> None:
     _assert_within_bound(x, _round_trip(x, "bf16"), "bf16")
 
 
-def test_fp16_overflow_is_inf_as_documented() -> None:
-    assert torch.isinf(_round_trip(torch.tensor([1e5, -1e6]), "fp16")).all()
+def test_fp16_overflow_is_refused_at_decode() -> None:
+    with pytest.raises(TensorFormatError, match=r"2 of 3 values are NaN or Inf.*use bf16"):
+        _round_trip(torch.tensor([1e5, 1.0, -1e6]), "fp16")
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf], ids=str)
+def test_non_finite_values_are_refused_at_decode(codec: str, bad: float) -> None:
+    x = torch.ones(2, 3, 4)
+    x[1, 2, 3] = bad
+    msg = tensor_to_proto(x, codec)
+    with pytest.raises(TensorFormatError, match=r"ACTIVATION: \d+ of 24 values are NaN or Inf"):
+        tensor_from_proto(msg, name="ACTIVATION")
+
+
+def test_finite_values_whose_sum_overflows_are_accepted() -> None:
+    x = torch.tensor([3e38, 3e38, -1.0])  # the sum is inf, every value is finite
+    assert torch.equal(_round_trip(x, "fp32"), x)
 
 
 def test_int8_zero_rows_and_extremes() -> None:

@@ -1,0 +1,267 @@
+"""Many emulated devices against one StageServer: exactness under load, step times, memory.
+
+    python -m fedpipe.bench.load --devices 32 --steps 20 [--json]
+
+The StageServer runs in its own process (so its memory is measured alone) on loopback with the
+tiny test model. Each emulated device is a thread with a real :class:`StageClient` session that
+sends deterministic activations and output gradients (seeded by the device) and hashes every
+reply it gets: outputs, input gradients, and after its last step one evaluation forward whose
+output depends on everything its server-side adapter learned. Each device first runs solo, then
+all run together; a lost, crossed or reordered microbatch changes the hash, so equal hashes
+prove each device's server-side computation under load equals its solo run, bit for bit.
+
+Server memory is sampled from ``/proc/<pid>/status``: its resident size when the slowest device
+has finished step 5, the largest after that, and the peak (``VmHWM``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from fedpipe.pipeline.messages import Kind, StageMsg
+from fedpipe.proto import stage_pb2 as pb
+from fedpipe.proto import stage_pb2_grpc as pb_grpc
+from fedpipe.transport.client import StageClient
+
+__all__ = ["DeviceRun", "LoadReport", "ServerProcess", "run_device", "run_load"]
+
+log = logging.getLogger(__name__)
+
+MICROBATCHES, ROWS, TOKENS = 2, 2, 16  # per step: 2 microbatches of (2, 16, hidden)
+HIDDEN = 64  # tiny-llama
+BASELINE_STEP = 5
+
+
+@dataclass
+class DeviceRun:
+    """What one emulated device saw: a hash of every reply, and its step times."""
+
+    digest: str
+    step_s: list[float] = field(default_factory=list)
+
+
+@dataclass
+class LoadReport:
+    devices: int
+    steps: int
+    exact: bool
+    mismatched: list[str]
+    step_p50_s: float
+    step_p95_s: float
+    rss_mb_at_step5: float
+    rss_mb_max_after_step5: float
+    rss_growth_mb: float
+    peak_rss_mb: float
+    wall_s: float
+
+
+class ServerProcess:
+    """A StageServer (tiny-llama, U-shaped split) in a child process; stopped by its PID."""
+
+    def __init__(self, *, max_sessions: int = 128) -> None:
+        code = (
+            "import sys; from fedpipe.bench.load import _serve; "
+            f"_serve(max_sessions={max_sessions})"
+        )
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True
+        )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline().strip()
+        if not line.startswith("listening "):
+            self.stop()
+            raise RuntimeError(f"the StageServer process did not start: {line!r}")
+        self.address = line.removeprefix("listening ")
+
+    def discard_round(self, round_: int) -> None:
+        """Commit ``round_`` with no finished device: its sessions are dropped, nothing merged."""
+        with grpc.insecure_channel(self.address) as channel:
+            control = pb_grpc.StageControlStub(channel)
+            control.CommitRound(pb.CommitRoundRequest(round=round_), timeout=60)
+
+    def rss_kb(self, field_name: str = "VmRSS") -> int:
+        with open(f"/proc/{self.proc.pid}/status") as fh:
+            for line in fh:
+                if line.startswith(field_name + ":"):
+                    return int(line.split()[1])
+        raise RuntimeError(f"no {field_name} in /proc/{self.proc.pid}/status")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=30)
+
+
+def _serve(*, max_sessions: int) -> None:
+    """Child process: serve until killed; print the address on the first line."""
+    from fedpipe.config import load_config
+    from fedpipe.serving import build_stage_server
+
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    overrides = {"model.name": "tiny-llama", "server.max_sessions": max_sessions}
+    server = build_stage_server(load_config(None, overrides), port=0).start()
+    print(f"listening {server.address}", flush=True)
+    server.wait()
+
+
+def _tensor(*seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(hash(seed) & 0x7FFF_FFFF)
+    return torch.randn(ROWS, TOKENS, HIDDEN, generator=gen)  # (b, T, C)
+
+
+def run_device(
+    address: str,
+    device_id: str,
+    seed: int,
+    steps: int,
+    *,
+    round_: int = 0,
+    progress: dict[str, int] | None = None,
+) -> DeviceRun:
+    """One emulated device: ``steps`` training steps, then one evaluation forward."""
+    run = DeviceRun("")
+    digest = hashlib.sha256()
+    with StageClient(address) as client:
+        session = client.open_session(
+            device_id=device_id, round_=round_, lr=1e-2, microbatch_size=ROWS, seq_len=TOKENS
+        )
+        with session:
+            for step in range(steps):
+                start = time.perf_counter()
+                _train_step(session, seed, step, digest)
+                run.step_s.append(time.perf_counter() - start)
+                if progress is not None:
+                    progress[device_id] = step + 1
+            probe = StageMsg(Kind.ACTIVATION, steps, 0, tensor=_tensor(seed, -1), forward_only=True)
+            session.send(probe)
+            _hash(digest, session.receive(Kind.OUTPUT, steps, 0))
+    run.digest = digest.hexdigest()
+    return run
+
+
+def _train_step(session, seed: int, step: int, digest) -> None:  # type: ignore[no-untyped-def]
+    for mb in range(MICROBATCHES):
+        session.send(StageMsg(Kind.ACTIVATION, step, mb, tensor=_tensor(seed, step, mb)))
+    for mb in range(MICROBATCHES):
+        _hash(digest, session.receive(Kind.OUTPUT, step, mb))
+        grad = _tensor(seed, step, mb, 1) * 1e-3
+        session.send(StageMsg(Kind.OUTPUT_GRAD, step, mb, tensor=grad))
+    for mb in range(MICROBATCHES):
+        _hash(digest, session.receive(Kind.INPUT_GRAD, step, mb))
+    session.send(StageMsg(Kind.STEP_END, step))
+    session.receive(Kind.STEP_DONE, step, 0)
+
+
+def _hash(digest, msg: StageMsg) -> None:  # type: ignore[no-untyped-def]
+    assert msg.tensor is not None
+    digest.update(msg.tensor.contiguous().numpy().tobytes())
+
+
+def run_load(devices: int, steps: int) -> LoadReport:
+    """Solo runs, then all devices at once; compare hashes, time steps, watch server memory."""
+    if steps <= BASELINE_STEP:
+        raise ValueError(f"need more than {BASELINE_STEP} steps to see memory after step 5")
+    server = ServerProcess(max_sessions=2 * devices + 8)
+    try:
+        solo = {i: run_device(server.address, f"solo-{i}", i, steps).digest for i in range(devices)}
+        server.discard_round(0)  # the solo sessions go; the global adapter stays as it was
+        start = time.perf_counter()
+        progress: dict[str, int] = {}
+        samples: list[tuple[int, int]] = []  # (steps every device has finished, RSS kB)
+        done = threading.Event()
+        sampler = threading.Thread(
+            target=_sample, args=(server, progress, devices, samples, done), daemon=True
+        )
+        sampler.start()
+        with ThreadPoolExecutor(devices) as pool:
+            futures = {
+                i: pool.submit(
+                    run_device, server.address, f"load-{i}", i, steps, round_=1, progress=progress
+                )
+                for i in range(devices)
+            }
+            runs = {i: f.result(timeout=600) for i, f in futures.items()}
+        done.set()
+        sampler.join(timeout=5)
+        wall = time.perf_counter() - start
+        peak = server.rss_kb("VmHWM")
+    finally:
+        server.stop()
+    return _report(devices, steps, solo, runs, samples, peak, wall)
+
+
+def _sample(
+    server: ServerProcess,
+    progress: dict[str, int],
+    devices: int,
+    samples: list[tuple[int, int]],
+    done: threading.Event,
+) -> None:
+    while not done.wait(0.02):
+        slowest = min(progress.values()) if len(progress) == devices else 0
+        samples.append((slowest, server.rss_kb()))
+
+
+def _report(
+    devices: int,
+    steps: int,
+    solo: dict[int, str],
+    runs: dict[int, DeviceRun],
+    samples: list[tuple[int, int]],
+    peak_kb: int,
+    wall: float,
+) -> LoadReport:
+    mismatched = [f"load-{i}" for i in range(devices) if runs[i].digest != solo[i]]
+    times = sorted(t for run in runs.values() for t in run.step_s)
+    after = [rss for slowest, rss in samples if slowest >= BASELINE_STEP]
+    if not after:
+        raise RuntimeError("no memory sample after step 5; the run was too short to measure")
+    base, top = after[0] / 1024, max(after) / 1024
+    return LoadReport(
+        devices=devices,
+        steps=steps,
+        exact=not mismatched,
+        mismatched=mismatched,
+        step_p50_s=round(_quantile(times, 0.50), 4),
+        step_p95_s=round(_quantile(times, 0.95), 4),
+        rss_mb_at_step5=round(base, 1),
+        rss_mb_max_after_step5=round(top, 1),
+        rss_growth_mb=round(top - base, 1),
+        peak_rss_mb=round(peak_kb / 1024, 1),
+        wall_s=round(wall, 2),
+    )
+
+
+def _quantile(sorted_values: list[float], q: float) -> float:
+    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--devices", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    report = run_load(args.devices, args.steps)
+    if args.json:
+        print(json.dumps(report.__dict__))
+    else:
+        for key, value in report.__dict__.items():
+            print(f"{key:24s} {value}")
+
+
+if __name__ == "__main__":
+    main()
