@@ -200,6 +200,9 @@ class DeviceTrainer:
             tracer=tracer,
             timeout_s=cfg.pipeline.timeout_s,
             split=self.split,
+            # The largest tensors this device sends: the server refuses bigger ones.
+            microbatch_size=-(-cfg.train.batch_size // cfg.pipeline.microbatches),
+            seq_len=cfg.train.seq_len,
         )
         runtime = DeviceRuntime(
             self.head,

@@ -17,6 +17,7 @@ has finished step 5, the largest after that, and the peak (``VmHWM``).
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import logging
@@ -33,6 +34,7 @@ import torch
 from fedpipe.pipeline.messages import Kind, StageMsg
 from fedpipe.proto import stage_pb2 as pb
 from fedpipe.proto import stage_pb2_grpc as pb_grpc
+from fedpipe.split.agreement import SplitTerms
 from fedpipe.transport.client import StageClient
 
 __all__ = ["DeviceRun", "LoadReport", "ServerProcess", "run_device", "run_load"]
@@ -116,6 +118,16 @@ def _serve(*, max_sessions: int) -> None:
     server.wait()
 
 
+@functools.cache
+def _device_split() -> SplitTerms:
+    """The split every emulated device declares: the server's (tiny-llama, default cut)."""
+    from fedpipe.config import load_config
+    from fedpipe.device import split_terms
+    from fedpipe.models import resolve_model
+
+    return split_terms(load_config(None, {"model.name": "tiny-llama"}), resolve_model("tiny-llama"))
+
+
 def _tensor(*seed: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(hash(seed) & 0x7FFF_FFFF)
     return torch.randn(ROWS, TOKENS, HIDDEN, generator=gen)  # (b, T, C)
@@ -135,7 +147,12 @@ def run_device(
     digest = hashlib.sha256()
     with StageClient(address) as client:
         session = client.open_session(
-            device_id=device_id, round_=round_, lr=1e-2, microbatch_size=ROWS, seq_len=TOKENS
+            device_id=device_id,
+            round_=round_,
+            lr=1e-2,
+            microbatch_size=ROWS,
+            seq_len=TOKENS,
+            split=_device_split(),
         )
         with session:
             for step in range(steps):

@@ -26,12 +26,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from safetensors.torch import load as st_load
 
 from fedpipe.config import FedpipeConfig, ModelConfig, PipelineConfig, ServerConfig, TrainConfig
+from fedpipe.device import split_terms
 from fedpipe.models import resolve_model
 from fedpipe.pipeline.messages import StageMsg
 from fedpipe.proto import stage_pb2 as pb
 from fedpipe.proto import stage_pb2_grpc as pb_grpc
 from fedpipe.serving import build_stage_server
-from fedpipe.transport.client import SESSION_HEADER
+from fedpipe.transport.client import SESSION_HEADER, split_to_proto
 from fedpipe.transport.codec import labels_to_proto, tensor_to_proto
 from fedpipe.transport.server import StageServer
 
@@ -76,8 +77,14 @@ def _serve(folder, split: str = "u", **server: object) -> StageServer:  # type: 
     return build_stage_server(_config(split, **server), port=0, folder=folder).start()
 
 
-def _open(stub: pb_grpc.StageLinkStub, device_id: str, **kw: object) -> str:
+def _split(mode: str = "u") -> pb.SplitSpec:
+    """The split a device of ``_config(mode)`` sends (the server refuses a session without one)."""
+    return split_to_proto(split_terms(_config(mode), resolve_model("tiny-llama")))
+
+
+def _open(stub: pb_grpc.StageLinkStub, device_id: str, *, mode: str = "u", **kw: object) -> str:
     kw.setdefault("learning_rate", 1e-2)
+    kw.setdefault("split", _split(mode))
     request = pb.OpenSessionRequest(device_id=device_id, **kw)  # type: ignore[arg-type]
     return stub.OpenSession(request, timeout=RPC_TIMEOUT).session_id
 
@@ -272,7 +279,7 @@ def test_labels_outside_the_vocabulary_are_invalid_argument(folder) -> None:  # 
                 labels[1, 2] = bad
                 msg = _msg(pb.ACTIVATION, tensor=_values(1), loss_scale=0.01)
                 msg.labels.CopyFrom(labels_to_proto(labels))
-                error = _stream_error(stub, _open(stub, "labeller"), msg)
+                error = _stream_error(stub, _open(stub, "labeller", mode="two"), msg)
                 assert error.code() == S.INVALID_ARGUMENT
                 assert (
                     f"1 labels outside [0, {vocab}) and not -100 (first: {bad})" in error.details()
@@ -282,7 +289,7 @@ def test_labels_outside_the_vocabulary_are_invalid_argument(folder) -> None:  # 
             labels[0, 1] = vocab - 1
             msg = _msg(pb.ACTIVATION, tensor=_values(1), loss_scale=0.01)
             msg.labels.CopyFrom(labels_to_proto(labels))
-            stream = _Stream(stub, _open(stub, "labeller"))
+            stream = _Stream(stub, _open(stub, "labeller", mode="two"))
             try:
                 stream.send(msg)
                 assert stream.next().kind == pb.INPUT_GRAD
@@ -327,6 +334,9 @@ def _commit_with_a_poisoned_adapter(
 ) -> None:
     runtime = server.runtime
     stub, control = pb_grpc.StageLinkStub(chan), pb_grpc.StageControlStub(chan)
+    # A run starts as the ServerApp starts one: the adapter (re)set, then the round begun.
+    control.LoadAdapter(pb.LoadAdapterRequest(), timeout=RPC_TIMEOUT)
+    control.BeginRound(pb.BeginRoundRequest(round=7, run_id="hostile"), timeout=RPC_TIMEOUT)
     ids = {d: _open(stub, d, round=7) for d in ("healthy", "poisoned")}
     for seed, session_id in enumerate(ids.values()):
         stream = _Stream(stub, session_id)
@@ -555,9 +565,14 @@ _KILLED_DEVICE = textwrap.dedent(
     """
     import sys, time, torch
     from fedpipe.pipeline.messages import Kind, StageMsg
+    from fedpipe.config import FedpipeConfig, ModelConfig
+    from fedpipe.device import split_terms
+    from fedpipe.models import resolve_model
     from fedpipe.transport.client import StageClient
+    config = FedpipeConfig(model=ModelConfig(tail_layers=1))
+    split = split_terms(config, resolve_model("tiny-llama"))
     client = StageClient(sys.argv[1])
-    session = client.open_session(device_id="killed", lr=1e-2)
+    session = client.open_session(device_id="killed", lr=1e-2, split=split)
     session.send(StageMsg(Kind.ACTIVATION, 0, 0, tensor=torch.randn(2, 16, 64)))
     session.receive(Kind.OUTPUT, 0, 0)
     print("mid-step", flush=True)
@@ -599,6 +614,7 @@ def test_load_adapter_refuses_non_finite_values(server: StageServer) -> None:
 
     with grpc.insecure_channel(server.address) as chan:
         control = pb_grpc.StageControlStub(chan)
+        control.LoadAdapter(pb.LoadAdapterRequest(), timeout=RPC_TIMEOUT)  # a run has begun
         before = st_load(control.GetAdapter(pb.AdapterRequest(), timeout=RPC_TIMEOUT).safetensors)
         bad = {k: v.clone() for k, v in before.items()}
         next(iter(bad.values())).view(-1)[0] = float("inf")
@@ -616,6 +632,7 @@ def test_get_adapter_waits_for_a_merge_in_progress(server: StageServer) -> None:
 
     with grpc.insecure_channel(server.address) as chan, ThreadPoolExecutor(2) as pool:
         control = pb_grpc.StageControlStub(chan)
+        control.LoadAdapter(pb.LoadAdapterRequest(), timeout=RPC_TIMEOUT)  # a run has begun
         with server.runtime._bank_lock:  # what CommitRound holds while it merges
             get = pool.submit(control.GetAdapter, pb.AdapterRequest(), timeout=RPC_TIMEOUT)
             load = pool.submit(control.LoadAdapter, pb.LoadAdapterRequest(), timeout=RPC_TIMEOUT)
