@@ -246,7 +246,13 @@ def _split_given(args: argparse.Namespace) -> bool:
 
 def cmd_bench_pipeline(args: argparse.Namespace) -> int:
     """`fedpipe bench pipeline`: schedules x links against the pipeline bound."""
-    from fedpipe.preflight import check_links, check_model, default_split, model_layers
+    from fedpipe.preflight import (
+        check_links,
+        check_model,
+        default_split,
+        model_layers,
+        split_links,
+    )
 
     model = {"small": "small-llama", None: "small-llama"}.get(args.model, args.model)
     flags: dict[str, Any] = {"model.name": model}
@@ -262,7 +268,7 @@ def cmd_bench_pipeline(args: argparse.Namespace) -> int:
     from fedpipe.bench.pipeline import BENCH_SCHEDULES, run_pipeline_bench
     from fedpipe.link import REFERENCE_LINKS
 
-    links = args.links.split(",") if args.links else list(REFERENCE_LINKS)
+    links = split_links(args.links) if args.links else list(REFERENCE_LINKS)
     schedules = args.schedules.split(",") if args.schedules else list(BENCH_SCHEDULES)
     check_links(links)
     check_model(config)

@@ -263,7 +263,11 @@ def _add_bench(sub: Any) -> None:
     q = _sub(bsub, "pipeline", "fedpipe.cli:cmd_bench_pipeline", "schedules x links vs the bound")
     _settings(q, model_default="small-llama, split 2 + 2 (fewer for smaller models)")
     q.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    q.add_argument("--links", help="comma-separated link names (default: the reference links)")
+    q.add_argument(
+        "--links",
+        help="comma-separated link names or inline specs, e.g. 1gbit-5ms,up=10,down=25,rtt=50ms "
+        "(default: the reference links)",
+    )
     q.add_argument("--schedules", help="comma-separated schedules (default: all)")
     q.add_argument("--microbatches", type=int, default=8, help="microbatches per step")
     q.add_argument("--batch-size", type=int, default=16, help="sequences per step")

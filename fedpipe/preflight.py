@@ -34,6 +34,7 @@ __all__ = [
     "check_simulate",
     "check_strategy",
     "did_you_mean",
+    "split_links",
     "probe_tls",
 ]
 
@@ -70,6 +71,23 @@ def check_profiles(names: Sequence[str], setting: str) -> None:
                 f"{setting}: unknown device profile {name!r}{did_you_mean(name, known)}; "
                 f"choose from {', '.join(known)}"
             )
+
+
+def split_links(text: str) -> list[str]:
+    """``--links`` -> link names and inline specs. Commas separate both, so the ``key=value``
+    pairs of an inline spec are joined again; a repeated key starts the next spec
+    (``1gbit-5ms,up=10,down=25,rtt=50ms`` -> ``["1gbit-5ms", "up=10,down=25,rtt=50ms"]``)."""
+    out: list[str] = []
+    keys: set[str] = set()
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        key = part.partition("=")[0].strip() if "=" in part else ""
+        if key and out and "=" in out[-1] and key not in keys:
+            out[-1] += f",{part}"
+            keys.add(key)
+        else:
+            out.append(part)
+            keys = {key} if key else set()
+    return out
 
 
 def check_links(names: Sequence[str]) -> None:

@@ -26,7 +26,7 @@ import torch
 from fedpipe.bench.bound import Components, pipeline_bound, sequential_model
 from fedpipe.config import FedpipeConfig
 from fedpipe.device import DeviceTrainer
-from fedpipe.link import LinkProfile, get_link
+from fedpipe.link import LinkProfile, parse_link
 from fedpipe.pipeline.device_runtime import StepResult
 from fedpipe.pipeline.trace import Tracer
 from fedpipe.transport.client import StageClient, StageSession
@@ -232,7 +232,7 @@ def run_pipeline_bench(
             with StageClient(address) as client:
                 for name in links:
                     entries.append(
-                        _bench_link(trainer, client, get_link(name), schedules, batches, warmup)
+                        _bench_link(trainer, client, parse_link(name), schedules, batches, warmup)
                     )
         finally:
             server.terminate()

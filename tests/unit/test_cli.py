@@ -188,7 +188,8 @@ def test_bench_pipeline_picks_a_split_that_fits_the_model(
 ) -> None:
     """tiny-llama has 4 blocks: the bench's 2 + 2 default becomes 1 + 1, so the only error
     left is the deliberately unknown schedule (checked after the model and split)."""
-    line = _error_line(capsys, ["bench", "pipeline", "--model", "tiny-llama", "--schedules", "x"])
+    argv = ["bench", "pipeline", "--model", "tiny-llama", "--schedules", "x"]
+    line = _error_line(capsys, [*argv, "--links", "1gbit-5ms,up=10,down=25,rtt=50ms"])
     assert "--schedules" in line
 
 

@@ -172,3 +172,19 @@ def test_flower_failures_are_explained(log: str, meaning: str) -> None:
     assert meaning in explain_failure(log)
     if not meaning:
         assert explain_failure(log) == ""
+
+
+def test_links_take_names_and_inline_specs() -> None:
+    from fedpipe.preflight import check_links, split_links
+
+    assert split_links("1gbit-5ms,up=10,down=25,rtt=50ms") == [
+        "1gbit-5ms",
+        "up=10,down=25,rtt=50ms",
+    ]
+    assert split_links("up=10,down=25,up=5,down=5,rtt=1ms") == [
+        "up=10,down=25",
+        "up=5,down=5,rtt=1ms",
+    ]
+    check_links(split_links("100mbit-5ms,up=10,down=25,rtt=50ms"))
+    with pytest.raises(SettingsError, match="--links: unknown link '100mbit-5s'.*did you mean"):
+        check_links(["100mbit-5s"])
