@@ -406,6 +406,14 @@ def check_server(config: FedpipeConfig, plan: ServerPlan) -> None:
             "--node-auth needs TLS (Flower refuses node auth in plaintext): add --tls-ca, "
             "--tls-cert and --tls-key"
         )
+    if config.server.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SettingsError(
+                "--device cuda: torch sees no CUDA GPU here; use --device auto (CUDA when "
+                "present, else CPU) or --device cpu"
+            )
     check_port_free(plan.stage_host, plan.stage_port, "--stage-server")
     if plan.superlink is not None:
         host, port = split_address(plan.superlink, "--superlink")

@@ -208,6 +208,15 @@ def test_busy_port_and_node_auth_without_tls(capsys: pytest.CaptureFixture[str])
     assert "--node-auth needs TLS" in line
 
 
+def test_cuda_asked_for_without_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: --device cuda is fine here")
+    line = _error_line(capsys, ["server", "--device", "cuda", "--stage-server", "127.0.0.1:0"])
+    assert "torch sees no CUDA GPU" in line
+
+
 def test_client_settings(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert "did you mean 'phone-lte'" in _error_line(capsys, ["client", "--profile", "phon-lte"])
     line = _error_line(capsys, ["client", "--partition-id", "2", "--num-partitions", "2"])
