@@ -6,7 +6,6 @@ dependency installation (otherwise Flower runs `uv sync` and downloads CUDA torc
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import re
@@ -21,7 +20,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -174,11 +173,10 @@ class ManagedProcess:
         self._health_context = health_context
         self._log = log_path.open("ab")
         self.popen = subprocess.Popen(  # noqa: S603 - fixed argv, no shell
-            self.args,
+            _with_parent_death_signal(self.args),
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=dict(env),
-            preexec_fn=_die_with_parent_preexec(),
         )
         self._watchdog = _start_watchdog(self.pid)
         logger.info("[%s] started pid %d: %s", name, self.pid, " ".join(self.args))
@@ -260,32 +258,30 @@ class ManagedProcess:
         return f"ManagedProcess({self.name!r}, pid={self.pid}, address={self.address!r})"
 
 
-# Linux prctl(2): deliver a signal to this process when the thread that forked it exits.
-_PR_SET_PDEATHSIG = 1
+# Runs first in the child: prctl(PR_SET_PDEATHSIG, SIGTERM), so the kernel sends SIGTERM when
+# the thread that started it exits (the setting survives exec), then exec the Flower program.
+# A launcher and not a preexec_fn: a preexec_fn forces a plain fork() of a process whose gRPC
+# threads are running, and gRPC's fork handlers then abort the child now and then.
+_PDEATHSIG_LAUNCHER = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0)\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    sys.exit('fedpipe: the parent process ended before its Flower process started')\n"
+    "os.execv(sys.argv[2], sys.argv[2:])\n"
+)
 
 
-def _die_with_parent_preexec() -> Callable[[], None] | None:
-    """A preexec_fn that makes the child get SIGTERM when fedpipe dies, even by SIGKILL.
+def _with_parent_death_signal(args: list[str]) -> list[str]:
+    """``args`` started so that the process gets SIGTERM when fedpipe dies, even by SIGKILL.
 
-    The kernel sends it when the forking *thread* exits, so it is only set from the main
-    thread (which lives as long as the process); elsewhere the watchdog alone covers it.
+    Only from the main thread, which lives as long as the process (the signal follows the
+    starting thread); elsewhere, and off Linux, the watchdog alone covers it.
     """
     if not sys.platform.startswith("linux") or threading.current_thread() is not (
         threading.main_thread()
     ):
-        return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-    except OSError:
-        return None
-    parent, prctl = os.getpid(), libc.prctl  # resolved here: the child only calls it
-
-    def preexec() -> None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-        if os.getppid() != parent:  # the parent died before prctl took effect
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    return preexec
+        return args
+    return [sys.executable, "-c", _PDEATHSIG_LAUNCHER, str(os.getpid()), *args]
 
 
 def _start_watchdog(pid: int) -> subprocess.Popen[bytes] | None:
