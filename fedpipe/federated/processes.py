@@ -293,6 +293,8 @@ def _start_watchdog(pid: int) -> subprocess.Popen[bytes] | None:
         args,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
+        # not a Flower process: without FLWR_HOME, `flower_processes_under` never counts it
+        env={k: v for k, v in os.environ.items() if k != "FLWR_HOME"},
         start_new_session=True,  # a terminal's Ctrl-C or hang-up does not reach it
     )
 
