@@ -337,6 +337,13 @@ def main(argv: list[str] | None = None) -> int:
     verbose = bool(getattr(args, "verbose", False))
     _setup_logging(verbose)
     if hasattr(args, "name") and hasattr(args, "runs_dir") and args.name is None:
+        if args.resume:
+            print(
+                "fedpipe: error: --resume needs --name NAME, the run to continue "
+                f"(its folder is {args.runs_dir}/NAME)",
+                file=sys.stderr,
+            )
+            return EXIT_SETTINGS
         args.name = time.strftime("run-%Y%m%d-%H%M%S")  # known here, for the resume hint
     try:
         if hasattr(args, "set"):  # settings first, before the command's heavy imports

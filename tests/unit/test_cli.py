@@ -148,6 +148,10 @@ def test_bad_setting_value_and_missing_config(
     assert "not valid TOML" in _error_line(capsys, ["simulate", "--config", str(bad)])
 
 
+def test_resume_needs_the_run_name(capsys: pytest.CaptureFixture[str]) -> None:
+    assert "--resume needs --name NAME" in _error_line(capsys, ["simulate", "--resume"])
+
+
 def test_unknown_profile_and_strategy(capsys: pytest.CaptureFixture[str]) -> None:
     line = _error_line(capsys, ["simulate", "--profiles", "phone-lte,rpi-wify"])
     assert "'rpi-wify'" in line and "did you mean 'rpi-wifi'" in line
