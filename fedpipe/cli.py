@@ -1,22 +1,38 @@
-"""fedpipe: split-learning pipelines over gRPC with Flower rounds (see fedpipe COMMAND --help)."""
+"""fedpipe's entry point: parse, check, run one command, and turn failures into one line.
+
+Every command checks its settings first (`fedpipe.preflight`) and only then starts servers or
+Flower processes. Whatever goes wrong reaches `main` as an exception and leaves as one line on
+stderr with an exit status: 2 for settings to change, 1 for a failure while running, 130 for
+Ctrl-C (with the command that resumes a run). ``-v`` adds the traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import os
+import shlex
 import signal
 import sys
 import threading
+import time
+import tomllib
+import traceback
 from pathlib import Path
 from typing import Any
 
+from fedpipe.cli_parser import build_parser
 from fedpipe.config import FedpipeConfig, load_config, parse_overrides
 
-__all__ = ["main"]
+__all__ = ["config_from_args", "describe_error", "main"]
 
 log = logging.getLogger("fedpipe")
+
+EXIT_SETTINGS = 2  # a setting to change: nothing was started
+EXIT_FAILED = 1  # something failed while running
+EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT), as shells report it
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -27,22 +43,77 @@ def _setup_logging(verbose: bool) -> None:
     )
 
 
-def _config(args: argparse.Namespace, **flags: Any) -> FedpipeConfig:
-    overrides: dict[str, Any] = parse_overrides(args.set or [])
+def config_from_args(args: argparse.Namespace, **flags: Any) -> FedpipeConfig:
+    """Defaults, then ``--config``, then ``--set``, then the command's own flags (not None)."""
+    overrides: dict[str, Any] = parse_overrides(getattr(args, "set", None) or [])
     overrides.update({k: v for k, v in flags.items() if v is not None})
-    return load_config(args.config, overrides)
+    return load_config(getattr(args, "config", None), overrides)
 
 
-def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", type=Path, help="TOML settings file ([model], [pipeline], ...)")
-    p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a setting")
-    p.add_argument(
-        "--model", help="tiny-llama | tiny-gpt2 | small-llama | default | HF folder | .gguf"
+# -- errors -------------------------------------------------------------------------------------
+def describe_error(exc: BaseException) -> tuple[str, int]:
+    """(one line for the user, exit status) for an exception that ended a command."""
+    from fedpipe.errors import FedpipeError
+    from fedpipe.federated.processes import ProcessStartError
+
+    if isinstance(exc, ProcessStartError):
+        return exc.reason, EXIT_FAILED
+    if isinstance(exc, FedpipeError) and not isinstance(exc, ValueError):
+        return _first_line(exc), EXIT_FAILED
+    if isinstance(exc, ValueError | FileNotFoundError | IsADirectoryError | PermissionError):
+        return _first_line(exc), EXIT_SETTINGS
+    if isinstance(exc, OSError):
+        return _first_line(exc), EXIT_FAILED
+    rpc = _rpc_line(exc)
+    if rpc:
+        return rpc, EXIT_FAILED
+    text = _first_line(exc)
+    if "Failed to bind" in text:  # grpc's bind failure is a RuntimeError
+        return f"{text}: the port is in use; choose another", EXIT_SETTINGS
+    if type(exc).__name__ == "FlowerRunError":
+        return text, EXIT_FAILED
+    return f"{type(exc).__name__}: {text} (run with -v for the traceback)", EXIT_FAILED
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    more = " (more with -v)" if len(lines) > 1 else ""
+    return lines[0].rstrip(":") + more
+
+
+def _rpc_line(exc: BaseException) -> str:
+    code, details = getattr(exc, "code", None), getattr(exc, "details", None)
+    if not (callable(code) and callable(details)) or "grpc" not in type(exc).__module__:
+        return ""
+    return f"gRPC {code().name}: {details()}"
+
+
+def _interrupted(args: argparse.Namespace, argv: list[str]) -> str:
+    """Where an interrupted run stopped, and the exact command that resumes it."""
+    name, runs_dir = getattr(args, "name", None), getattr(args, "runs_dir", None)
+    if name is None or runs_dir is None:
+        return "fedpipe: interrupted"
+    checkpoints = sorted((Path(runs_dir) / name / "checkpoints").glob("round-[0-9]*"))
+    again = list(argv)
+    if "--name" not in again:
+        again += ["--name", name]
+    if not checkpoints:
+        return (
+            f"fedpipe: interrupted before any round was saved in {Path(runs_dir) / name}; "
+            f"start again with: fedpipe {shlex.join(again)}"
+        )
+    if "--resume" not in again:
+        again.append("--resume")
+    last = checkpoints[-1]
+    return (
+        f"fedpipe: interrupted after round {int(last.name.split('-')[1])} (saved in {last}); "
+        f"resume with: fedpipe {shlex.join(again)}"
     )
-    p.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
 
 
-# -- server -----------------------------------------------------------------------------------
+# -- server -------------------------------------------------------------------------------------
 def _server_secret(args: argparse.Namespace) -> str | None:
     """``--secret``, ``--secret-file`` (created with a new secret if missing) or FEDPIPE_SECRET."""
     if args.secret and args.secret_file:
@@ -58,134 +129,151 @@ def _server_secret(args: argparse.Namespace) -> str | None:
             print(f"fedpipe: wrote a new secret to {path}", file=sys.stderr, flush=True)
         secret = path.read_text().strip()
         if not secret:
-            raise ValueError(f"secret file {path} is empty")
+            raise ValueError(f"--secret-file: {path} is empty; delete it to get a new secret")
         return secret
     return args.secret or os.environ.get("FEDPIPE_SECRET") or None
 
 
-def _cmd_server(args: argparse.Namespace) -> int:
+def _server_plan(args: argparse.Namespace, config: FedpipeConfig) -> Any:
+    """Where the StageServer and the SuperLink listen, and their TLS files, from the flags."""
+    from fedpipe.preflight import ServerPlan, split_address
+
+    host, port = config.server.host, config.server.port
+    if args.stage_server:
+        host, port = split_address(args.stage_server, "--stage-server")
+    host, port = args.legacy_host or host, port if args.legacy_port is None else args.legacy_port
+    superlink = args.superlink
+    if superlink is not None:
+        link_host, link_port = split_address(superlink, "--superlink")
+        link_host = args.legacy_superlink_host or link_host
+        if args.legacy_superlink_port is not None:
+            link_port = int(args.legacy_superlink_port)
+        superlink = f"{link_host}:{link_port}"
+    ca, cert, key = args.legacy_tls or (args.tls_ca, args.tls_cert, args.tls_key)
+    return ServerPlan(host, port, superlink, ca, cert, key, args.node_auth)
+
+
+def cmd_server(args: argparse.Namespace) -> int:
+    """`fedpipe server`: the StageServer, and a SuperLink with ``--superlink``."""
+    from fedpipe.preflight import check_server
+
+    tls = {"server.tls_cert": args.tls_cert, "server.tls_key": args.tls_key}
+    config = config_from_args(
+        args, **{"model.name": args.model, "server.device": args.device, **tls}
+    )
+    plan = _server_plan(args, config)
+    check_server(config, plan)
+    secret = _server_secret(args)
     if args.cpu is not None:
         os.sched_setaffinity(0, {args.cpu})
-    config = _config(
-        args, **{"model.name": args.model, "server.device": args.device, "server.host": args.host}
-    )
-    secret = _server_secret(args)
     if secret is None:
         log.warning("no secret: the StageServer accepts sessions without tokens (local use only)")
-    # Handlers first: a SIGTERM that arrives while the SuperLink starts still shuts both down.
+    # Handlers first: a SIGTERM or SIGHUP that arrives while the SuperLink starts still shuts
+    # both down.
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda *_: stop.set())
     from fedpipe.serving import build_stage_server
 
-    port = args.port if args.port is not None else config.server.port
-    server = build_stage_server(config, secret=secret, port=port).start()
+    server = build_stage_server(
+        config.with_overrides({"server.host": plan.stage_host}), secret=secret, port=plan.stage_port
+    ).start()
     superlink = None
-    rc = 0
     try:
         print(f"fedpipe: StageServer listening on {server.address}", file=sys.stderr, flush=True)
-        if args.superlink:
-            from fedpipe.federated.processes import Certificates, start_superlink
-
-            certificates = Certificates(*(Path(p) for p in args.tls)) if args.tls else None
-            superlink = start_superlink(
-                host=args.superlink_host,
-                port=args.superlink_port or None,  # 0 = any free port
-                certificates=certificates,
-                insecure=certificates is None,
-                enable_node_auth=args.node_auth,
-                database=args.superlink_database,
-                workdir=args.superlink_dir,
-            )
-            print(
-                f"fedpipe: Flower SuperLink at {superlink.address} "
-                f"({'TLS' if certificates else 'insecure'}"
-                f"{', node auth' if args.node_auth else ''}; "
-                f"pid {superlink.pid}, log {superlink.log_path})",
-                file=sys.stderr,
-                flush=True,
-            )
+        if plan.superlink is not None and not stop.is_set():
+            superlink = _start_superlink(args, plan)
         if args.port_file:  # written once everything serves: its presence means "ready"
             tmp = Path(str(args.port_file) + ".tmp")
             tmp.write_text(str(server.port))
             tmp.replace(args.port_file)
-        while not stop.wait(1.0):
-            if superlink is not None and not superlink.alive():
-                log.error(
-                    "the SuperLink exited (rc %s); see %s",
-                    superlink.popen.returncode,
-                    superlink.log_path,
-                )
-                rc = 1
-                break
+        return _serve_until_stopped(stop, superlink)
     finally:
         if superlink is not None:
             superlink.stop()
         server.stop(grace=2.0)
         print("fedpipe: server stopped", file=sys.stderr, flush=True)
-    return rc
 
 
-def _add_server(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("server", help="run the StageServer (and optionally a Flower SuperLink)")
-    _add_common(p)
-    p.add_argument("--host", help="address to bind (default 127.0.0.1; 0.0.0.0 for devices)")
-    p.add_argument("--port", type=int, help="StageServer port (default 50051; 0 = any free)")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="where the server stage runs")
-    p.add_argument("--secret", help="shared secret with the ServerApp (or FEDPIPE_SECRET)")
-    p.add_argument(
-        "--secret-file",
-        type=Path,
-        help="read the secret from this file (created with a fresh secret if missing); "
-        "pass the same path to `fedpipe run --secret-file`",
+def _start_superlink(args: argparse.Namespace, plan: Any) -> Any:
+    from fedpipe.federated.processes import Certificates, start_superlink
+    from fedpipe.preflight import split_address
+
+    host, port = split_address(plan.superlink, "--superlink")
+    certificates = None
+    if plan.tls_cert:
+        certificates = Certificates(Path(plan.tls_ca), Path(plan.tls_cert), Path(plan.tls_key))
+    superlink = start_superlink(
+        host=host,
+        port=port or None,  # 0 = any free port
+        certificates=certificates,
+        insecure=certificates is None,
+        enable_node_auth=args.node_auth,
+        database=args.superlink_database,
+        workdir=args.workdir,
     )
-    p.add_argument(
-        "--port-file", type=Path, help="write the StageServer's port here once all is serving"
+    print(
+        f"fedpipe: Flower SuperLink at {superlink.address} "
+        f"({'TLS' if certificates else 'insecure'}{', node auth' if args.node_auth else ''}; "
+        f"pid {superlink.pid}, log {superlink.log_path})",
+        file=sys.stderr,
+        flush=True,
     )
-    p.add_argument("--cpu", type=int, help="pin the server process to this CPU")
-    p.add_argument("--superlink", action="store_true", help="also start a Flower SuperLink")
-    p.add_argument("--superlink-host", default="127.0.0.1", help="0.0.0.0 for remote SuperNodes")
-    p.add_argument(
-        "--superlink-port",
-        type=int,
-        default=8000,
-        help="SuperLink port (Flower's default 8000; 0 = any free)",
-    )
-    p.add_argument(
-        "--superlink-dir",
-        type=Path,
-        help="SuperLink log and FLWR_HOME folder (default: a temp folder)",
-    )
-    p.add_argument(
-        "--superlink-database",
-        type=Path,
-        help="SQLite file for the SuperLink's state (default: memory)",
-    )
-    p.add_argument(
-        "--tls", nargs=3, metavar=("CA", "CERT", "KEY"), help="SuperLink TLS files (PEM)"
-    )
-    p.add_argument("--node-auth", action="store_true", help="SuperLink: only registered SuperNodes")
-    p.set_defaults(func=_cmd_server)
+    return superlink
 
 
-# -- bench ------------------------------------------------------------------------------------
-def _cmd_bench_pipeline(args: argparse.Namespace) -> int:
-    from fedpipe.bench.pipeline import BENCH_SCHEDULES, run_pipeline_bench
-    from fedpipe.link import REFERENCE_LINKS, split_specs
+def _serve_until_stopped(stop: threading.Event, superlink: Any) -> int:
+    while not stop.wait(1.0):
+        if superlink is not None and not superlink.alive():
+            print(
+                f"fedpipe: the SuperLink exited (rc {superlink.popen.returncode}); "
+                f"log {superlink.log_path}",
+                file=sys.stderr,
+            )
+            return EXIT_FAILED
+    return 0
 
-    model = {"small": "small-llama", None: None}.get(args.model, args.model)
-    flags: dict[str, Any] = {"model.name": model or "small-llama"}
-    if not args.set or not any(s.startswith("model.head_layers") for s in args.set):
-        flags["model.head_layers"] = 2
-        flags["model.tail_layers"] = 2
-    flags.update({"train.batch_size": args.batch_size, "train.seq_len": args.seq_len})
+
+# -- bench --------------------------------------------------------------------------------------
+def _split_given(args: argparse.Namespace) -> bool:
+    """Whether ``--set`` or ``--config`` chose the split (else the bench picks one)."""
+    keys = set(parse_overrides(args.set or []))
+    if args.config is not None and Path(args.config).is_file():
+        with open(args.config, "rb") as fh:
+            keys |= {f"model.{k}" for k in tomllib.load(fh).get("model", {})}
+    return bool(keys & {"model.head_layers", "model.tail_layers"})
+
+
+def cmd_bench_pipeline(args: argparse.Namespace) -> int:
+    """`fedpipe bench pipeline`: schedules x links against the pipeline bound."""
+    from fedpipe.preflight import (
+        check_links,
+        check_model,
+        default_split,
+        model_layers,
+    )
+
+    model = {"small": "small-llama", None: "small-llama"}.get(args.model, args.model)
+    flags: dict[str, Any] = {"model.name": model}
+    if not _split_given(args):  # 2 + 2 blocks, fewer where the model is too small for that
+        side = default_split(model_layers(model)[0])
+        flags |= {"model.head_layers": side, "model.tail_layers": side}
+    flags |= {"train.batch_size": args.batch_size, "train.seq_len": args.seq_len}
     flags["pipeline.microbatches"] = args.microbatches
     flags["pipeline.uplink_codec"] = args.codec
     flags["pipeline.downlink_codec"] = args.codec
     flags["pipeline.gradient_codec"] = args.gradient_codec
-    config = _config(args, **flags)
+    config = config_from_args(args, **flags)
+    from fedpipe.bench.pipeline import BENCH_SCHEDULES, run_pipeline_bench
+    from fedpipe.link import REFERENCE_LINKS, split_specs
+
     links = split_specs(args.links) if args.links else list(REFERENCE_LINKS)
     schedules = args.schedules.split(",") if args.schedules else list(BENCH_SCHEDULES)
+    check_links(links)
+    check_model(config)
+    unknown = [s for s in schedules if s not in BENCH_SCHEDULES]
+    if unknown:
+        raise ValueError(f"--schedules: unknown {unknown}; choose from {list(BENCH_SCHEDULES)}")
     report = run_pipeline_bench(
         config, links=links, schedules=schedules, steps=args.steps, warmup=args.warmup
     )
@@ -213,41 +301,16 @@ def _print_bench_table(report: dict[str, Any]) -> None:
         )
 
 
-def _add_bench(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="benchmarks")
-    bsub = p.add_subparsers(dest="bench", required=True)
-    q = bsub.add_parser("pipeline", help="schedules x reference links vs the pipeline bound")
-    _add_common(q)
-    q.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    q.add_argument(
-        "--links",
-        help="comma-separated link names or inline specs such as up=10,down=25,rtt=50ms "
-        "(default: the reference settings)",
-    )
-    q.add_argument("--schedules", help="comma-separated schedules (default: all)")
-    q.add_argument("--microbatches", type=int, default=8)
-    q.add_argument("--batch-size", type=int, default=16)
-    q.add_argument("--seq-len", type=int, default=128)
-    q.add_argument("--codec", default="fp32", choices=["fp32", "bf16", "fp16", "int8"])
-    q.add_argument(
-        "--gradient-codec",
-        choices=["fp32", "bf16", "fp16", "int8"],
-        help="codec of gradients (default: --codec)",
-    )
-    q.add_argument("--steps", type=int, default=4, help="measured steps per schedule (median)")
-    q.add_argument("--warmup", type=int, default=1)
-    q.set_defaults(func=_cmd_bench_pipeline)
-    r = bsub.add_parser("memory", help="device-side memory vs the whole model")
-    _add_common(r)
-    r.set_defaults(func=_cmd_bench_memory)
+def cmd_bench_memory(args: argparse.Namespace) -> int:
+    """`fedpipe bench memory`: what the device side holds against the whole model."""
+    from fedpipe.preflight import check_model
 
-
-def _cmd_bench_memory(args: argparse.Namespace) -> int:
+    config = config_from_args(args, **{"model.name": args.model or "default"})
+    check_model(config)
     from fedpipe.models import load_config as load_hf_config
     from fedpipe.models import resolve_model
     from fedpipe.split import device_memory_report, plan_split
 
-    config = _config(args, **{"model.name": args.model or "default"})
     folder = resolve_model(config.model.name)
     plan = plan_split(
         load_hf_config(folder),
@@ -260,29 +323,40 @@ def _cmd_bench_memory(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fedpipe", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    _add_server(sub)
-    _add_bench(sub)
-    from fedpipe.federated.commands import add_federated_commands
-
-    add_federated_commands(sub, _add_common, _config)
-    from fedpipe.federated.certs import add_certs_command
-
-    add_certs_command(sub)
-    return parser
+# -- main ---------------------------------------------------------------------------------------
+def _command(ref: str) -> Any:
+    module, _, name = ref.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    _setup_logging(getattr(args, "verbose", False))
+    """Run one command; returns its exit status (see the module docstring)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser().parse_args(argv)
+    verbose = bool(getattr(args, "verbose", False))
+    _setup_logging(verbose)
+    if hasattr(args, "name") and hasattr(args, "runs_dir") and args.name is None:
+        if args.resume:
+            print(
+                "fedpipe: error: --resume needs --name NAME, the run to continue "
+                f"(its folder is {args.runs_dir}/NAME)",
+                file=sys.stderr,
+            )
+            return EXIT_SETTINGS
+        args.name = time.strftime("run-%Y%m%d-%H%M%S")  # known here, for the resume hint
     try:
-        return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"fedpipe: error: {exc}", file=sys.stderr)
-        return 2
+        if hasattr(args, "set"):  # settings first, before the command's heavy imports
+            config_from_args(args)
+        return int(_command(args.func)(args) or 0)
+    except KeyboardInterrupt:
+        print(_interrupted(args, argv), file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as exc:
+        if verbose:
+            traceback.print_exc()
+        line, code = describe_error(exc)
+        print(f"fedpipe: error: {line}", file=sys.stderr)
+        return code
 
 
 if __name__ == "__main__":

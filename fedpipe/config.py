@@ -9,6 +9,7 @@ thing wherever it is given.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -28,6 +29,8 @@ __all__ = [
 ]
 
 CODECS = ("fp32", "bf16", "fp16", "int8")
+_BOOLS = {"1": True, "true": True, "yes": True, "on": True}
+_BOOLS |= {"0": False, "false": False, "no": False, "off": False}
 
 
 def _check(ok: bool, message: str) -> None:
@@ -251,10 +254,25 @@ class FedpipeConfig:
         for key, value in flat.items():
             section, _, name = key.partition(".")
             if section not in sections or name not in sections[section]:
-                raise ValueError(f"unknown setting {key!r}; known: {', '.join(self.to_flat())}")
+                raise ValueError(_unknown_setting(key, list(self.to_flat())))
             sections[section][name] = _coerce(type(self), section, name, value)
         types = get_type_hints(type(self))
         return replace(self, **{k: types[k](**v) for k, v in sections.items()})
+
+
+def _unknown_setting(key: str, known: list[str]) -> str:
+    """One line naming the closest known setting to a mistyped ``key``, else the choices."""
+    section, _, name = key.partition(".")
+    in_section = [k for k in known if k.startswith(section + ".")]
+    if in_section:  # a known section: compare the key names alone
+        names = [k.partition(".")[2] for k in in_section]
+        close = [f"{section}.{n}" for n in difflib.get_close_matches(name, names, n=1)]
+    else:
+        close = difflib.get_close_matches(key, known, n=1, cutoff=0.8)
+    if close:
+        return f"unknown setting {key!r}; did you mean {close[0]!r}?"
+    choices = in_section or sorted({k.partition(".")[0] for k in known})
+    return f"unknown setting {key!r}; known here: {', '.join(choices)}"
 
 
 def _coerce(cls: type, section: str, name: str, value: Any) -> Any:
@@ -262,7 +280,9 @@ def _coerce(cls: type, section: str, name: str, value: Any) -> Any:
     if isinstance(value, str) and kind is not str:
         text = value.strip()
         if kind is bool:
-            return text.lower() in ("1", "true", "yes", "on")
+            if text.lower() not in _BOOLS:
+                raise ValueError(f"{section}.{name} must be true or false, got {value!r}")
+            return _BOOLS[text.lower()]
         try:
             return kind(text)
         except ValueError:
@@ -293,8 +313,13 @@ def load_config(
     """Defaults, then a TOML file's tables, then overrides (CLI flags win)."""
     flat: dict[str, Any] = {}
     if path is not None:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"--config: settings file {path} does not exist")
         with open(path, "rb") as fh:
-            data = tomllib.load(fh)
+            try:
+                data = tomllib.load(fh)
+            except tomllib.TOMLDecodeError as exc:
+                raise ValueError(f"{path}: not valid TOML ({exc})") from None
         for section, table in data.items():
             if not isinstance(table, dict):
                 raise ValueError(f"{path}: top-level key {section!r} must be a [table]")

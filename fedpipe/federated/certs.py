@@ -146,32 +146,11 @@ def _write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> Path:
     return path
 
 
-def _cmd_certs(args: argparse.Namespace) -> int:
+def cmd_certs(args: argparse.Namespace) -> int:
     clients = args.client or ["serverapp", "device-0", "device-1"]
     files = make_test_certificates(args.out, hosts=args.host or [], clients=clients, days=args.days)
-    print(f"CA                {files.ca}  (devices: --stage-ca; StageServer: server.tls_client_ca)")
+    print(f"CA                {files.ca}  (devices: --tls-ca; StageServer: server.tls_client_ca)")
     print(f"server            {files.server_cert} {files.server_key}  (server.tls_cert, tls_key)")
     for name, (cert, key) in files.clients.items():
         print(f"client {name:<10} {cert} {key}")
     return 0
-
-
-def add_certs_command(sub: argparse._SubParsersAction) -> None:
-    """``fedpipe certs --out DIR [--host NAME]... [--client NAME]...``."""
-    p = sub.add_parser(
-        "certs", help="make test certificates for TLS / mutual TLS on the stage link"
-    )
-    p.add_argument("--out", type=Path, required=True, help="folder for the PEM files")
-    p.add_argument(
-        "--host",
-        action="append",
-        help="a name or IP devices use to reach the StageServer (repeat; loopback always in)",
-    )
-    p.add_argument(
-        "--client",
-        action="append",
-        help="a client certificate to make (repeat; default serverapp, device-0, device-1)",
-    )
-    p.add_argument("--days", type=int, default=30, help="validity in days (default 30)")
-    p.add_argument("-v", "--verbose", action="store_true")
-    p.set_defaults(func=_cmd_certs)

@@ -13,7 +13,6 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +32,7 @@ from fedpipe.federated.runfolder import RunFolder
 from fedpipe.federated.summary import finish_run
 from fedpipe.federated.tokens import new_secret
 
-__all__ = ["add_federated_commands", "deploy_run", "simulate"]
+__all__ = ["deploy_run", "simulate"]
 
 SERVER_APP = "fedpipe.federated.apps:server_app"
 CLIENT_APP = "fedpipe.federated.apps:client_app"
@@ -239,8 +238,18 @@ def _raise_keyboard_interrupt(*_: object) -> None:
     raise KeyboardInterrupt
 
 
-def _cmd_simulate(args: argparse.Namespace, make_config: Callable[..., FedpipeConfig]) -> int:
-    config = make_config(
+def _stop_like_ctrl_c() -> None:
+    """SIGTERM and SIGHUP (a closed terminal) end a run like Ctrl-C: the finally blocks stop
+    the StageServer, the SuperLink and Ray, and the Flower run, instead of leaving them behind."""
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    signal.signal(signal.SIGHUP, _raise_keyboard_interrupt)
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    from fedpipe.cli import config_from_args
+    from fedpipe.preflight import check_simulate
+
+    config = config_from_args(
         args,
         **{
             "model.name": args.model,
@@ -251,33 +260,50 @@ def _cmd_simulate(args: argparse.Namespace, make_config: Callable[..., FedpipeCo
             "federated.data": args.data,
         },
     )
-    name = args.name or time.strftime("run-%Y%m%d-%H%M%S")
-    # SIGTERM ends a simulation like Ctrl-C: the finally blocks stop the StageServer, the
-    # SuperLink and Ray instead of leaving them behind.
-    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    check_simulate(config)
+    _stop_like_ctrl_c()
     summary = simulate(
-        config, name=name, runs_dir=args.runs_dir, resume=args.resume, timeout_s=args.timeout
+        config,
+        name=args.name,
+        runs_dir=args.runs_dir,
+        resume=args.resume,
+        timeout_s=args.timeout,
+        progress=not args.no_progress,
     )
-    _print_summary(summary, args.runs_dir / name)
+    _print_summary(summary, args.runs_dir / args.name)
     return 0
 
 
-def _cmd_run(args: argparse.Namespace, make_config: Callable[..., FedpipeConfig]) -> int:
+def _cmd_run(args: argparse.Namespace) -> int:
+    from fedpipe.cli import config_from_args
+    from fedpipe.preflight import RunTarget, check_run
+
     flags = {
         "model.name": args.model,
         "federated.rounds": args.rounds,
         "federated.num_devices": args.devices,
         "federated.strategy": args.strategy,
+        "server.tls_ca": args.tls_ca,  # the ServerApp verifies the StageServer with it
     }
-    config = make_config(args, **flags)
+    config = config_from_args(args, **flags)
+    superlink_ca = args.tls_ca or args.root_certificates
+    check_run(
+        config,
+        RunTarget(
+            superlink=args.superlink,
+            stage_server=args.stage_server,
+            secret_file=args.secret_file,
+            superlink_ca=superlink_ca,
+            stage_ca=config.server.tls_ca or None,
+        ),
+    )
     overrides = {k for k, v in flags.items() if v is not None}
     overrides |= {item.partition("=")[0].strip() for item in args.set or []}
-    name = args.name or time.strftime("run-%Y%m%d-%H%M%S")
-    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # stop the Flower run too
+    _stop_like_ctrl_c()  # stop the Flower run too
     try:
         summary = deploy_run(
             config,
-            name=name,
+            name=args.name,
             superlink=args.superlink,
             stage_address=args.stage_server,
             secret_file=args.secret_file,
@@ -285,52 +311,77 @@ def _cmd_run(args: argparse.Namespace, make_config: Callable[..., FedpipeConfig]
             resume=args.resume,
             overrides=dict.fromkeys(sorted(overrides)),
             timeout_s=args.timeout,
-            root_certificates=args.root_certificates,
+            root_certificates=Path(superlink_ca) if superlink_ca else None,
             progress=not args.no_progress,
         )
     except FlowerRunError as exc:
         print(f"fedpipe: run failed: {exc}", file=sys.stderr)
         return 1
-    _print_summary(summary, args.runs_dir / name)
+    _print_summary(summary, args.runs_dir / args.name)
     return 0
 
 
-def _cmd_client(args: argparse.Namespace, make_config: Callable[..., FedpipeConfig]) -> int:
-    node_config: dict[str, Any] = {
-        "partition-id": args.partition_id,
-        "num-partitions": args.num_partitions,
-    }
-    if args.profile:
-        from fedpipe.link import parse_device_profile
+def _client_plan(args: argparse.Namespace) -> Any:
+    from fedpipe.preflight import ClientPlan
 
-        parse_device_profile(args.profile)  # a typo fails here, not later in the ClientApp
-        node_config["profile"] = args.profile
-    if args.data:
-        node_config["data"] = str(Path(args.data).resolve())
-    if args.stage_server:
-        node_config["stage-address"] = args.stage_server
-    if args.stage_ca:
-        node_config["stage-ca"] = str(Path(args.stage_ca).resolve())
-    for key in ("stage_cert", "stage_key"):  # mutual TLS: this device's own certificate
-        if getattr(args, key):
-            node_config[key.replace("_", "-")] = str(Path(getattr(args, key)).resolve())
-    # Handlers first: a SIGTERM during start-up still stops the SuperNode (start_supernode
-    # stops it itself if it raises), and SIGTERM later stops it and its ClientApps.
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    node = start_supernode(
+    return ClientPlan(
         superlink=args.superlink,
-        port=args.port,
-        node_config=node_config,
-        insecure=args.root_certificates is None,
-        root_certificates=args.root_certificates,
+        stage_server=args.stage_server,
+        partition_id=args.partition_id,
+        num_partitions=args.num_partitions,
+        profile=args.profile,
+        data=args.data,
+        supernode_port=args.supernode_port,
+        superlink_ca=args.tls_ca or args.root_certificates,
+        stage_ca=args.tls_ca or args.stage_ca,
         auth_key=args.auth_key,
+        stage_cert=args.tls_cert,
+        stage_key=args.tls_key,
+    )
+
+
+def _node_config(plan: Any) -> dict[str, Any]:
+    """What the ClientApp reads from its SuperNode: partition, profile, data, StageServer."""
+    node_config: dict[str, Any] = {
+        "partition-id": plan.partition_id,
+        "num-partitions": plan.num_partitions,
+        "profile": plan.profile,
+    }
+    if plan.data:
+        node_config["data"] = str(Path(plan.data).expanduser().resolve())
+    if plan.stage_server:
+        node_config["stage-address"] = plan.stage_server
+    if plan.stage_ca:
+        node_config["stage-ca"] = str(Path(plan.stage_ca).expanduser().resolve())
+    if plan.stage_cert:  # mutual TLS: this device's own certificate and key
+        node_config["stage-cert"] = str(Path(plan.stage_cert).expanduser().resolve())
+        node_config["stage-key"] = str(Path(plan.stage_key or "").expanduser().resolve())
+    return node_config
+
+
+def _cmd_client(args: argparse.Namespace) -> int:
+    from fedpipe.preflight import check_client
+
+    plan = _client_plan(args)
+    check_client(plan)
+    # Handlers first: a SIGTERM during start-up still stops the SuperNode (start_supernode
+    # stops it itself if it raises), and SIGTERM, SIGHUP or Ctrl-C later stop it and its
+    # ClientApps. A SIGKILL is covered by the SuperNode's watchdog (processes.py).
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda *_: stop.set())
+    node = start_supernode(
+        superlink=plan.superlink,
+        port=plan.supernode_port,
+        node_config=_node_config(plan),
+        insecure=plan.superlink_ca is None,
+        root_certificates=plan.superlink_ca,
+        auth_key=plan.auth_key,
         workdir=args.workdir,
     )
     print(
         f"fedpipe: SuperNode pid {node.pid} (port {node.address.rsplit(':', 1)[1]}) connected to "
-        f"{args.superlink} as partition {args.partition_id}/{args.num_partitions} "
+        f"{plan.superlink} as partition {plan.partition_id}/{plan.num_partitions} "
         f"(log {node.log_path})",
         file=sys.stderr,
         flush=True,
@@ -355,10 +406,11 @@ def _cmd_register_node(args: argparse.Namespace) -> int:
     import subprocess
     import tempfile
 
-    key = Path(args.public_key).expanduser().resolve()
-    if not key.is_file():
-        raise FileNotFoundError(f"public key {key} not found")
-    ca = Path(args.root_certificates).expanduser().resolve() if args.root_certificates else None
+    from fedpipe.preflight import check_file
+
+    key = check_file(args.public_key, "public_key", "public key")
+    ca_arg = args.tls_ca or args.root_certificates
+    ca = check_file(ca_arg, "--tls-ca", "CA certificate") if ca_arg else None
     with tempfile.TemporaryDirectory(prefix="fedpipe-flwr-") as home:
         write_connection(home, superlink=args.superlink, insecure=ca is None, root_certificates=ca)
         flwr = Path(sys.executable).parent / "flwr"
@@ -371,90 +423,3 @@ def _cmd_register_node(args: argparse.Namespace) -> int:
         )
     print((done.stdout + done.stderr).strip(), file=sys.stderr)
     return done.returncode
-
-
-def add_federated_commands(
-    sub: argparse._SubParsersAction,
-    add_common: Callable[[argparse.ArgumentParser], None],
-    make_config: Callable[..., FedpipeConfig],
-) -> None:
-    p = sub.add_parser("simulate", help="simulate devices with Flower's simulation engine")
-    add_common(p)
-    p.add_argument("--rounds", type=int)
-    p.add_argument("--devices", type=int, help="number of simulated devices")
-    p.add_argument(
-        "--profiles",
-        help="device profiles or inline specs, cycled over devices "
-        "(e.g. phone-lte,rpi-wifi,up=10,down=25,rtt=50ms)",
-    )
-    p.add_argument("--strategy", help="fedavg | fedprox | fedadam | fedyogi | fedadagrad | fedavgm")
-    p.add_argument("--data", help="text file or folder (default: the bundled public-domain corpus)")
-    p.add_argument("--name", help="run name: results go to RUNS_DIR/NAME")
-    p.add_argument("--runs-dir", type=Path, default=Path("runs"))
-    p.add_argument("--resume", action="store_true", help="continue after the last complete round")
-    p.add_argument(
-        "--timeout", type=float, default=3600.0, help="seconds before the run is stopped"
-    )
-    p.set_defaults(func=lambda a: _cmd_simulate(a, make_config))
-
-    c = sub.add_parser("client", help="run a Flower SuperNode for one device")
-    c.add_argument("--superlink", default="127.0.0.1:8000", help="SuperLink address (host:port)")
-    c.add_argument("--stage-server", help="StageServer address (host:port) for this device")
-    c.add_argument("--stage-ca", help="CA certificate of a TLS StageServer (server.tls_ca)")
-    c.add_argument("--stage-cert", help="this device's client certificate (mutual TLS)")
-    c.add_argument("--stage-key", help="this device's client private key (mutual TLS)")
-    c.add_argument("--partition-id", type=int, default=0)
-    c.add_argument("--num-partitions", type=int, default=1)
-    c.add_argument(
-        "--profile",
-        default="loopback",
-        help="emulated device profile (default loopback: emulate nothing, use the real link; "
-        "phone-lte, rpi-wifi, jetson-ethernet, ... or an inline spec such as "
-        "up=10,down=25,rtt=50ms,slowdown=2 to emulate one)",
-    )
-    c.add_argument("--data", help="this device's text (file or folder)")
-    c.add_argument("--port", type=int, help="this SuperNode's own port (default: a free one)")
-    c.add_argument("--root-certificates", help="CA certificate of a TLS SuperLink")
-    c.add_argument("--auth-key", help="private key for SuperNode authentication")
-    c.add_argument(
-        "--workdir", type=Path, help="SuperNode log and FLWR_HOME folder (default: a temp folder)"
-    )
-    c.add_argument("-v", "--verbose", action="store_true")
-    c.set_defaults(func=lambda a: _cmd_client(a, make_config))
-
-    r = sub.add_parser(
-        "run", help="launch a run on a deployment (fedpipe server --superlink + fedpipe client)"
-    )
-    add_common(r)
-    r.add_argument("--superlink", default="127.0.0.1:8000", help="SuperLink address (host:port)")
-    r.add_argument(
-        "--stage-server",
-        default="127.0.0.1:50051",
-        help="StageServer address the ServerApp (and devices) use",
-    )
-    r.add_argument(
-        "--secret-file", type=Path, help="the StageServer's secret file (a path on the server host)"
-    )
-    r.add_argument("--root-certificates", type=Path, help="CA certificate of a TLS SuperLink")
-    r.add_argument("--rounds", type=int)
-    r.add_argument(
-        "--devices", type=int, help="connected SuperNodes the run waits for (federated.num_devices)"
-    )
-    r.add_argument("--strategy", help="fedavg | fedprox | fedadam | fedyogi | fedadagrad | fedavgm")
-    r.add_argument("--name", help="run name: results go to RUNS_DIR/NAME")
-    r.add_argument("--runs-dir", type=Path, default=Path("runs"))
-    r.add_argument("--resume", action="store_true", help="continue after the last complete round")
-    r.add_argument(
-        "--timeout", type=float, default=3600.0, help="seconds before the run is stopped"
-    )
-    r.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    r.set_defaults(func=lambda a: _cmd_run(a, make_config))
-
-    g = sub.add_parser(
-        "register-node", help="register a device's public key at a SuperLink with --node-auth"
-    )
-    g.add_argument("public_key", help="the device's ECDSA SECP384R1 public key (OpenSSH .pub)")
-    g.add_argument("--superlink", default="127.0.0.1:8000", help="SuperLink address (host:port)")
-    g.add_argument("--root-certificates", help="CA certificate of a TLS SuperLink")
-    g.add_argument("-v", "--verbose", action="store_true")
-    g.set_defaults(func=_cmd_register_node)

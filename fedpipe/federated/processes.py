@@ -16,6 +16,7 @@ import ssl
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -33,6 +34,7 @@ __all__ = [
     "Certificates",
     "ManagedProcess",
     "ProcessStartError",
+    "explain_failure",
     "flower_env",
     "flower_executable",
     "flower_processes_under",
@@ -49,7 +51,48 @@ _SUPERNODE_READY = re.compile(r"SuperNode ID: \d+")
 
 
 class ProcessStartError(RuntimeError):
-    """A Flower process exited or stayed unready; the message holds its log tail."""
+    """A Flower process exited or stayed unready; the message holds its log tail, ``reason``
+    one line that says what to do (for the command line)."""
+
+    def __init__(self, message: str, reason: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason or message.splitlines()[0]
+
+
+# (pattern in a Flower log, what it means for the user); the first match wins
+_KNOWN_FAILURES: tuple[tuple[re.Pattern[str], str], ...] = (
+    (
+        re.compile(r"Failed to activate SuperNode"),
+        "the SuperLink refused this SuperNode: register its public key there first "
+        "(`fedpipe register-node KEY.pub --superlink HOST:PORT --tls-ca CA`), or check --auth-key",
+    ),
+    (
+        re.compile(r"address already in use|Errno 98", re.IGNORECASE),
+        "its port is already in use: choose another port or stop the process that holds it",
+    ),
+    (
+        re.compile(r"enable-supernode-auth. flag requires encrypted TLS"),
+        "node authentication needs TLS: give --tls-ca, --tls-cert and --tls-key",
+    ),
+    (
+        re.compile(r"Connection attempt failed"),
+        "it could not reach the SuperLink: check --superlink, that the SuperLink runs, and "
+        "TLS (--tls-ca for a TLS SuperLink)",
+    ),
+    (
+        re.compile(r"SSL|certificate", re.IGNORECASE),
+        "TLS failed: check --tls-ca/--tls-cert/--tls-key (the CA must sign the certificate, "
+        "issued for the host name devices use)",
+    ),
+)
+
+
+def explain_failure(log_text: str) -> str:
+    """What a Flower process's log says went wrong, in the user's terms ("" if unknown)."""
+    for pattern, meaning in _KNOWN_FAILURES:
+        if pattern.search(log_text):
+            return meaning
+    return ""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -130,8 +173,12 @@ class ManagedProcess:
         self._health_context = health_context
         self._log = log_path.open("ab")
         self.popen = subprocess.Popen(  # noqa: S603 - fixed argv, no shell
-            self.args, stdout=self._log, stderr=subprocess.STDOUT, env=dict(env)
+            _with_parent_death_signal(self.args),
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=dict(env),
         )
+        self._watchdog = _start_watchdog(self.pid)
         logger.info("[%s] started pid %d: %s", name, self.pid, " ".join(self.args))
 
     @property
@@ -149,11 +196,11 @@ class ManagedProcess:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if not self.alive():
-                raise ProcessStartError(self._failure(f"exited with {self.popen.returncode}"))
+                raise self._failure(f"exited with {self.popen.returncode}")
             if self._is_ready():
                 return self
             time.sleep(0.2)
-        raise ProcessStartError(self._failure(f"not ready after {timeout_s:.0f} s"))
+        raise self._failure(f"not ready after {timeout_s:.0f} s")
 
     def _is_ready(self) -> bool:
         if self._ready_pattern is not None and not self._ready_pattern.search(self.log_text()):
@@ -168,9 +215,14 @@ class ManagedProcess:
         except (urllib.error.URLError, OSError):
             return False
 
-    def _failure(self, what: str) -> str:
-        tail = "\n".join(self.log_text().splitlines()[-30:])
-        return f"{self.name} (pid {self.pid}) {what}; log {self.log_path}:\n{tail}"
+    def _failure(self, what: str) -> ProcessStartError:
+        text = self.log_text()
+        tail = "\n".join(text.splitlines()[-30:])
+        meaning = explain_failure(text) or "see its log"
+        reason = f"{self.name} {what}: {meaning} (log {self.log_path})"
+        return ProcessStartError(
+            f"{self.name} (pid {self.pid}) {what}; log {self.log_path}:\n{tail}", reason
+        )
 
     def descendants(self) -> list[psutil.Process]:
         try:
@@ -179,9 +231,12 @@ class ManagedProcess:
             return []
 
     def reap(self) -> None:
-        """Collect the exit status and close the log handle (after the process ended)."""
+        """Collect the exit status, stop the watchdog, close the log (after the process ended)."""
         if self.popen.poll() is None:
             self.popen.wait(timeout=5.0)
+        if self._watchdog is not None and self._watchdog.poll() is None:
+            self._watchdog.terminate()
+            self._watchdog.wait(timeout=5.0)
         self._log.close()
 
     def stop(self, grace_s: float = 10.0) -> None:
@@ -201,6 +256,47 @@ class ManagedProcess:
 
     def __repr__(self) -> str:
         return f"ManagedProcess({self.name!r}, pid={self.pid}, address={self.address!r})"
+
+
+# Runs first in the child: prctl(PR_SET_PDEATHSIG, SIGTERM), so the kernel sends SIGTERM when
+# the thread that started it exits (the setting survives exec), then exec the Flower program.
+# A launcher and not a preexec_fn: a preexec_fn forces a plain fork() of a process whose gRPC
+# threads are running, and gRPC's fork handlers then abort the child now and then.
+_PDEATHSIG_LAUNCHER = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0)\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    sys.exit('fedpipe: the parent process ended before its Flower process started')\n"
+    "os.execv(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+def _with_parent_death_signal(args: list[str]) -> list[str]:
+    """``args`` started so that the process gets SIGTERM when fedpipe dies, even by SIGKILL.
+
+    Only from the main thread, which lives as long as the process (the signal follows the
+    starting thread); elsewhere, and off Linux, the watchdog alone covers it.
+    """
+    if not sys.platform.startswith("linux") or threading.current_thread() is not (
+        threading.main_thread()
+    ):
+        return args
+    return [sys.executable, "-c", _PDEATHSIG_LAUNCHER, str(os.getpid()), *args]
+
+
+def _start_watchdog(pid: int) -> subprocess.Popen[bytes] | None:
+    """Start `fedpipe.federated.watchdog` for ``pid``'s tree (None where psutil cannot tell)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    args = [sys.executable, "-m", "fedpipe.federated.watchdog", str(os.getpid()), str(pid)]
+    return subprocess.Popen(  # noqa: S603 - fixed argv, no shell
+        args,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        # not a Flower process: without FLWR_HOME, `flower_processes_under` never counts it
+        env={k: v for k, v in os.environ.items() if k != "FLWR_HOME"},
+        start_new_session=True,  # a terminal's Ctrl-C or hang-up does not reach it
+    )
 
 
 def flower_processes_under(root: str | Path) -> list[int]:
