@@ -22,7 +22,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-__all__ = ["CertificateFiles", "add_certs_command", "make_test_certificates"]
+__all__ = ["CertificateFiles", "cmd_certs", "make_test_certificates"]
 
 _LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
