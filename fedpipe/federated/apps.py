@@ -270,6 +270,7 @@ def server_main(grid: Grid, context: Context) -> None:
         devices=rounds.devices,
         deadline_s=fed.round_deadline_s,
         report_every_s=fed.report_every_s,
+        straggler_s=fed.straggler_s,
     )
     try:
         _strategy(cfg, rounds).start(

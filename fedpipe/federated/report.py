@@ -41,8 +41,8 @@ def _waiting_line(rec: dict[str, Any]) -> str:
     r, who = rec.get("round"), ", ".join(rec.get("waiting_for", [])) or "devices not seen yet"
     if rec.get("phase") == "replies":
         return (
-            f"round {r}: waiting for {who} ({rec['waited_s']:.0f} s of the "
-            f"{rec['deadline_s']:g} s round deadline)"
+            f"round {r}: waiting for {who} ({rec['waited_s']:.0f} s; goes on without them "
+            f"after {rec['deadline_s']:g} s)"
         )
     have, want = rec.get("connected", 0), rec.get("want", 0)
     if rec.get("phase") == "start":

@@ -6,7 +6,8 @@ round policy, as a :class:`RoundGrid` between the strategy and Flower's grid:
 
 - before a round, wait up to ``connect_wait_s`` for every device, then start with those that
   are connected if there are at least ``min_devices`` (else the run stops with the reason);
-- after sending, wait for replies no longer than ``deadline_s``; a device that has not replied
+- after sending, wait for replies no longer than ``deadline_s``, and (``straggler_s`` > 0) no
+  longer than ``straggler_s`` after the first device replied; a device that has not replied
   by then is a failure ("no reply within ...");
 - every ``report_every_s`` of waiting, log a ``waiting`` record naming whom it waits for;
 - each error reply is logged as a ``failure`` record as soon as it arrives, mapped back to
@@ -69,7 +70,7 @@ class DeviceBook:
 
     def name(self, node_id: int) -> str:
         info = self.known.get(node_id)
-        return info.name if info else f"node {node_id}"
+        return info.name if info else f"node {node_id} (not heard from yet)"
 
     def fields(self, node_id: int) -> Record:
         """The device fields of a record about ``node_id``."""
@@ -111,10 +112,12 @@ class RoundGrid(Grid):
         devices: DeviceBook,
         deadline_s: float,
         report_every_s: float,
+        straggler_s: float = 0.0,
         poll_s: float = 1.0,
     ) -> None:
         self.grid, self.log, self.devices = grid, log, devices
         self.deadline_s, self.report_every_s, self.poll_s = deadline_s, report_every_s, poll_s
+        self.straggler_s = straggler_s
         self.round = 0
         self.failures: list[Record] = []  # this round's, as logged
 
@@ -181,6 +184,7 @@ class RoundGrid(Grid):
     def _collect(self, pending: dict[str, int]) -> list[Message]:
         replies: list[Message] = []
         start = last = time.monotonic()
+        end, why = start + self.deadline_s, f"the round deadline ({self.deadline_s:g} s)"
         while pending:
             for reply in self.grid.pull_messages(list(pending)):
                 node = pending.pop(reply.metadata.reply_to_message_id, None)
@@ -188,20 +192,23 @@ class RoundGrid(Grid):
                 replies.append(reply)
                 if reply.has_error():
                     self._failure(node, reply.error.reason or f"error code {reply.error.code}")
-                else:
-                    self.devices.learn(node, reply)
+                    continue
+                self.devices.learn(node, reply)
+                if self.straggler_s > 0 and time.monotonic() + self.straggler_s < end:
+                    end = time.monotonic() + self.straggler_s
+                    why = f"{self.straggler_s:g} s of the first reply (federated.straggler_s)"
             now = time.monotonic()
-            if not pending or now - start >= self.deadline_s:
+            if not pending or now >= end:
                 break
             if now - last >= self.report_every_s:
                 last = now
-                self._log_reply_wait(pending.values(), now - start)
-            time.sleep(min(self.poll_s, max(self.deadline_s - (now - start), 0.01)))
+                self._log_reply_wait(pending.values(), now - start, end - start)
+            time.sleep(min(self.poll_s, max(end - now, 0.01)))
         for node in pending.values():
-            self._failure(node, f"no reply within the round deadline ({self.deadline_s:g} s)")
+            self._failure(node, f"no reply within {why}")
         return replies
 
-    def _log_reply_wait(self, nodes: Iterable[int], waited: float) -> None:
+    def _log_reply_wait(self, nodes: Iterable[int], waited: float, limit: float) -> None:
         self.log(
             {
                 "event": "waiting",
@@ -209,7 +216,7 @@ class RoundGrid(Grid):
                 "round": self.round,
                 "waiting_for": sorted(self.devices.name(n) for n in nodes),
                 "waited_s": round(waited, 1),
-                "deadline_s": self.deadline_s,
+                "deadline_s": round(limit, 1),
             }
         )
 

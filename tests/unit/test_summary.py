@@ -156,7 +156,7 @@ def test_console_lines() -> None:
         "deadline_s": 120.0,
     }
     assert format_record(waiting, rounds=3) == (
-        "round 2: waiting for partition 1 (rpi-wifi) (30 s of the 120 s round deadline)"
+        "round 2: waiting for partition 1 (rpi-wifi) (30 s; goes on without them after 120 s)"
     )
     assert format_record({"event": "train", "round": 1}, rounds=3) is None
 
