@@ -47,11 +47,8 @@ class DeviceInfo:
 
     @property
     def name(self) -> str:
-        return (
-            f"partition {self.partition} ({self.profile})"
-            if self.profile
-            else (f"partition {self.partition}")
-        )
+        suffix = f" ({self.profile})" if self.profile else ""
+        return f"partition {self.partition}{suffix}"
 
 
 class DeviceBook:
@@ -71,6 +68,15 @@ class DeviceBook:
     def name(self, node_id: int) -> str:
         info = self.known.get(node_id)
         return info.name if info else f"node {node_id} (not heard from yet)"
+
+    def names(self, node_ids: Iterable[int]) -> list[str]:
+        """Known devices by name; the others (before their first reply) as a count."""
+        ids = list(node_ids)
+        names = sorted(self.known[n].name for n in ids if n in self.known)
+        unknown = sum(1 for n in ids if n not in self.known)
+        if unknown:
+            names.append(f"{unknown} device{'s' if unknown > 1 else ''} not heard from yet")
+        return names
 
     def fields(self, node_id: int) -> Record:
         """The device fields of a record about ``node_id``."""
@@ -214,7 +220,7 @@ class RoundGrid(Grid):
                 "event": "waiting",
                 "phase": "replies",
                 "round": self.round,
-                "waiting_for": sorted(self.devices.name(n) for n in nodes),
+                "waiting_for": self.devices.names(nodes),
                 "waited_s": round(waited, 1),
                 "deadline_s": round(limit, 1),
             }

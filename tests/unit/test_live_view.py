@@ -62,3 +62,19 @@ def test_flower_error_reasons_name_the_device() -> None:
     assert rest == "DeviceFailure: device 7 vanished in round 1 (injected)"
     assert identity_from_reason("Node Unavailable") == (None, "Node Unavailable")
     assert clean_reason("x" * 1000).endswith("...")
+
+
+def test_device_book_names_known_devices_and_counts_the_others() -> None:
+    from fedpipe.federated.rounds import DeviceBook, DeviceInfo
+
+    book = DeviceBook()
+    book.known[7] = DeviceInfo(1, "phone-lte")
+    assert book.names([7, 8, 9]) == ["partition 1 (phone-lte)", "2 devices not heard from yet"]
+    assert book.names([8]) == ["1 device not heard from yet"]
+    assert book.fields(7) == {
+        "device": "partition 1 (phone-lte)",
+        "node_id": 7,
+        "partition": 1,
+        "profile": "phone-lte",
+    }
+    assert book.fields(8) == {"device": "node 8 (not heard from yet)", "node_id": 8}
