@@ -157,7 +157,7 @@ class FederatedConfig:
     # than max_failures devices have failed (-1: no limit).
     min_devices: int = 1
     connect_wait_s: float = 120.0
-    round_deadline_s: float = 900.0
+    round_deadline_s: float = 1800.0
     straggler_s: float = 0.0
     report_every_s: float = 30.0
     max_failures: int = -1
