@@ -118,12 +118,13 @@ def plot_devices(rounds: list[dict], path: Path) -> Path:
     ]
     if points:
         xs, trained, failed = zip(*points, strict=True)
-        ax.bar(xs, trained, color="tab:green", label="trained")
-        ax.bar(xs, failed, bottom=trained, color="tab:red", label="failed")
-        ax.legend()
+        ax.bar(xs, trained, width=0.6, color="tab:green", label="trained")
+        ax.bar(xs, failed, width=0.6, bottom=trained, color="tab:red", label="failed")
+        ax.set_xticks(xs)
+        ax.set_ylim(0, max(t + f for _, t, f in points) * 1.25)  # room for the legend
+        ax.legend(loc="upper right")
     else:
         _no_data(ax)
-    _integer_x(ax)
     ax.yaxis.get_major_locator().set_params(integer=True)
     ax.set(title="Devices per round", xlabel="round", ylabel="devices")
     ax.grid(True, axis="y", alpha=0.3)
@@ -136,11 +137,12 @@ def plot_step_times(
     """A box per device of its step times (seconds), with the individual steps as dots.
 
     Devices in ``failed`` (they failed in some round) have their label in red, marked.
+    Names such as ``partition 2 (rpi-wifi)`` are drawn on two lines.
     """
     failed = failed or set()
     names = sorted(set(per_device) | failed)
     per_device = {n: per_device.get(n, []) for n in names}
-    fig, ax = _figure(max(5, 0.8 * len(names) + 2), 4)
+    fig, ax = _figure(max(5, 1.5 * len(names) + 2), 4)
     filled = [(i, per_device[n]) for i, n in enumerate(names, start=1) if per_device[n]]
     if filled:
         positions, data = zip(*filled, strict=True)
@@ -149,7 +151,7 @@ def plot_step_times(
             ax.plot([x] * len(times), times, ".", color="tab:blue", alpha=0.4)
     else:
         _no_data(ax)
-    labels = [f"{n}\n(failed)" if n in failed else n for n in names]
+    labels = [n.replace(" (", "\n(") + ("\nfailed" if n in failed else "") for n in names]
     ax.set_xticks(range(1, len(names) + 1), labels, rotation=30 if len(names) > 4 else 0)
     for label, name in zip(ax.get_xticklabels(), names, strict=True):
         if name in failed:
