@@ -127,10 +127,9 @@ def judge(summary: dict[str, Any], *, rounds: int, max_failures: int) -> list[st
         problems.append(f"stopped early: {summary['stopped']['reason']}")
     for entry in summary["rounds"]:
         if entry["round"] > 0 and entry.get("devices_trained", 0) == 0:
-            problems.append(
-                f"round {entry['round']}: no device trained "
-                f"({entry.get('devices_failed', 0)} failed)"
-            )
+            text = f"round {entry['round']}: no device trained ({entry['devices_failed']} failed)"
+            if not any(text in said for said in problems):  # the stop reason says it already
+                problems.append(text)
     failed = len(summary["failures"])
     if 0 <= max_failures < failed:
         problems.append(

@@ -223,7 +223,7 @@ def test_a_round_without_a_trained_device_fails_the_run(
     err = capfd.readouterr().err
     assert "fedpipe: device partition 0 (loopback) failed in round 1: DeviceFailure" in err
     assert "fedpipe: run stopped: round 1: no device trained (1 failed)" in err
-    assert "fedpipe: run failed: round 1: no device trained (1 failed)" in err
+    assert "fedpipe: run failed: stopped early: round 1: no device trained (1 failed)" in err
     written = json.loads((run / "summary.json").read_text())
     assert written["ok"] is False and written["failures"][0]["round"] == 1
 
