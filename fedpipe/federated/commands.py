@@ -93,7 +93,8 @@ def simulate(
 ) -> dict[str, Any]:
     """Run ``config`` on Flower's simulation engine; returns the run's summary.
 
-    With ``progress``, round, failure and waiting lines go to stderr as the run goes. On
+    Failures and a stop go to stderr as they happen; with ``progress`` also a line per
+    round and whom a round waits for. On
     resume, ``explicit`` names the settings given anew (None: all of ``config``); the rest
     come from the run folder. The summary's ``ok`` and ``problems`` say whether the run did
     all it should (see :func:`fedpipe.federated.summary.judge`); a timeout is one of them.
@@ -109,11 +110,10 @@ def simulate(
         secret_file.write_text(new_secret())
         secret_file.chmod(0o600)
     server = build_stage_server(config, secret=secret_file.read_text().strip(), port=0).start()
-    live = LiveReport(folder.metrics_path, rounds=config.federated.rounds)
+    live = LiveReport(folder.metrics_path, rounds=config.federated.rounds, quiet=not progress)
     started = time.time()
     try:
-        if progress:
-            live.start()
+        live.start()
         app = write_app(folder.path / "app", config)
         run_config: dict[str, Any] = {
             "run.dir": str(folder.path.resolve()),
@@ -134,8 +134,7 @@ def simulate(
             check=False,
         )
     finally:
-        if progress:
-            live.stop()
+        live.stop()
         server.stop(grace=1.0)
     return _finish(folder, config, result, started, timeout_s)
 
@@ -219,11 +218,10 @@ def deploy_run(
     app = write_app(folder.path / "app", config)
     # flwr wants an absolute path in its connection config
     ca_file = root_certificates.expanduser().resolve() if root_certificates else None
-    live = LiveReport(folder.metrics_path, rounds=config.federated.rounds)
+    live = LiveReport(folder.metrics_path, rounds=config.federated.rounds, quiet=not progress)
     started = time.time()
     try:
-        if progress:
-            live.start()
+        live.start()
         result = flwr_run(
             app,
             superlink=superlink,
@@ -235,8 +233,7 @@ def deploy_run(
             check=False,
         )
     finally:
-        if progress:
-            live.stop()
+        live.stop()
     return _finish(folder, config, result, started, timeout_s)
 
 

@@ -70,10 +70,16 @@ def format_record(rec: dict[str, Any], *, rounds: int) -> str | None:
 
 
 class LiveReport:
-    """Prints the lines of records appended to ``metrics.jsonl`` after it was created."""
+    """Prints the lines of records appended to ``metrics.jsonl`` after it was created.
 
-    def __init__(self, metrics: Path, *, rounds: int, out: TextIO | None = None) -> None:
+    ``quiet`` prints only failures and stops (``--no-progress``): a failure is never silent.
+    """
+
+    def __init__(
+        self, metrics: Path, *, rounds: int, out: TextIO | None = None, quiet: bool = False
+    ) -> None:
         self.path, self.rounds, self.out = Path(metrics), rounds, out or sys.stderr
+        self.quiet = quiet
         self.offset = self.path.stat().st_size if self.path.exists() else 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -89,8 +95,11 @@ class LiveReport:
         self.offset += end
         for raw in data[:end].splitlines():
             try:
-                line = format_record(json.loads(raw), rounds=self.rounds)
+                record = json.loads(raw)
+                line = format_record(record, rounds=self.rounds)
             except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+                continue
+            if self.quiet and record.get("event") not in ("failure", "stop"):
                 continue
             if line:
                 print(f"fedpipe: {line}", file=self.out, flush=True)

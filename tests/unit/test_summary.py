@@ -182,3 +182,13 @@ def test_nest_turns_dotted_keys_into_tables() -> None:
         "run": {"dir": "/r"},
         "top": 1,
     }
+
+
+def test_quiet_live_report_prints_only_failures_and_stops(tmp_path: Path) -> None:
+    run = RunFolder.open(tmp_path, "quiet")
+    out = io.StringIO()
+    live = LiveReport(run.metrics_path, rounds=2, out=out, quiet=True)
+    run.log_metrics(_eval(1, 3.0, devices_trained=1))
+    run.log_metrics({"event": "failure", "round": 1, "device": "partition 0", "reason": "x"})
+    live.poll()
+    assert out.getvalue() == "fedpipe: device partition 0 failed in round 1: x\n"
