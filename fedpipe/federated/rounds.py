@@ -6,6 +6,8 @@ round policy, as a :class:`RoundGrid` between the strategy and Flower's grid:
 
 - before a round, wait up to ``connect_wait_s`` for every device, then start with those that
   are connected if there are at least ``min_devices`` (else the run stops with the reason);
+  later rounds wait only for as many devices as the round before started with, so a device
+  that is gone for good costs one wait, not one per round;
 - after sending, wait for replies no longer than ``deadline_s``, and (``straggler_s`` > 0) no
   longer than ``straggler_s`` after the first device replied; a device that has not replied
   by then is a failure ("no reply within ...");
@@ -126,10 +128,13 @@ class RoundGrid(Grid):
         self.straggler_s = straggler_s
         self.round = 0
         self.failures: list[Record] = []  # this round's, as logged
+        self.last_started_with: int | None = None  # devices connected when the last round began
 
     # -- waiting for devices ----------------------------------------------------------------
     def wait_for_devices(self, *, want: int, min_devices: int, wait_s: float) -> list[int]:
         """Connected node ids once ``want`` are connected, or after ``wait_s`` if >= min."""
+        if self.last_started_with is not None:
+            want = min(want, max(self.last_started_with, min_devices))
         start = last = time.monotonic()
         while len(nodes := list(self.grid.get_node_ids())) < want:
             now = time.monotonic()
@@ -147,6 +152,7 @@ class RoundGrid(Grid):
             )
         if len(nodes) < want:
             self._log_connect_wait(nodes, want, time.monotonic() - start, wait_s, going=True)
+        self.last_started_with = len(nodes)
         return nodes
 
     def _log_connect_wait(

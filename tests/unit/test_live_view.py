@@ -78,3 +78,37 @@ def test_device_book_names_known_devices_and_counts_the_others() -> None:
         "profile": "phone-lte",
     }
     assert book.fields(8) == {"device": "node 8 (not heard from yet)", "node_id": 8}
+
+
+class _Nodes:
+    """Only what RoundGrid.wait_for_devices asks of Flower's grid: the connected node ids."""
+
+    def __init__(self, ids: list[int]) -> None:
+        self.ids = ids
+
+    def get_node_ids(self) -> list[int]:
+        return list(self.ids)
+
+
+def test_a_device_gone_for_good_costs_one_connect_wait() -> None:
+    import pytest
+
+    from fedpipe.federated.rounds import DeviceBook, RoundGrid, StopRun
+
+    records: list[dict] = []
+    nodes = _Nodes([1, 2])
+    grid = RoundGrid(
+        nodes,  # type: ignore[arg-type]
+        log=records.append,
+        devices=DeviceBook(),
+        deadline_s=60,
+        report_every_s=30,
+    )
+    assert grid.wait_for_devices(want=3, min_devices=1, wait_s=0) == [1, 2]
+    assert [(r["phase"], r["connected"], r["want"]) for r in records] == [("start", 2, 3)]
+    records.clear()
+    assert grid.wait_for_devices(want=3, min_devices=1, wait_s=0) == [1, 2]
+    assert records == []  # the next round does not wait for the missing device again
+    nodes.ids = []
+    with pytest.raises(StopRun, match=r"only 0 of 2 devices connected .*min_devices=1"):
+        grid.wait_for_devices(want=3, min_devices=1, wait_s=0)
