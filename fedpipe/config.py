@@ -206,9 +206,34 @@ class FederatedConfig:
     eval_fraction: float = 0.1
     proximal_mu: float = 0.01
     server_lr: float = 0.1
+    # Round policy: wait up to connect_wait_s for num_devices to connect, then start with
+    # those connected if there are at least min_devices; wait at most round_deadline_s for
+    # replies, and (straggler_s > 0) at most straggler_s after the first device replied; say
+    # whom the round waits for every report_every_s; stop the run (non-zero exit) once more
+    # than max_failures devices have failed (-1: no limit).
+    min_devices: int = 1
+    connect_wait_s: float = 120.0
+    round_deadline_s: float = 1800.0
+    straggler_s: float = 0.0
+    report_every_s: float = 30.0
+    max_failures: int = -1
 
     def __post_init__(self) -> None:
         _check(self.rounds >= 1, f"federated.rounds must be >= 1, got {self.rounds}")
+        _check(
+            1 <= self.min_devices <= self.num_devices,
+            f"federated.min_devices must be in 1..num_devices ({self.num_devices}), "
+            f"got {self.min_devices}",
+        )
+        _check(
+            self.round_deadline_s > 0
+            and self.report_every_s > 0
+            and self.connect_wait_s >= 0
+            and self.straggler_s >= 0,
+            "federated.round_deadline_s and report_every_s must be > 0, connect_wait_s and "
+            "straggler_s >= 0",
+        )
+        _check(self.max_failures >= -1, "federated.max_failures must be >= 0, or -1 (no limit)")
         _check(self.num_devices >= 1, f"federated.num_devices must be >= 1, got {self.num_devices}")
         _check(0 < self.fraction_train <= 1, "federated.fraction_train must be in (0, 1]")
         _check(

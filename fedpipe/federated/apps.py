@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import cast
 
@@ -21,6 +21,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
+from fedpipe.config import FederatedConfig, FedpipeConfig
 from fedpipe.federated.control import StageControlClient
 from fedpipe.federated.local import (
     DeviceWork,
@@ -29,8 +30,10 @@ from fedpipe.federated.local import (
     run_settings,
     server_run_settings,
 )
+from fedpipe.federated.rounds import DeviceBook, RoundGrid, StopRun
 from fedpipe.federated.runfolder import RunFolder
 from fedpipe.federated.strategies import make_strategy
+from fedpipe.federated.tensorboard import Board
 from fedpipe.federated.tokens import issue_token
 
 __all__ = ["client_app", "server_app"]
@@ -46,13 +49,39 @@ class _Rounds:
     """Per-round hooks around a Flower strategy: tokens, commit, and the round offset on resume."""
 
     def __init__(
-        self, control: StageControlClient, folder: RunFolder, run: RunSettings, offset: int
+        self,
+        control: StageControlClient,
+        folder: RunFolder,
+        run: RunSettings,
+        offset: int,
+        *,
+        policy: FederatedConfig | None = None,
     ) -> None:
         self.control, self.folder, self.offset = control, folder, offset
         self.secret, self.run_id = run.secret, run.run_id
         self.stage_address, self.token_ttl_s = run.stage_address, run.round_timeout_s
         self.last_commit: tuple[int, int] = (0, 0)
         self.finished: dict[str, float] = {}
+        self.policy = policy or FederatedConfig()
+        self.board = Board(folder.path / "tensorboard")
+        self.devices = DeviceBook()
+        self.grid: RoundGrid | None = None
+        self.stats: dict[str, float | int] = {}  # the last committed round's, for its record
+        self.failures_total = 0
+        self.started = self.round_started = time.time()
+
+    def log(self, record: dict[str, object]) -> None:
+        """One metrics record: metrics.jsonl (read live by the CLI) and TensorBoard."""
+        self.folder.log_metrics(record)
+        self.board.write(record)
+
+    def begin(self, server_round: int, grid: RoundGrid) -> None:
+        """Before a round: wait (no longer than stated) for the devices to connect."""
+        self.round_started = time.time()
+        grid.round = self.offset + server_round
+        fed = self.policy
+        want = fed.num_devices if fed.fraction_train >= 1 else fed.min_devices
+        grid.wait_for_devices(want=want, min_devices=fed.min_devices, wait_s=fed.connect_wait_s)
 
     def configure(self, server_round: int, messages: Iterable[Message]) -> list[Message]:
         round_ = self.offset + server_round
@@ -86,25 +115,58 @@ class _Rounds:
         return out
 
     def commit(self, server_round: int, replies: list[Message]) -> None:
+        """Merge the finished devices on the server, record the round, apply the stop policy."""
+        round_ = self.offset + server_round
         ok = [r for r in replies if not r.has_error()]
         self.finished = {
             str(r.metadata.src_node_id): float(cast(int, r.content["metrics"]["num-examples"]))
             for r in ok
         }
-        self.last_commit = self.control.commit_round(self.offset + server_round, self.finished)
+        self.last_commit = self.control.commit_round(round_, self.finished)
         for reply in ok:
-            metrics = {k: v for k, v in reply.content["metrics"].items()}
-            self.folder.log_metrics(
-                {"event": "train", "round": self.offset + server_round, **metrics}
+            node = reply.metadata.src_node_id
+            metrics = _snake_case(dict(reply.content["metrics"].items()))
+            metrics.pop("partition_id", None)  # in the device fields already
+            self.log({"event": "train", "round": round_, **self.devices.fields(node), **metrics})
+        failed = len(self.grid.failures) if self.grid is not None else len(replies) - len(ok)
+        self.failures_total += failed
+        self.stats = _round_stats(ok, failed)
+        log.info("round %d: %d devices merged, %d failed", round_, len(ok), failed)
+        self._apply_stop_policy(round_, len(ok), failed)
+
+    def _apply_stop_policy(self, round_: int, trained: int, failed: int) -> None:
+        limit = self.policy.max_failures
+        if trained == 0:
+            raise StopRun(f"round {round_}: no device trained ({failed} failed)")
+        if 0 <= limit < self.failures_total:
+            raise StopRun(
+                f"round {round_}: {self.failures_total} device failures so far, more than "
+                f"federated.max_failures={limit}"
             )
-        failed = len(replies) - len(ok)
-        if failed:
-            self.folder.log_metrics(
-                {"event": "failed", "round": self.offset + server_round, "devices": failed}
-            )
-        log.info(
-            "round %d: %d devices merged, %d failed", self.offset + server_round, len(ok), failed
-        )
+
+
+def _snake_case(metrics: dict[str, object]) -> dict[str, object]:
+    """Flower's metric keys (``train-loss``, kept for the strategies' ``num-examples``) as
+    metrics.jsonl keys (``train_loss``)."""
+    return {k.replace("-", "_"): v for k, v in metrics.items()}
+
+
+def _round_stats(ok: list[Message], failed: int) -> dict[str, float | int]:
+    """A round's totals over the devices that trained: counts, bytes, mean train loss."""
+    metrics = [reply.content["metrics"] for reply in ok]
+    losses = [float(cast(float, m["train-loss"])) for m in metrics]
+    losses = [x for x in losses if math.isfinite(x)]
+    stats: dict[str, float | int] = {
+        "devices_sampled": len(ok) + failed,
+        "devices_trained": len(ok),
+        "devices_failed": failed,
+        "bytes_up": sum(int(cast(int, m["bytes-up"])) for m in metrics),
+        "bytes_down": sum(int(cast(int, m["bytes-down"])) for m in metrics),
+        "num_examples": sum(int(cast(int, m["num-examples"])) for m in metrics),
+    }
+    if losses:
+        stats["train_loss"] = sum(losses) / len(losses)
+    return stats
 
 
 def _wrap_strategy(strategy, rounds: _Rounds):  # type: ignore[no-untyped-def]
@@ -112,6 +174,7 @@ def _wrap_strategy(strategy, rounds: _Rounds):  # type: ignore[no-untyped-def]
 
     class FedpipeStrategy(base):  # type: ignore[misc, valid-type]
         def configure_train(self, server_round, arrays, config, grid):  # type: ignore[no-untyped-def]
+            rounds.begin(server_round, grid)
             return rounds.configure(
                 server_round, super().configure_train(server_round, arrays, config, grid)
             )
@@ -124,6 +187,62 @@ def _wrap_strategy(strategy, rounds: _Rounds):  # type: ignore[no-untyped-def]
 
     strategy.__class__ = FedpipeStrategy
     return strategy
+
+
+def _make_evaluate(
+    work: DeviceWork, rounds: _Rounds, run: RunSettings, *, resumed: bool
+) -> Callable[[int, ArrayRecord], MetricRecord]:
+    """Flower's ``evaluate_fn``: held-out loss, the round's record and its checkpoint.
+
+    The round's record (``event: eval``) holds its own duration (``wall_s``, from the start
+    of the round to its checkpoint), the run's ``elapsed_s`` and the round's device counts.
+    """
+    control, folder = rounds.control, rounds.folder
+
+    def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        round_ = rounds.offset + server_round
+        if server_round == 0 and resumed:
+            return MetricRecord({})
+        state = arrays.to_torch_state_dict()
+        loss, tokens = evaluate_split(work, state, run, round_)
+        record: dict[str, float | int] = {
+            "round": round_,
+            "eval_loss": loss,
+            "eval_ppl": math.exp(min(loss, 50.0)),
+            "eval_tokens": tokens,
+        }
+        if server_round > 0:
+            merged, discarded = rounds.last_commit
+            record |= {**rounds.stats, "merged": merged, "discarded": discarded}
+            folder.save_checkpoint(
+                round_,
+                device=state,
+                server=control.get_adapter(),
+                state={"round": round_, "run_id": run.run_id},
+            )
+        now = time.time()
+        record |= {"wall_s": now - rounds.round_started, "elapsed_s": now - rounds.started}
+        rounds.log({"event": "eval", **record})
+        log.info("round %d: eval loss %.4f (ppl %.2f)", round_, loss, record["eval_ppl"])
+        return MetricRecord({k: float(v) for k, v in record.items()})
+
+    return evaluate
+
+
+def _strategy(cfg: FedpipeConfig, rounds: _Rounds):  # type: ignore[no-untyped-def]
+    """The configured Flower strategy; fedpipe's RoundGrid, not Flower, waits for devices."""
+    fed = cfg.federated
+    strategy = make_strategy(
+        fed.strategy,
+        fraction_train=fed.fraction_train,
+        min_available_nodes=1,
+        min_train_nodes=1,
+        proximal_mu=fed.proximal_mu,
+        server_lr=fed.server_lr
+        if fed.strategy in ("fedadam", "fedyogi", "fedadagrad", "fedavgm")
+        else None,
+    )
+    return _wrap_strategy(strategy, rounds)
 
 
 @server_app.main()
@@ -153,67 +272,87 @@ def server_main(grid: Grid, context: Context) -> None:
     if remaining <= 0:
         log.info("all %d rounds are done already", cfg.federated.rounds)
         return
-    rounds = _Rounds(control, folder, run, offset)
+    rounds = _Rounds(control, folder, run, offset, policy=cfg.federated)
+    # Records of rounds after `offset` from an earlier attempt (a crash between commit and
+    # checkpoint) are superseded from here on; build_summary drops them.
+    rounds.log({"event": "start", "round": offset, "resumed": checkpoint is not None})
     control.begin_round(offset, run.run_id)
-    strategy = _wrap_strategy(
-        make_strategy(
-            cfg.federated.strategy,
-            fraction_train=cfg.federated.fraction_train,
-            min_available_nodes=cfg.federated.num_devices
-            if cfg.federated.fraction_train >= 1
-            else 1,
-            min_train_nodes=1,
-            proximal_mu=cfg.federated.proximal_mu,
-            server_lr=cfg.federated.server_lr
-            if cfg.federated.strategy in ("fedadam", "fedyogi", "fedadagrad", "fedavgm")
-            else None,
-        ),
-        rounds,
+    fed = cfg.federated
+    rounds.grid = RoundGrid(
+        grid,
+        log=rounds.log,
+        devices=rounds.devices,
+        deadline_s=fed.round_deadline_s,
+        report_every_s=fed.report_every_s,
+        straggler_s=fed.straggler_s,
     )
-    started = time.time()
-
-    def evaluate(server_round: int, arrays_: ArrayRecord) -> MetricRecord:
-        round_ = offset + server_round
-        if server_round == 0 and checkpoint is not None:
-            return MetricRecord({})
-        state = arrays_.to_torch_state_dict()
-        loss, tokens = evaluate_split(work, state, run, round_)
-        record = {
-            "round": round_,
-            "eval_loss": loss,
-            "eval_ppl": math.exp(min(loss, 50.0)),
-            "eval_tokens": tokens,
-            "wall_s": time.time() - started,
-        }
-        if server_round > 0:
-            merged, discarded = rounds.last_commit
-            record |= {
-                "merged": merged,
-                "discarded": discarded,
-                "finished_devices": len(rounds.finished),
-            }
-            folder.save_checkpoint(
-                round_,
-                device=state,
-                server=control.get_adapter(),
-                state={"round": round_, "run_id": run.run_id},
-            )
-        folder.log_metrics({"event": "eval", **record})
-        log.info("round %d: eval loss %.4f (ppl %.2f)", round_, loss, record["eval_ppl"])
-        return MetricRecord({k: float(v) for k, v in record.items()})
-
-    strategy.start(
-        grid=grid,
-        initial_arrays=ArrayRecord(arrays),
-        num_rounds=remaining,
-        timeout=run.round_timeout_s,
-        train_config=ConfigRecord({"proximal-mu": cfg.federated.proximal_mu}),
-        evaluate_fn=evaluate,
-    )
+    try:
+        _strategy(cfg, rounds).start(
+            grid=rounds.grid,
+            initial_arrays=ArrayRecord(arrays),
+            num_rounds=remaining,
+            timeout=fed.round_deadline_s,
+            train_config=ConfigRecord({"proximal-mu": fed.proximal_mu}),
+            evaluate_fn=_make_evaluate(work, rounds, run, resumed=checkpoint is not None),
+        )
+    except StopRun as stop:
+        rounds.log({"event": "stop", "round": rounds.grid.round, "reason": str(stop)})
+        log.error("run stopped: %s", stop)
+    finally:
+        rounds.board.close()
 
 
 # -- ClientApp --------------------------------------------------------------------------------
+_TrainFn = Callable[[Message, Context], Message]
+
+
+def _device_profile_name(context: Context) -> tuple[int, str]:
+    """This node's partition and profile name, as DeviceWork picks them (cheaply)."""
+    node, config = context.node_config, context.run_config
+    partition = int(cast(int, node.get("partition-id", 0)))
+    names = [n.strip() for n in str(config.get("federated.profiles", "")).split(",") if n.strip()]
+    cycled = names[partition % len(names)] if names else "loopback"
+    return partition, str(node.get("profile", "")) or cycled
+
+
+def _says_who(train: _TrainFn) -> _TrainFn:
+    """Name the device in its reply and in its errors, so the ServerApp can report them.
+
+    Flower turns an exception into an error reply whose reason is the exception's text, and
+    in deployment the SuperLink (not the device) answers for a node that vanished; the
+    ``[partition P (profile)]`` prefix and the reply's ``device`` ConfigRecord tell the
+    ServerApp which device it was.
+    """
+
+    def wrapped(msg: Message, context: Context) -> Message:
+        partition, profile = _device_profile_name(context)
+        try:
+            _maybe_hang(msg, context, partition)
+            reply = train(msg, context)
+        except Exception as exc:
+            raise RuntimeError(
+                f"[partition {partition} ({profile})] {type(exc).__name__}: {exc}"
+            ) from exc
+        reply.content["device"] = ConfigRecord({"profile": profile})
+        return reply
+
+    return wrapped
+
+
+def _maybe_hang(msg: Message, context: Context, partition: int) -> None:
+    """Fault injection for tests: ``faults.hang-partition`` stops answering in its round."""
+    config = cast(ConfigRecord, msg.content["config"])
+    round_ = int(cast(int, config.get("fedpipe-round", -1)))
+    hang = int(cast(int, context.run_config.get("faults.hang-partition", -1)))
+    if hang == partition and round_ == int(
+        cast(int, context.run_config.get("faults.hang-round", -1))
+    ):
+        log.warning("[partition %d] hanging in round %d (injected)", partition, round_)
+        time.sleep(float(cast(float, context.run_config.get("faults.hang-s", 3600.0))))
+
+
 @client_app.train()
+@_says_who
 def client_train(msg: Message, context: Context) -> Message:
     cfg, run = run_settings(context.run_config)
     node = context.node_config

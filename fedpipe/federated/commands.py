@@ -28,8 +28,10 @@ from fedpipe.federated.engines import (
     write_flower_app,
 )
 from fedpipe.federated.local import RUN_DEFAULTS
+from fedpipe.federated.report import LiveReport, report_lines
+from fedpipe.federated.resume import ResumeRefused, resume_settings
 from fedpipe.federated.runfolder import RunFolder
-from fedpipe.federated.summary import finish_run
+from fedpipe.federated.summary import finish_run, judge
 from fedpipe.federated.tokens import new_secret
 
 __all__ = ["deploy_run", "simulate"]
@@ -60,28 +62,21 @@ def write_app(directory: Path, config: FedpipeConfig) -> Path:
     )
 
 
-def _progress(folder: RunFolder, runtime: Any, rounds: int, stop: threading.Event) -> None:
-    """Round and step progress bars on stderr, fed by metrics.jsonl and the server's sessions."""
-    from tqdm import tqdm
+def _settle_settings(
+    folder: RunFolder, config: FedpipeConfig, *, resume: bool, explicit: set[str] | None
+) -> FedpipeConfig:
+    """The settings this run goes with, recorded in the run folder (see fedpipe.federated.resume).
 
-    bar_rounds = tqdm(total=rounds, desc="rounds", position=0, file=sys.stderr)
-    bar_steps = None
-    if runtime is not None:  # in deployment the StageServer lives in another process
-        bar_steps = tqdm(desc="server steps", unit="step", position=1, file=sys.stderr)
-    seen_steps = 0
-    while not stop.wait(1.0):
-        done = sum(
-            1 for r in folder.history() if r.get("event") == "eval" and r.get("round", 0) > 0
-        )
-        bar_rounds.update(max(0, min(done, rounds) - bar_rounds.n))
-        if bar_steps is not None:
-            steps = sum(s.steps_done for s in runtime.sessions())
-            if steps > seen_steps:
-                bar_steps.update(steps - seen_steps)
-            seen_steps = steps
-    bar_rounds.close()
-    if bar_steps is not None:
-        bar_steps.close()
+    A fresh run records ``config``; a resumed one starts from what the folder recorded, takes
+    the ``explicit`` settings from ``config``, refuses changes it cannot continue with
+    (:class:`ResumeRefused`) and says the others on stderr.
+    """
+    if resume:
+        config, notes = resume_settings(folder.load_settings(), config, explicit=explicit)
+        for note in notes:
+            print(f"fedpipe: {note}", file=sys.stderr)
+    folder.save_settings(config.to_flat())
+    return config
 
 
 def simulate(
@@ -91,27 +86,33 @@ def simulate(
     runs_dir: Path = Path("runs"),
     resume: bool = False,
     timeout_s: float = 3600.0,
-    faults: dict[str, int] | None = None,
+    faults: dict[str, int | float] | None = None,
     progress: bool = True,
+    explicit: set[str] | None = None,
 ) -> dict[str, Any]:
-    """Run ``config`` on Flower's simulation engine; returns the run's summary."""
+    """Run ``config`` on Flower's simulation engine; returns the run's summary.
+
+    Failures and a stop go to stderr as they happen; with ``progress`` also a line per
+    round and whom a round waits for. On
+    resume, ``explicit`` names the settings given anew (None: all of ``config``); the rest
+    come from the run folder. The summary's ``ok`` and ``problems`` say whether the run did
+    all it should (see :func:`fedpipe.federated.summary.judge`); a timeout is one of them.
+    """
     from fedpipe.models import resolve_model
     from fedpipe.serving import build_stage_server
 
     folder = RunFolder.open(runs_dir, name, resume=resume)
+    config = _settle_settings(folder, config, resume=resume, explicit=explicit)
     resolve_model(config.model.name)  # convert once, before the devices start
     secret_file = folder.path / ".secret"
     if not secret_file.exists():
         secret_file.write_text(new_secret())
         secret_file.chmod(0o600)
     server = build_stage_server(config, secret=secret_file.read_text().strip(), port=0).start()
-    stop = threading.Event()
-    watcher = threading.Thread(
-        target=_progress, args=(folder, server.runtime, config.federated.rounds, stop), daemon=True
-    )
+    live = LiveReport(folder.metrics_path, rounds=config.federated.rounds, quiet=not progress)
+    started = time.time()
     try:
-        if progress:
-            watcher.start()
+        live.start()
         app = write_app(folder.path / "app", config)
         run_config: dict[str, Any] = {
             "run.dir": str(folder.path.resolve()),
@@ -122,7 +123,6 @@ def simulate(
         }
         for key, value in (faults or {}).items():
             run_config[f"faults.{key}"] = value
-        started = time.time()
         result = run_simulation_engine(
             app,
             num_supernodes=config.federated.num_devices,
@@ -130,21 +130,40 @@ def simulate(
             cpus_per_client=1,
             timeout_s=timeout_s,
             workdir=folder.path / "flower",
+            check=False,
         )
     finally:
-        stop.set()
-        if watcher.is_alive():
-            watcher.join(timeout=5)
+        live.stop()
         server.stop(grace=1.0)
-    return _finish(folder, config, result, started)
+    return _finish(folder, config, result, started, timeout_s)
 
 
 def _finish(
-    folder: RunFolder, config: FedpipeConfig, result: FlwrRunResult, started: float
+    folder: RunFolder,
+    config: FedpipeConfig,
+    result: FlwrRunResult,
+    started: float,
+    timeout_s: float,
 ) -> dict[str, Any]:
+    """The summary with the run's verdict (``ok``, ``problems``), written and returned."""
     summary = finish_run(folder, config=config.to_flat())
     summary["total_wall_s"] = time.time() - started
-    summary["flower_run"] = {"run_id": result.run_id, "status": result.status}
+    summary["flower_run"] = {
+        "run_id": result.run_id,
+        "status": result.status,
+        "log": str(result.log_path),
+    }
+    fed = config.federated
+    problems = judge(summary, rounds=fed.rounds, max_failures=fed.max_failures)
+    if result.returncode == -1:
+        problems.insert(0, f"the run reached --timeout ({timeout_s:g} s) and was stopped")
+    elif not result.completed:
+        problems.insert(
+            0,
+            f"Flower's run ended as {result.status!r} (flwr rc {result.returncode}); "
+            f"its log: {result.log_path}",
+        )
+    summary["problems"], summary["ok"] = problems, not problems
     folder.write_summary(summary)
     return summary
 
@@ -162,14 +181,16 @@ def deploy_run(
     timeout_s: float = 3600.0,
     root_certificates: Path | None = None,
     progress: bool = True,
+    explicit: set[str] | None = None,
 ) -> dict[str, Any]:
     """Launch ``config`` on a deployment (SuperLink, SuperNodes, StageServer); return the summary.
 
     Run on the server host: the ServerApp (started by the SuperLink there) reads
-    ``secret_file`` and writes ``runs_dir/name``; this process then builds the summary and
-    plots from that folder. ``overrides`` (dotted keys) are passed as run config too, though
-    the written app already holds the whole ``config``. The ServerApp waits for
-    ``federated.num_devices`` connected SuperNodes.
+    ``secret_file`` and writes ``runs_dir/name``; this process prints its records live and
+    then builds the summary and plots from that folder. ``overrides`` (dotted keys) are
+    passed as run config too, though the written app already holds the whole ``config``.
+    Rounds start once ``federated.num_devices`` SuperNodes are connected, or after
+    ``federated.connect_wait_s`` with at least ``federated.min_devices``.
     """
     if secret_file is not None and not secret_file.expanduser().is_file():
         raise FileNotFoundError(
@@ -182,6 +203,7 @@ def deploy_run(
             file=sys.stderr,
         )
     folder = RunFolder.open(runs_dir, name, resume=resume)
+    config = _settle_settings(folder, config, resume=resume, explicit=explicit)
     run_config: dict[str, Any] = {
         "run.dir": str(folder.path.resolve()),
         "run.resume": resume,
@@ -195,14 +217,10 @@ def deploy_run(
     app = write_app(folder.path / "app", config)
     # flwr wants an absolute path in its connection config
     ca_file = root_certificates.expanduser().resolve() if root_certificates else None
-    stop = threading.Event()
-    watcher = threading.Thread(
-        target=_progress, args=(folder, None, config.federated.rounds, stop), daemon=True
-    )
+    live = LiveReport(folder.metrics_path, rounds=config.federated.rounds, quiet=not progress)
     started = time.time()
     try:
-        if progress:
-            watcher.start()
+        live.start()
         result = flwr_run(
             app,
             superlink=superlink,
@@ -211,27 +229,36 @@ def deploy_run(
             insecure=root_certificates is None,
             root_certificates=ca_file,
             workdir=folder.path / "flower",
+            check=False,
         )
     finally:
-        stop.set()
-        if watcher.is_alive():
-            watcher.join(timeout=5)
-    return _finish(folder, config, result, started)
+        live.stop()
+    return _finish(folder, config, result, started, timeout_s)
 
 
-def _print_summary(summary: dict[str, Any], folder: Path) -> None:
-    for entry in summary["rounds"]:
-        loss = entry.get("eval_loss")
-        train = entry.get("train_loss")
-        print(
-            f"round {entry['round']}: eval loss {loss if loss is None else round(loss, 4)}"
-            + (f", train loss {train:.4f}" if train is not None else "")
-        )
-    if "eval_loss_drop_pct" in summary:
-        print(
-            f"held-out loss {summary['first_eval_loss']:.4f} -> {summary['last_eval_loss']:.4f} "
-            f"({summary['eval_loss_drop_pct']:.1f}% lower); run folder {folder}"
-        )
+def _explicit_settings(args: argparse.Namespace, flags: dict[str, Any]) -> set[str]:
+    """The settings this command line gives: flags, ``--set`` and a ``--config`` file's keys."""
+    import tomllib
+
+    from fedpipe.config import parse_overrides
+
+    keys = {k for k, v in flags.items() if v is not None}
+    keys |= set(parse_overrides(getattr(args, "set", None) or []))
+    if getattr(args, "config", None) is not None:
+        with open(args.config, "rb") as fh:
+            data = tomllib.load(fh)
+        keys |= {f"{s}.{k}" for s, t in data.items() if isinstance(t, dict) for k in t}
+    return keys
+
+
+def _report(summary: dict[str, Any], folder: Path) -> int:
+    """Print the final report (stdout) and the verdict (stderr); the exit status."""
+    for line in report_lines(summary):
+        print(line)
+    print(f"run folder {folder}")
+    for problem in summary.get("problems", []):
+        print(f"fedpipe: run failed: {problem}", file=sys.stderr)
+    return 0 if summary.get("ok", True) else 1
 
 
 def _raise_keyboard_interrupt(*_: object) -> None:
@@ -245,33 +272,51 @@ def _stop_like_ctrl_c() -> None:
     signal.signal(signal.SIGHUP, _raise_keyboard_interrupt)
 
 
+def _run_name(args: argparse.Namespace) -> str:
+    return args.name or time.strftime("run-%Y%m%d-%H%M%S")
+
+
+def _as_resumed(
+    args: argparse.Namespace, config: FedpipeConfig, explicit: set[str]
+) -> FedpipeConfig:
+    """The settings a ``--resume`` will run with, so that preflight checks those (the run
+    folder's recorded settings, with this command line's on top); raises ResumeRefused."""
+    if not args.resume:
+        return config
+    saved = RunFolder(args.runs_dir / _run_name(args)).load_settings()
+    return resume_settings(saved, config, explicit=explicit)[0] if saved else config
+
+
 def _cmd_simulate(args: argparse.Namespace) -> int:
     from fedpipe.cli import config_from_args
     from fedpipe.preflight import check_simulate
 
-    config = config_from_args(
-        args,
-        **{
-            "model.name": args.model,
-            "federated.rounds": args.rounds,
-            "federated.num_devices": args.devices,
-            "federated.profiles": args.profiles,
-            "federated.strategy": args.strategy,
-            "federated.data": args.data,
-        },
-    )
-    check_simulate(config)
-    _stop_like_ctrl_c()
-    summary = simulate(
-        config,
-        name=args.name,
-        runs_dir=args.runs_dir,
-        resume=args.resume,
-        timeout_s=args.timeout,
-        progress=not args.no_progress,
-    )
-    _print_summary(summary, args.runs_dir / args.name)
-    return 0
+    flags = {
+        "model.name": args.model,
+        "federated.rounds": args.rounds,
+        "federated.num_devices": args.devices,
+        "federated.profiles": args.profiles,
+        "federated.strategy": args.strategy,
+        "federated.data": args.data,
+    }
+    config = config_from_args(args, **flags)
+    name, explicit = _run_name(args), _explicit_settings(args, flags)
+    try:
+        check_simulate(_as_resumed(args, config, explicit))
+        _stop_like_ctrl_c()
+        summary = simulate(
+            config,
+            name=name,
+            runs_dir=args.runs_dir,
+            resume=args.resume,
+            timeout_s=args.timeout,
+            progress=not args.no_progress,
+            explicit=explicit,
+        )
+    except ResumeRefused as exc:
+        print(f"fedpipe: {exc}", file=sys.stderr)
+        return 2
+    return _report(summary, args.runs_dir / name)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -287,8 +332,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
     }
     config = config_from_args(args, **flags)
     superlink_ca = args.tls_ca or args.root_certificates
+    name, explicit = _run_name(args), _explicit_settings(args, flags)
+    try:
+        checked = _as_resumed(args, config, explicit)
+    except ResumeRefused as exc:
+        print(f"fedpipe: {exc}", file=sys.stderr)
+        return 2
     check_run(
-        config,
+        checked,
         RunTarget(
             superlink=args.superlink,
             stage_server=args.stage_server,
@@ -303,7 +354,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     try:
         summary = deploy_run(
             config,
-            name=args.name,
+            name=name,
             superlink=args.superlink,
             stage_address=args.stage_server,
             secret_file=args.secret_file,
@@ -313,12 +364,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
             timeout_s=args.timeout,
             root_certificates=Path(superlink_ca) if superlink_ca else None,
             progress=not args.no_progress,
+            explicit=explicit,
         )
+    except ResumeRefused as exc:
+        print(f"fedpipe: {exc}", file=sys.stderr)
+        return 2
     except FlowerRunError as exc:
         print(f"fedpipe: run failed: {exc}", file=sys.stderr)
         return 1
-    _print_summary(summary, args.runs_dir / args.name)
-    return 0
+    return _report(summary, args.runs_dir / name)
 
 
 def _client_plan(args: argparse.Namespace) -> Any:

@@ -64,6 +64,9 @@ RUN_DEFAULTS: dict[str, Any] = {
     "run.round-timeout": 1800.0,
     "faults.kill-partition": -1,
     "faults.kill-round": -1,
+    "faults.hang-partition": -1,  # this partition's device stops answering ...
+    "faults.hang-round": -1,  # ... in this round ...
+    "faults.hang-s": 3600.0,  # ... for this long
 }
 
 

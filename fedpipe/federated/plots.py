@@ -1,4 +1,8 @@
-"""PNG plots of a run: losses per round, a pipelined step's timeline, step times per device.
+"""PNG plots of a run: losses per round, devices per round, a step's timeline, step times.
+
+Failed devices are marked: rounds where devices failed get a red cross on the loss plot, the
+devices plot stacks failed on trained, and a device that failed in some round has its name in
+red with "(failed)" on the step-time plot. Devices are named by partition and profile.
 
 matplotlib is imported inside each function, so importing this module costs nothing. Figures
 are drawn on their own Agg canvas (no pyplot, no global backend switch), which is safe in
@@ -11,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-__all__ = ["plot_losses", "plot_step_times", "plot_timeline"]
+__all__ = ["plot_devices", "plot_losses", "plot_step_times", "plot_timeline"]
 
 _LANE_ORDER = ("device", "uplink", "server", "downlink")
 # By the first letter of an event's name (fedpipe.pipeline.device_runtime's F0, T0, B0, Sf0, ...).
@@ -52,6 +56,14 @@ def plot_losses(rounds: list[dict], path: Path) -> Path:
         if points:
             xs, ys = zip(*points, strict=True)
             ax.plot(xs, ys, marker=marker, label=f"{label} loss")
+    failed = [
+        (r["round"], r["eval_loss"])
+        for r in rounds
+        if r.get("devices_failed") and r.get("eval_loss") is not None
+    ]
+    if failed:
+        xs, ys = zip(*sorted(failed), strict=True)
+        ax.plot(xs, ys, "x", color="tab:red", markersize=10, mew=2, label="devices failed")
     if ax.lines:
         ax.legend()
     else:
@@ -96,10 +108,41 @@ def plot_timeline(events: Sequence[_Event], path: Path, *, title: str = "") -> P
     return _save(fig, path)
 
 
-def plot_step_times(per_device: dict[str, list[float]], path: Path) -> Path:
-    """A box per device of its step times (seconds), with the individual steps as dots."""
-    names = list(per_device)
-    fig, ax = _figure(max(5, 0.8 * len(names) + 2), 4)
+def plot_devices(rounds: list[dict], path: Path) -> Path:
+    """Devices that trained (and, stacked in red, that failed) in each round."""
+    fig, ax = _figure(7, 3.5)
+    points = [
+        (r["round"], r.get("devices_trained", 0), r.get("devices_failed", 0))
+        for r in rounds
+        if r["round"] > 0
+    ]
+    if points:
+        xs, trained, failed = zip(*points, strict=True)
+        ax.bar(xs, trained, width=0.6, color="tab:green", label="trained")
+        ax.bar(xs, failed, width=0.6, bottom=trained, color="tab:red", label="failed")
+        ax.set_xticks(xs)
+        ax.set_ylim(0, max(t + f for _, t, f in points) * 1.25)  # room for the legend
+        ax.legend(loc="upper right")
+    else:
+        _no_data(ax)
+    ax.yaxis.get_major_locator().set_params(integer=True)
+    ax.set(title="Devices per round", xlabel="round", ylabel="devices")
+    ax.grid(True, axis="y", alpha=0.3)
+    return _save(fig, path)
+
+
+def plot_step_times(
+    per_device: dict[str, list[float]], path: Path, *, failed: set[str] | None = None
+) -> Path:
+    """A box per device of its step times (seconds), with the individual steps as dots.
+
+    Devices in ``failed`` (they failed in some round) have their label in red, marked.
+    Names such as ``partition 2 (rpi-wifi)`` are drawn on two lines.
+    """
+    failed = failed or set()
+    names = sorted(set(per_device) | failed)
+    per_device = {n: per_device.get(n, []) for n in names}
+    fig, ax = _figure(max(5, 1.5 * len(names) + 2), 4)
     filled = [(i, per_device[n]) for i, n in enumerate(names, start=1) if per_device[n]]
     if filled:
         positions, data = zip(*filled, strict=True)
@@ -108,7 +151,11 @@ def plot_step_times(per_device: dict[str, list[float]], path: Path) -> Path:
             ax.plot([x] * len(times), times, ".", color="tab:blue", alpha=0.4)
     else:
         _no_data(ax)
-    ax.set_xticks(range(1, len(names) + 1), names, rotation=30 if len(names) > 6 else 0)
+    labels = [n.replace(" (", "\n(") + ("\nfailed" if n in failed else "") for n in names]
+    ax.set_xticks(range(1, len(names) + 1), labels, rotation=30 if len(names) > 4 else 0)
+    for label, name in zip(ax.get_xticklabels(), names, strict=True):
+        if name in failed:
+            label.set_color("tab:red")
     ax.set_xlim(0.5, max(len(names), 1) + 0.5)
     ax.set(title="Step time per device", xlabel="device", ylabel="step time (s)")
     ax.grid(True, axis="y", alpha=0.3)

@@ -3,15 +3,18 @@
 Layout::
 
     runs/<name>/
+      settings.json                  the run's resolved settings (what --resume continues)
       metrics.jsonl                  one JSON record per line, appended as the run goes
       checkpoints/round-0003/        device.safetensors, server.safetensors, state.json
       summary.json                   written at the end (atomically)
+      tensorboard/                   TensorBoard event files, written as the run goes
       traces/<name>.json             Chrome traces (see fedpipe.pipeline.trace)
       plots/<name>.png
 
-A checkpoint is written into a hidden temporary folder next to the final one and renamed into
-place, so a crash leaves either a complete ``round-NNNN`` or a ``.tmp-*`` folder that readers
-ignore; never a half checkpoint that looks complete.
+A checkpoint is written into a hidden temporary folder next to the final one, its files and
+the folder are fsynced, and it is renamed into place (then the parent folder is fsynced), so a
+crash or power loss leaves either a complete ``round-NNNN`` or a ``.tmp-*`` folder that
+readers ignore; never a half checkpoint that looks complete.
 """
 
 from __future__ import annotations
@@ -95,6 +98,25 @@ class RunFolder:
     def summary_path(self) -> Path:
         return self.path / "summary.json"
 
+    @property
+    def settings_path(self) -> Path:
+        return self.path / "settings.json"
+
+    # -- settings -----------------------------------------------------------------------------
+    def save_settings(self, flat: dict[str, Any]) -> Path:
+        """Record the run's resolved settings (``{"section.key": value}``), atomically."""
+        _write_atomic(self.settings_path, json.dumps(flat, indent=2, sort_keys=True) + "\n")
+        return self.settings_path
+
+    def load_settings(self) -> dict[str, Any] | None:
+        """The recorded settings, or None for a run that has none (an older run folder)."""
+        if not self.settings_path.is_file():
+            return None
+        data = json.loads(self.settings_path.read_text(encoding="utf-8"))
+        if not isinstance(data, dict):
+            raise ValueError(f"{self.settings_path} holds {type(data).__name__}, not settings")
+        return data
+
     def trace_path(self, name: str) -> Path:
         """Where a Chrome trace called ``name`` goes (``traces/<name>.json``); the folder exists."""
         return self._artifact_path("traces", name, ".json")
@@ -173,7 +195,11 @@ class RunFolder:
             save_file(_to_cpu(device, "device"), str(tmp / "device.safetensors"))
             save_file(_to_cpu(server, "server"), str(tmp / "server.safetensors"))
             (tmp / "state.json").write_text(state_text, encoding="utf-8")
+            for name in _FILES:
+                _fsync_path(tmp / name)
+            _fsync_path(tmp)  # the folder's entries
             _replace_dir(tmp, final)
+            _fsync_path(self.checkpoints_dir)  # the rename
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -229,15 +255,7 @@ class RunFolder:
     def write_summary(self, summary: dict) -> Path:
         """Write summary.json (indented) atomically; return its path."""
         text = json.dumps(summary, indent=2, default=_json_default) + "\n"
-        self.path.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-summary-", suffix=".json", dir=self.path)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(text)
-            os.replace(tmp, self.summary_path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        _write_atomic(self.summary_path, text)
         return self.summary_path
 
     def __repr__(self) -> str:
@@ -261,6 +279,31 @@ def _state_json(state: dict) -> str:
         raise TypeError(
             f"checkpoint state must be JSON-serialisable (numbers, strings, lists, dicts): {e}"
         ) from e
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to a temporary file beside ``path``, fsync it, rename it into place."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.stem}-", suffix=path.suffix, dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_path(path.parent)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _fsync_path(path: Path) -> None:
+    """fsync a file or a folder (a folder's fsync makes renames and new entries durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _replace_dir(src: Path, dst: Path) -> None:

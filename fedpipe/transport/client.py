@@ -372,7 +372,11 @@ class StageSession:
             at = self._up.put(raw, size)
             if self.tracer is not None:
                 self.tracer.add(
-                    f"{_TRANSFER_NAMES[item.kind]}{item.microbatch}", "uplink", sent, at
+                    f"{_TRANSFER_NAMES[item.kind]}{item.microbatch}",
+                    "uplink",
+                    sent,
+                    at,
+                    {"bytes": size},
                 )
 
     def _read_loop(self) -> None:
@@ -385,7 +389,9 @@ class StageSession:
                 at = self._down.put(raw, size)
                 if self.tracer is not None:
                     name = _TRANSFER_NAMES.get(Kind(raw.kind), "?")
-                    self.tracer.add(f"{name}{raw.microbatch}", "downlink", sent, at)
+                    self.tracer.add(
+                        f"{name}{raw.microbatch}", "downlink", sent, at, {"bytes": size}
+                    )
         except grpc.RpcError as exc:
             if not self._closed or exc.code() != grpc.StatusCode.CANCELLED:
                 code = exc.code().name if exc.code() else "UNKNOWN"

@@ -1,13 +1,18 @@
 """fedpipe simulate end to end on Flower's simulation engine (Ray), with the tiny model.
 
 Slow tier: every `simulate` call starts a private SuperLink, Ray and the ClientApp actors
-(about a minute each on 2 cores). Three properties of the federated loop are checked:
+(about a minute each on 2 cores). Properties of the federated loop checked:
 
 - a device that dies mid-round is dropped from that round on both sides (its server-side
   adapter is discarded, not merged), the round completes, and the device is back next round;
+  the failure is said on the console as it happens and recorded in summary.json, and
+  TensorBoard reads the event files the run wrote;
+- a round in which no device trained ends the run, and the run's exit status says so;
+- a device that stops answering does not hold a round past its deadline;
 - two identical runs give identical results (data, adapter init and aggregation do not depend
   on Flower's random node ids or on timing);
-- a run stopped after round 2 and resumed gives the same round 3 as an uninterrupted run.
+- a run stopped after round 2 and resumed (with no settings given again) gives the same
+  round 3 as an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import torch
 from safetensors.torch import load_file
 
 from fedpipe.config import FedpipeConfig, load_config
-from fedpipe.federated.commands import simulate
+from fedpipe.federated.commands import _report, simulate
 from fedpipe.federated.engines import flower_processes_under
 
 pytestmark = pytest.mark.slow
@@ -45,9 +50,9 @@ def _assert_all_stopped(under: Path, deadline_s: float = 30.0) -> None:
     assert not left, f"processes left behind: {left}"
 
 
-def _config(devices: int, rounds: int) -> FedpipeConfig:
+def _config(devices: int, rounds: int, **more: Any) -> FedpipeConfig:
     return load_config(
-        None, {**SMALL, "federated.num_devices": devices, "federated.rounds": rounds}
+        None, {**SMALL, "federated.num_devices": devices, "federated.rounds": rounds, **more}
     )
 
 
@@ -61,9 +66,7 @@ def _train_partitions(run: Path, round_: int) -> set[int]:
         json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line
     ]
     return {
-        int(r["partition-id"])
-        for r in records
-        if r.get("event") == "train" and r["round"] == round_
+        int(r["partition"]) for r in records if r.get("event") == "train" and r["round"] == round_
     }
 
 
@@ -122,30 +125,48 @@ def _replay_round_one(config: FedpipeConfig, kill_partition: int) -> tuple[dict,
     return device_side, server_side
 
 
-def test_dead_device_is_dropped_and_comes_back(tmp_path: Path) -> None:
+def test_dead_device_is_dropped_and_comes_back(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
     config = _config(devices=3, rounds=2)
     summary = simulate(
         config,
         name="fault",
         runs_dir=tmp_path,
         faults={"kill-partition": 1, "kill-round": 1},
-        progress=False,
     )
     run = tmp_path / "fault"
     _assert_all_stopped(tmp_path)
     assert summary["flower_run"]["status"] == "finished:completed"
+    assert summary["ok"] and summary["problems"] == []  # no failure limit was set
     rounds = _by_round(summary)
     assert sorted(rounds) == [0, 1, 2]
     for r in (0, 1, 2):
         assert math.isfinite(rounds[r]["eval_loss"]), rounds[r]
     # round 1: partition 1 died after one step; its server session trained but was dropped
     assert rounds[1]["merged"] == 2 and rounds[1]["discarded"] >= 1, rounds[1]
-    assert rounds[1]["failed_devices"] == 1
+    assert rounds[1]["devices_failed"] == 1 and rounds[1]["devices_trained"] == 2
     assert _train_partitions(run, 1) == {0, 2}
     # round 2: the device is back
     assert rounds[2]["merged"] == 3 and rounds[2]["discarded"] == 0, rounds[2]
-    assert rounds[2].get("failed_devices", 0) == 0
+    assert rounds[2]["devices_failed"] == 0 and rounds[2]["devices_trained"] == 3
     assert _train_partitions(run, 2) == {0, 1, 2}
+
+    # The failure: said on the console as it happened, with the device, round and reason ...
+    err = capfd.readouterr().err
+    assert (
+        "fedpipe: device partition 1 (loopback) failed in round 1: DeviceFailure: device "
+    ) in err
+    assert "vanished in round 1 (injected)" in err
+    assert "round 1/2: eval loss" in err and "2/3 devices trained, 1 failed" in err
+    # ... and recorded in summary.json
+    written = json.loads((run / "summary.json").read_text())
+    assert [(f["device"], f["round"]) for f in written["failures"]] == [
+        ("partition 1 (loopback)", 1)
+    ]
+    assert "DeviceFailure" in written["failures"][0]["reason"]
+    assert _report(written, run) == 0
+    _check_tensorboard(run)
     assert (run / "checkpoints" / "round-0001").is_dir() and (
         run / "checkpoints" / "round-0002"
     ).is_dir()
@@ -164,14 +185,98 @@ def test_dead_device_is_dropped_and_comes_back(tmp_path: Path) -> None:
     assert _max_diff(got_server, with_dead) > 1e-4
 
 
+def _check_tensorboard(run: Path) -> None:
+    """TensorBoard's own reader finds the run's scalars: losses, devices, failures."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run / "tensorboard"))
+    acc.Reload()
+    tags = acc.Tags()["scalars"]
+    summary = json.loads((run / "summary.json").read_text())
+    evals = {e["round"]: e["eval_loss"] for e in summary["rounds"]}
+    assert [(e.step, e.value) for e in acc.Scalars("eval/loss")] == [
+        (r, pytest.approx(loss)) for r, loss in sorted(evals.items())
+    ]
+    assert [(e.step, e.value) for e in acc.Scalars("round/devices_failed")] == [(1, 1), (2, 0)]
+    assert [(e.step, e.value) for e in acc.Scalars("failures/total")] == [(1, 1)]
+    for p in (0, 1, 2):
+        assert f"device/p{p}-loopback/step_time_s" in tags
+        assert f"device/p{p}-loopback/bytes_up" in tags
+    assert [e.step for e in acc.Scalars("device/p1-loopback/bytes_up")] == [2]
+
+
+def test_a_round_without_a_trained_device_fails_the_run(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    summary = simulate(
+        _config(devices=1, rounds=3),
+        name="nobody",
+        runs_dir=tmp_path,
+        faults={"kill-partition": 0, "kill-round": 1},
+    )
+    _assert_all_stopped(tmp_path)
+    run = tmp_path / "nobody"
+    assert not summary["ok"]
+    assert summary["stopped"]["reason"] == "round 1: no device trained (1 failed)"
+    assert [e["round"] for e in summary["rounds"] if "eval_loss" in e] == [0]  # no round 2, 3
+    assert _report(summary, run) == 1  # the CLI's exit status
+    err = capfd.readouterr().err
+    assert "fedpipe: device partition 0 (loopback) failed in round 1: DeviceFailure" in err
+    assert "fedpipe: run stopped: round 1: no device trained (1 failed)" in err
+    assert "fedpipe: run failed: stopped early: round 1: no device trained (1 failed)" in err
+    written = json.loads((run / "summary.json").read_text())
+    assert written["ok"] is False and written["failures"][0]["round"] == 1
+
+
+def test_a_silent_device_does_not_hold_the_round_past_its_deadline(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Partition 1 stops answering in round 2 for 60 s; once the other device has replied,
+    a round waits at most 20 s for the rest (federated.straggler_s)."""
+    config = _config(
+        devices=2, rounds=3, **{"federated.straggler_s": 20, "federated.report_every_s": 5}
+    )
+    summary = simulate(
+        config,
+        name="silent",
+        runs_dir=tmp_path,
+        faults={"hang-partition": 1, "hang-round": 2, "hang-s": 60.0},
+    )
+    _assert_all_stopped(tmp_path)
+    rounds = _by_round(summary)
+    assert sorted(rounds) == [0, 1, 2, 3] and summary["ok"], summary["problems"]
+    # round 2 went on without it (its reply would have come after 60 s) ...
+    assert summary["failures"] == [
+        {
+            "device": "partition 1 (loopback)",
+            "round": 2,
+            "reason": "no reply within 20 s of the first reply (federated.straggler_s)",
+            "partition": 1,
+        }
+    ]
+    assert rounds[2]["devices_trained"] == 1 and rounds[2]["merged"] == 1
+    # ... and the next round was not held up
+    assert rounds[3]["devices_trained"] >= 1 and math.isfinite(rounds[3]["eval_loss"])
+    # while it waited, it said for whom
+    err = capfd.readouterr().err
+    assert "round 2: waiting for partition 1 (loopback) (" in err
+
+
 @pytest.fixture(scope="module")
 def three_round_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Run A: 3 rounds at once. Run B: the same, stopped after round 2, then resumed to 3."""
     runs = tmp_path_factory.mktemp("runs")
     a = simulate(_config(devices=2, rounds=3), name="a", runs_dir=runs, progress=False)
     b2 = simulate(_config(devices=2, rounds=2), name="b", runs_dir=runs, progress=False)
+    # Resumed as `fedpipe simulate --name b --resume --rounds 3` would: only the rounds are
+    # given again; the devices (default 4) and the small settings come from the run folder.
     b3 = simulate(
-        _config(devices=2, rounds=3), name="b", runs_dir=runs, resume=True, progress=False
+        load_config(None, {"federated.rounds": 3}),
+        name="b",
+        runs_dir=runs,
+        resume=True,
+        progress=False,
+        explicit={"federated.rounds"},
     )
     _assert_all_stopped(runs)
     return {"runs": runs, "a": a, "b2": b2, "b3": b3}
@@ -198,6 +303,7 @@ def test_resume_continues_from_the_last_checkpoint(three_round_runs: dict[str, A
     a, b3 = three_round_runs["a"], three_round_runs["b3"]
     assert a["flower_run"]["status"] == "finished:completed"
     assert b3["flower_run"]["status"] == "finished:completed"
+    assert b3["config"] == {**a["config"], "federated.rounds": 3}  # the saved settings
     a_rounds, b_rounds = _by_round(a), _by_round(b3)
     assert sorted(b_rounds) == [0, 1, 2, 3]
     # the resumed call trained round 3 only: one train record per device for every round
@@ -205,7 +311,7 @@ def test_resume_continues_from_the_last_checkpoint(three_round_runs: dict[str, A
         json.loads(line) for line in (runs / "b" / "metrics.jsonl").read_text().splitlines() if line
     ]
     trains = sorted(
-        (rec["round"], rec["partition-id"]) for rec in history if rec.get("event") == "train"
+        (rec["round"], rec["partition"]) for rec in history if rec.get("event") == "train"
     )
     assert trains == [(r, p) for r in (1, 2, 3) for p in (0, 1)]
     evals = [rec["round"] for rec in history if rec.get("event") == "eval"]
@@ -215,3 +321,24 @@ def test_resume_continues_from_the_last_checkpoint(three_round_runs: dict[str, A
     assert b_rounds[3]["train_loss"] == pytest.approx(a_rounds[3]["train_loss"], rel=1e-4)
     for side in ("device", "server"):
         assert _max_diff(_checkpoint(runs / "a", 3, side), _checkpoint(runs / "b", 3, side)) < 1e-6
+
+
+def test_timeout_ends_the_run_with_a_summary(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The only device stops answering; --timeout (here 45 s) ends the run, with a summary."""
+    summary = simulate(
+        _config(devices=1, rounds=2),
+        name="late",
+        runs_dir=tmp_path,
+        timeout_s=45,
+        faults={"hang-partition": 0, "hang-round": 1, "hang-s": 600.0},
+    )
+    _assert_all_stopped(tmp_path)
+    assert not summary["ok"]
+    assert summary["problems"][0] == "the run reached --timeout (45 s) and was stopped"
+    written = json.loads((tmp_path / "late" / "summary.json").read_text())
+    assert written["problems"] == summary["problems"]
+    assert _report(written, tmp_path / "late") == 1
+    err = capfd.readouterr().err
+    assert "fedpipe: run failed: the run reached --timeout (45 s) and was stopped" in err

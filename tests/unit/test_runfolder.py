@@ -205,3 +205,53 @@ def test_plots_module_imports_no_matplotlib() -> None:
     code = "import fedpipe.federated.plots, sys; print('matplotlib' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_checkpoint_files_and_folders_are_fsynced_before_the_rename(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every file of a checkpoint and its folder reach the disk before the folder is renamed
+    into place; the parent folder (holding the rename) is fsynced after."""
+    import os
+
+    run = RunFolder.open(tmp_path, "durable")
+    final = run.path / "checkpoints" / "round-0001"
+    synced: list[tuple[str, bool]] = []  # (what, did the final folder exist yet)
+    real_fsync = os.fsync
+
+    def recording_fsync(fd: int) -> None:
+        synced.append((os.readlink(f"/proc/self/fd/{fd}"), final.exists()))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    _save(run, 1)
+    names = [Path(p).name for p, _ in synced]
+    before = [Path(p).name for p, exists in synced if not exists]
+    for f in ("device.safetensors", "server.safetensors", "state.json"):
+        assert f in before, synced
+    assert any(n.startswith(".tmp-round-0001-") for n in before), synced
+    assert names[-1] == "checkpoints" and synced[-1][1], synced
+
+
+def test_settings_round_trip(tmp_path: Path) -> None:
+    run = RunFolder.open(tmp_path, "settings")
+    assert run.load_settings() is None
+    run.save_settings({"model.name": "tiny-llama", "federated.rounds": 3})
+    assert run.load_settings() == {"model.name": "tiny-llama", "federated.rounds": 3}
+    assert [p.name for p in run.path.iterdir() if p.name.startswith(".tmp")] == []
+
+
+def test_plots_mark_failed_devices(tmp_path: Path) -> None:
+    from fedpipe.federated import plots
+
+    rounds = [
+        {"round": 0, "eval_loss": 5.0},
+        {"round": 1, "eval_loss": 4.8, "devices_trained": 2, "devices_failed": 1},
+        {"round": 2, "eval_loss": 4.6, "devices_trained": 3, "devices_failed": 0},
+    ]
+    assert _is_png(plots.plot_losses(rounds, tmp_path / "loss.png"))
+    assert _is_png(plots.plot_devices(rounds, tmp_path / "devices.png"))
+    times = {"partition 0 (loopback)": [0.2, 0.3], "partition 1 (phone-lte)": [0.9]}
+    failed = {"partition 2 (rpi-wifi)"}  # failed in every round: no step times, still shown
+    assert _is_png(plots.plot_step_times(times, tmp_path / "steps.png", failed=failed))
+    assert _is_png(plots.plot_devices([], tmp_path / "none.png"))

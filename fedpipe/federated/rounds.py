@@ -1,0 +1,262 @@
+"""How the ServerApp waits in a round: for devices to connect, then for their replies.
+
+Flower's strategies wait for ``min_available_nodes`` without limit and give the user no word
+while they wait; an error reply names the SuperLink, not the device that failed. fedpipe's
+round policy, as a :class:`RoundGrid` between the strategy and Flower's grid:
+
+- before a round, wait up to ``connect_wait_s`` for every device, then start with those that
+  are connected if there are at least ``min_devices`` (else the run stops with the reason);
+  later rounds wait only for as many devices as the round before started with, so a device
+  that is gone for good costs one wait, not one per round;
+- after sending, wait for replies no longer than ``deadline_s``, and (``straggler_s`` > 0) no
+  longer than ``straggler_s`` after the first device replied; a device that has not replied
+  by then is a failure ("no reply within ...");
+- every ``report_every_s`` of waiting, log a ``waiting`` record naming whom it waits for;
+- each error reply is logged as a ``failure`` record as soon as it arrives, mapped back to
+  its device through ``reply_to_message_id`` (in deployment the SuperLink, not the device,
+  answers for a node that vanished).
+
+Records go through ``log`` (the run folder's metrics.jsonl, read live by ``fedpipe simulate``
+and ``fedpipe run``, which print them).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, cast
+
+from flwr.app import ConfigRecord, Message
+from flwr.serverapp import Grid
+
+__all__ = ["DeviceBook", "RoundGrid", "StopRun", "clean_reason"]
+
+Record = dict[str, Any]
+
+
+class StopRun(RuntimeError):
+    """The round policy ends the run early (the reason is said and recorded)."""
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """What the ServerApp knows of one Flower node, from its replies."""
+
+    partition: int
+    profile: str
+
+    @property
+    def name(self) -> str:
+        suffix = f" ({self.profile})" if self.profile else ""
+        return f"partition {self.partition}{suffix}"
+
+
+class DeviceBook:
+    """Flower node id -> the device behind it (partition, profile), learned from replies."""
+
+    def __init__(self) -> None:
+        self.known: dict[int, DeviceInfo] = {}
+
+    def learn(self, node_id: int, reply: Message) -> DeviceInfo:
+        metrics = reply.content["metrics"]
+        partition = int(cast(int, metrics.get("partition-id", -1)))
+        device = cast(ConfigRecord, reply.content.get("device", ConfigRecord()))
+        info = DeviceInfo(partition, str(device.get("profile", "")))
+        self.known[node_id] = info
+        return info
+
+    def name(self, node_id: int) -> str:
+        info = self.known.get(node_id)
+        return info.name if info else f"node {node_id} (not heard from yet)"
+
+    def names(self, node_ids: Iterable[int]) -> list[str]:
+        """Known devices by name; the others (before their first reply) as a count."""
+        ids = list(node_ids)
+        names = sorted(self.known[n].name for n in ids if n in self.known)
+        unknown = sum(1 for n in ids if n not in self.known)
+        if unknown:
+            names.append(f"{unknown} device{'s' if unknown > 1 else ''} not heard from yet")
+        return names
+
+    def fields(self, node_id: int) -> Record:
+        """The device fields of a record about ``node_id``."""
+        info = self.known.get(node_id)
+        out: Record = {"device": self.name(node_id), "node_id": node_id}
+        if info is not None:
+            out |= {"partition": info.partition, "profile": info.profile}
+        return out
+
+
+_FLOWER_WRAPPED = re.compile(r"Message:\s*(.*?)'?>?\s*$", re.DOTALL)
+_IDENTITY = re.compile(r"^\[partition (-?\d+) \(([^)]*)\)\]\s*")
+
+
+def clean_reason(reason: str) -> str:
+    """Flower's ``<class '...ClientAppException'>:<'\\nException ... Message: why'>`` -> ``why``."""
+    match = _FLOWER_WRAPPED.search(reason)
+    text = match.group(1) if match else reason
+    text = " ".join(text.split())
+    return text if len(text) <= 400 else text[:397] + "..."
+
+
+def identity_from_reason(reason: str) -> tuple[DeviceInfo | None, str]:
+    """The ``[partition P (profile)]`` prefix the ClientApp puts on its errors, and the rest."""
+    match = _IDENTITY.match(reason)
+    if not match:
+        return None, reason
+    return DeviceInfo(int(match.group(1)), match.group(2)), reason[match.end() :]
+
+
+class RoundGrid(Grid):
+    """Flower's grid with fedpipe's round policy (see the module docstring)."""
+
+    def __init__(
+        self,
+        grid: Grid,
+        *,
+        log: Callable[[Record], None],
+        devices: DeviceBook,
+        deadline_s: float,
+        report_every_s: float,
+        straggler_s: float = 0.0,
+        poll_s: float = 1.0,
+    ) -> None:
+        self.grid, self.log, self.devices = grid, log, devices
+        self.deadline_s, self.report_every_s, self.poll_s = deadline_s, report_every_s, poll_s
+        self.straggler_s = straggler_s
+        self.round = 0
+        self.failures: list[Record] = []  # this round's, as logged
+        self.last_started_with: int | None = None  # devices connected when the last round began
+
+    # -- waiting for devices ----------------------------------------------------------------
+    def wait_for_devices(self, *, want: int, min_devices: int, wait_s: float) -> list[int]:
+        """Connected node ids once ``want`` are connected, or after ``wait_s`` if >= min."""
+        if self.last_started_with is not None:
+            want = min(want, max(self.last_started_with, min_devices))
+        start = last = time.monotonic()
+        while len(nodes := list(self.grid.get_node_ids())) < want:
+            now = time.monotonic()
+            if now - start >= wait_s:
+                break
+            if now - last >= self.report_every_s:
+                last = now
+                self._log_connect_wait(nodes, want, now - start, wait_s)
+            time.sleep(min(self.poll_s, max(wait_s - (now - start), 0.01)))
+        if len(nodes) < min_devices:
+            raise StopRun(
+                f"round {self.round}: only {len(nodes)} of {want} devices connected after "
+                f"{wait_s:.0f} s (federated.min_devices={min_devices}); start more devices "
+                "or lower federated.min_devices"
+            )
+        if len(nodes) < want:
+            self._log_connect_wait(nodes, want, time.monotonic() - start, wait_s, going=True)
+        self.last_started_with = len(nodes)
+        return nodes
+
+    def _log_connect_wait(
+        self, nodes: list[int], want: int, waited: float, wait_s: float, *, going: bool = False
+    ) -> None:
+        missing = sorted(self.devices.name(n) for n in set(self.devices.known) - set(nodes))
+        self.log(
+            {
+                "event": "waiting",
+                "phase": "start" if going else "connect",
+                "round": self.round,
+                "connected": len(nodes),
+                "want": want,
+                "waiting_for": missing,
+                "waited_s": round(waited, 1),
+                "deadline_s": wait_s,
+            }
+        )
+
+    # -- sending and receiving --------------------------------------------------------------
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> Iterable[Message]:
+        """Push, then pull replies until all are in or ``deadline_s`` has passed.
+
+        ``timeout`` (the strategy's) is ignored in favour of the round deadline.
+        """
+        messages = list(messages)
+        self.failures = []
+        if not messages:
+            return []
+        ids = list(self.grid.push_messages(messages))
+        pending: dict[str, int] = {}
+        for msg_id, msg in zip(ids, messages, strict=True):
+            if msg_id:
+                pending[msg_id] = msg.metadata.dst_node_id
+            else:
+                self._failure(msg.metadata.dst_node_id, "Flower could not send it the round")
+        return self._collect(pending)
+
+    def _collect(self, pending: dict[str, int]) -> list[Message]:
+        replies: list[Message] = []
+        start = last = time.monotonic()
+        end, why = start + self.deadline_s, f"the round deadline ({self.deadline_s:g} s)"
+        while pending:
+            for reply in self.grid.pull_messages(list(pending)):
+                node = pending.pop(reply.metadata.reply_to_message_id, None)
+                node = reply.metadata.src_node_id if node is None else node
+                replies.append(reply)
+                if reply.has_error():
+                    self._failure(node, reply.error.reason or f"error code {reply.error.code}")
+                    continue
+                self.devices.learn(node, reply)
+                if self.straggler_s > 0 and time.monotonic() + self.straggler_s < end:
+                    end = time.monotonic() + self.straggler_s
+                    why = f"{self.straggler_s:g} s of the first reply (federated.straggler_s)"
+            now = time.monotonic()
+            if not pending or now >= end:
+                break
+            if now - last >= self.report_every_s:
+                last = now
+                self._log_reply_wait(pending.values(), now - start, end - start)
+            time.sleep(min(self.poll_s, max(end - now, 0.01)))
+        for node in pending.values():
+            self._failure(node, f"no reply within {why}")
+        return replies
+
+    def _log_reply_wait(self, nodes: Iterable[int], waited: float, limit: float) -> None:
+        self.log(
+            {
+                "event": "waiting",
+                "phase": "replies",
+                "round": self.round,
+                "waiting_for": self.devices.names(nodes),
+                "waited_s": round(waited, 1),
+                "deadline_s": round(limit, 1),
+            }
+        )
+
+    def _failure(self, node: int, reason: str) -> None:
+        info, why = identity_from_reason(clean_reason(reason))
+        if info is not None and node not in self.devices.known:
+            self.devices.known[node] = info
+        record = {"event": "failure", "round": self.round, **self.devices.fields(node)}
+        record["reason"] = why
+        self.failures.append(record)
+        self.log(record)
+
+    # -- the rest is Flower's grid ----------------------------------------------------------
+    def set_run(self, run: Any) -> None:
+        self.grid.set_run(run)
+
+    @property
+    def run(self) -> Any:
+        return self.grid.run
+
+    def create_message(self, *args: Any, **kwargs: Any) -> Message:
+        return self.grid.create_message(*args, **kwargs)
+
+    def get_node_ids(self) -> Iterable[int]:
+        return self.grid.get_node_ids()
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        return self.grid.push_messages(messages)
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        return self.grid.pull_messages(message_ids)
