@@ -19,6 +19,7 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
+from fedpipe.federated.certs import make_test_certificates
 from fedpipe.federated.processes import Certificates, start_superlink
 
 pytestmark = pytest.mark.slow
@@ -37,12 +38,9 @@ TINY = [
 
 
 def _stage_tls_certificates(folder: Path) -> tuple[Path, Path, Path]:
-    sys.path.insert(0, str(Path(__file__).parent))
-    try:
-        from test_stage_tls import _certificates
-    finally:
-        sys.path.pop(0)
-    return _certificates(folder)
+    """A CA and a server certificate for loopback, as `fedpipe certs` makes them."""
+    files = make_test_certificates(folder, clients=())
+    return files.ca, files.server_cert, files.server_key
 
 
 def _node_key(folder: Path) -> Path:
