@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import cast
 
+import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
@@ -122,7 +123,11 @@ class _Rounds:
             str(r.metadata.src_node_id): float(cast(int, r.content["metrics"]["num-examples"]))
             for r in ok
         }
-        self.last_commit = self.control.commit_round(round_, self.finished)
+        merged, discarded, dropped = self.control.commit_round(round_, self.finished)
+        self.last_commit = (merged, discarded)
+        for device, why in dropped.items():  # its server adapter held NaN/Inf: not merged
+            self._fail(int(device), f"server adapter not merged: {why}")
+        ok = [r for r in ok if str(r.metadata.src_node_id) not in dropped]
         for reply in ok:
             node = reply.metadata.src_node_id
             metrics = _snake_case(dict(reply.content["metrics"].items()))
@@ -134,6 +139,25 @@ class _Rounds:
         log.info("round %d: %d devices merged, %d failed", round_, len(ok), failed)
         self._apply_stop_policy(round_, len(ok), failed)
 
+    def _fail(self, node: int, reason: str) -> None:
+        assert self.grid is not None, "rounds run on fedpipe's RoundGrid"
+        self.grid.failure(node, reason)
+
+    def finite_replies(self, replies: list[Message]) -> list[Message]:
+        """The replies whose device adapters are finite; the others are failures, not averaged."""
+        kept = []
+        for reply in replies:
+            bad = [] if reply.has_error() else _non_finite(reply)
+            if bad:
+                self._fail(
+                    reply.metadata.src_node_id,
+                    f"device adapter not aggregated: {len(bad)} tensors hold NaN or Inf "
+                    f"(e.g. {bad[0]})",
+                )
+            else:
+                kept.append(reply)
+        return kept
+
     def _apply_stop_policy(self, round_: int, trained: int, failed: int) -> None:
         limit = self.policy.max_failures
         if trained == 0:
@@ -143,6 +167,12 @@ class _Rounds:
                 f"round {round_}: {self.failures_total} device failures so far, more than "
                 f"federated.max_failures={limit}"
             )
+
+
+def _non_finite(reply: Message) -> list[str]:
+    """Names of the reply's adapter tensors holding NaN or Inf."""
+    arrays = cast(ArrayRecord, reply.content["arrays"]).to_torch_state_dict()
+    return [name for name, tensor in arrays.items() if not bool(torch.isfinite(tensor).all())]
 
 
 def _snake_case(metrics: dict[str, object]) -> dict[str, object]:
@@ -180,7 +210,7 @@ def _wrap_strategy(strategy, rounds: _Rounds):  # type: ignore[no-untyped-def]
             )
 
         def aggregate_train(self, server_round, replies):  # type: ignore[no-untyped-def]
-            replies = list(replies)
+            replies = rounds.finite_replies(list(replies))
             result = super().aggregate_train(server_round, replies)
             rounds.commit(server_round, replies)
             return result

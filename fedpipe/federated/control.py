@@ -7,7 +7,7 @@ secret itself never leaves this process. Calls are retried with backoff, each tr
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 import torch
@@ -21,9 +21,17 @@ from fedpipe.proto import stage_pb2_grpc as pb_grpc
 from fedpipe.transport.client import secure_channel_credentials
 from fedpipe.transport.errors import retry_call
 
-__all__ = ["StageControlClient"]
+__all__ = ["Committed", "StageControlClient"]
 
 _SERVICE = "/fedpipe.proto.StageControl/"
+
+
+class Committed(NamedTuple):
+    """What CommitRound did: sessions merged and discarded, devices dropped (device -> why)."""
+
+    merged: int
+    discarded: int
+    dropped: dict[str, str]
 
 
 class StageControlClient:
@@ -61,14 +69,16 @@ class StageControlClient:
         """Tell the StageServer that ``round_`` of ``run_id`` starts: tokens must name both."""
         self._call("BeginRound", pb.BeginRoundRequest(round=round_, run_id=run_id), 30)
 
-    def commit_round(self, round_: int, finished: dict[str, float]) -> tuple[int, int]:
-        """Merge the finished devices' server adapters (by weight); returns (merged, discarded)."""
+    def commit_round(self, round_: int, finished: dict[str, float]) -> Committed:
+        """Merge the finished devices' server adapters (by weight); the server leaves out (and
+        names in ``dropped``) any whose adapter is not finite."""
         request = pb.CommitRoundRequest(
             round=round_,
             finished=[pb.DeviceWeight(device_id=d, weight=w) for d, w in finished.items()],
         )
         reply = self._call("CommitRound", request, 60)
-        return reply.merged, reply.discarded
+        dropped = dict(zip(reply.dropped, reply.dropped_reason, strict=False))
+        return Committed(reply.merged, reply.discarded, dropped)
 
     def get_adapter(self) -> dict[str, torch.Tensor]:
         reply = self._call("GetAdapter", pb.AdapterRequest(), 60)

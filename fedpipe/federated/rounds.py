@@ -190,7 +190,7 @@ class RoundGrid(Grid):
             if msg_id:
                 pending[msg_id] = msg.metadata.dst_node_id
             else:
-                self._failure(msg.metadata.dst_node_id, "Flower could not send it the round")
+                self.failure(msg.metadata.dst_node_id, "Flower could not send it the round")
         return self._collect(pending)
 
     def _collect(self, pending: dict[str, int]) -> list[Message]:
@@ -203,7 +203,7 @@ class RoundGrid(Grid):
                 node = reply.metadata.src_node_id if node is None else node
                 replies.append(reply)
                 if reply.has_error():
-                    self._failure(node, reply.error.reason or f"error code {reply.error.code}")
+                    self.failure(node, reply.error.reason or f"error code {reply.error.code}")
                     continue
                 self.devices.learn(node, reply)
                 if self.straggler_s > 0 and time.monotonic() + self.straggler_s < end:
@@ -217,7 +217,7 @@ class RoundGrid(Grid):
                 self._log_reply_wait(pending.values(), now - start, end - start)
             time.sleep(min(self.poll_s, max(end - now, 0.01)))
         for node in pending.values():
-            self._failure(node, f"no reply within {why}")
+            self.failure(node, f"no reply within {why}")
         return replies
 
     def _log_reply_wait(self, nodes: Iterable[int], waited: float, limit: float) -> None:
@@ -232,7 +232,8 @@ class RoundGrid(Grid):
             }
         )
 
-    def _failure(self, node: int, reason: str) -> None:
+    def failure(self, node: int, reason: str) -> None:
+        """Record and report that ``node`` failed this round (``reason`` may be Flower's)."""
         info, why = identity_from_reason(clean_reason(reason))
         if info is not None and node not in self.devices.known:
             self.devices.known[node] = info

@@ -129,7 +129,7 @@ def test_restarted_stage_server_refuses_to_carry_on_a_run(folder: Path) -> None:
             control.commit_round(2, {})
         assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "round 2 was not begun" in info.value.details()
-        assert control.commit_round(3, {}) == (0, 0)
+        assert control.commit_round(3, {})[:2] == (0, 0)
         assert set(control.get_adapter()) == set(state)
     finally:
         control.close()
