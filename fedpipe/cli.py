@@ -178,6 +178,7 @@ def cmd_server(args: argparse.Namespace) -> int:
     server = build_stage_server(
         config.with_overrides({"server.host": plan.stage_host}), secret=secret, port=plan.stage_port
     ).start()
+    _print_round_lines()
     superlink = None
     try:
         print(f"fedpipe: StageServer listening on {server.address}", file=sys.stderr, flush=True)
@@ -193,6 +194,31 @@ def cmd_server(args: argparse.Namespace) -> int:
             superlink.stop()
         server.stop(grace=2.0)
         print("fedpipe: server stopped", file=sys.stderr, flush=True)
+
+
+class _RoundLines(logging.Filter):
+    """Only the StageServer's round lines: begun, committed (merged, discarded, dropped)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage().startswith("round ")
+
+
+def _print_round_lines() -> None:
+    """`fedpipe server` prints a line as each round begins and is committed; with -v they are
+    in the INFO log already."""
+    server_log = logging.getLogger("fedpipe.transport.server")
+    if server_log.getEffectiveLevel() <= logging.INFO:
+        return
+    rounds = logging.StreamHandler(sys.stderr)
+    rounds.setFormatter(logging.Formatter("fedpipe: %(message)s"))
+    rounds.addFilter(_RoundLines())
+    warnings = logging.StreamHandler(sys.stderr)
+    warnings.setLevel(logging.WARNING)
+    warnings.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    server_log.setLevel(logging.INFO)
+    server_log.propagate = False  # its own handlers: round lines and warnings, as before
+    server_log.addHandler(rounds)
+    server_log.addHandler(warnings)
 
 
 def _start_superlink(args: argparse.Namespace, plan: Any) -> Any:
