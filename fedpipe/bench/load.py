@@ -91,6 +91,10 @@ class ServerProcess:
         """Commit ``round_`` with no finished device: its sessions are dropped, nothing merged."""
         with grpc.insecure_channel(self.address) as channel:
             control = pb_grpc.StageControlStub(channel)
+            # As a ServerApp does: the run's adapter set (a fresh one), the round begun, then
+            # committed; a StageServer refuses to commit a round it was not told of.
+            control.LoadAdapter(pb.LoadAdapterRequest(), timeout=60)
+            control.BeginRound(pb.BeginRoundRequest(round=round_, run_id="load"), timeout=60)
             control.CommitRound(pb.CommitRoundRequest(round=round_), timeout=60)
 
     def rss_kb(self, field_name: str = "VmRSS") -> int:
