@@ -31,7 +31,7 @@ from fedpipe.proto import stage_pb2 as pb
 from fedpipe.proto import stage_pb2_grpc as pb_grpc
 from fedpipe.split.agreement import SplitLike
 from fedpipe.transport.codec import codec_to_proto
-from fedpipe.transport.serde import codec_for, msg_from_proto, msg_to_proto
+from fedpipe.transport.serde import codec_for, msg_from_proto, msg_to_proto, wire_nbytes
 
 __all__ = [
     "SessionStats",
@@ -365,7 +365,7 @@ class StageSession:
             except Exception as exc:  # a bug or a bad tensor on our side
                 self._fail(StageLinkError(f"cannot encode {item}: {exc}"))
                 continue
-            size = raw.ByteSize()
+            size = wire_nbytes(raw)
             self.stats.bytes_up += size
             self.stats.messages_up += 1
             sent = self._clock.now()
@@ -378,7 +378,7 @@ class StageSession:
     def _read_loop(self) -> None:
         try:
             for raw in self._call:
-                size = raw.ByteSize()
+                size = wire_nbytes(raw)
                 self.stats.bytes_down += size
                 self.stats.messages_down += 1
                 sent = self._clock.now()

@@ -22,16 +22,21 @@ cannot be confused).
 Decoding validates everything a peer could get wrong -- codec, shape, byte counts, scales, and
 that every value is finite (NaN and Inf are refused) -- and
 raises ``TensorFormatError`` (a ``ValueError``; the server maps it to ``INVALID_ARGUMENT``) with the
-numbers and what was expected. Decoded tensors are contiguous, writable and own their memory.
+numbers and what was expected. Decoded tensors are contiguous and writable, and share memory with
+nothing the caller can reach: with protobuf's upb runtime every read of ``data`` yields a fresh
+``bytes``, so the decoder reads it once and wraps it with ``torch.frombuffer`` (no further copy);
+other protobuf runtimes get a private copy. Encoding copies a tensor's bytes once into the message.
 """
 
 from __future__ import annotations
 
 import math
 import sys
+import warnings
 from collections.abc import Sequence
 
 import torch
+from google.protobuf.internal import api_implementation
 
 from fedpipe.proto import stage_pb2 as pb
 
@@ -43,6 +48,7 @@ __all__ = [
     "codec_from_proto",
     "codec_to_proto",
     "encoded_nbytes",
+    "payload_nbytes",
     "labels_from_proto",
     "labels_to_proto",
     "tensor_from_proto",
@@ -74,6 +80,9 @@ _WIRE_DTYPE: dict[str, torch.dtype] = {
 _LABEL_DTYPE = torch.int64
 _SCALE_BYTES = 4  # one fp32 scale per int8 row
 _INT8_MAX = 127.0
+# upb (protobuf >= 4.21's default) returns a new bytes object on every read of a bytes field, so
+# a decoded tensor may wrap it; the C++ and pure-Python runtimes return the message's own object.
+_FRESH_BYTES = api_implementation.Type() == "upb"
 
 
 class TensorFormatError(ValueError):
@@ -125,6 +134,19 @@ def encoded_nbytes(shape: Sequence[int], codec: str) -> int:
     return nbytes
 
 
+def payload_nbytes(msg: pb.Tensor) -> int:
+    """Payload bytes a tensor message declares, from its shape and codec (``data`` is not read).
+
+    Reading ``data`` copies it, and ``ByteSize()`` re-serialises the message: this costs neither.
+    Labels (codec unspecified) count 8 bytes per value; an unknown codec counts 4.
+    """
+    shape = tuple(msg.shape)
+    if msg.codec == pb.CODEC_UNSPECIFIED:
+        return math.prod(shape) * _LABEL_DTYPE.itemsize
+    codec = _FROM_PROTO.get(msg.codec)
+    return encoded_nbytes(shape, codec) if codec else math.prod(shape) * 4
+
+
 def _num_rows(shape: Sequence[int]) -> int:
     """Rows of a tensor for int8 scales: all dims but the last (a 0-d tensor is one row)."""
     return math.prod(shape[:-1]) if len(shape) > 0 else 1
@@ -133,10 +155,12 @@ def _num_rows(shape: Sequence[int]) -> int:
 # --- encoding ------------------------------------------------------------------------------------
 
 
-def tensor_to_proto(t: torch.Tensor, codec: str) -> pb.Tensor:
+def tensor_to_proto(t: torch.Tensor, codec: str, *, out: pb.Tensor | None = None) -> pb.Tensor:
     """Encode a float tensor of any float dtype, on any device, with ``codec``.
 
     Casting and quantization run on ``t``'s device; only the encoded bytes move to the CPU.
+    ``out`` (e.g. a ``StageMessage``'s ``tensor`` field) is filled in place instead of a new
+    message, which saves copying the payload again with ``CopyFrom``.
     """
     _check_codec(codec)
     if not t.is_floating_point():
@@ -145,7 +169,9 @@ def tensor_to_proto(t: torch.Tensor, codec: str) -> pb.Tensor:
             "send integer tensors (labels, token ids) with labels_to_proto"
         )
     t = t.detach()
-    msg = pb.Tensor(codec=_TO_PROTO[codec], shape=t.shape)
+    msg = pb.Tensor() if out is None else out
+    msg.codec = _TO_PROTO[codec]
+    msg.shape[:] = t.shape
     if codec == "int8":
         q, scales = _quantize_int8(t)
         msg.data = _to_bytes(q)
@@ -178,12 +204,15 @@ def _to_bytes(t: torch.Tensor) -> bytes:
     return t.numpy().tobytes()
 
 
-def labels_to_proto(t: torch.Tensor) -> pb.Tensor:
+def labels_to_proto(t: torch.Tensor, *, out: pb.Tensor | None = None) -> pb.Tensor:
     """Encode an integer tensor (labels, token ids) as little-endian int64, codec unspecified."""
     if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
         raise TypeError(f"labels_to_proto encodes integer tensors, got {t.dtype}")
-    data = _to_bytes(t.detach().to(_LABEL_DTYPE))
-    return pb.Tensor(codec=pb.CODEC_UNSPECIFIED, shape=t.shape, data=data)
+    msg = pb.Tensor() if out is None else out
+    msg.codec = pb.CODEC_UNSPECIFIED
+    msg.shape[:] = t.shape
+    msg.data = _to_bytes(t.detach().to(_LABEL_DTYPE))
+    return msg
 
 
 # --- decoding ------------------------------------------------------------------------------------
@@ -212,16 +241,17 @@ def tensor_from_proto(
         raise TensorFormatError(f"{name}: {exc}") from None
     shape = _checked_shape(msg, name, expect_shape, max_elements)
     numel = math.prod(shape)
-    _check_nbytes(name, "data", len(msg.data), numel * bytes_per_value(codec), shape, codec)
+    data, scales = msg.data, msg.scales  # each read copies the field: read them once
+    _check_nbytes(name, "data", len(data), numel * bytes_per_value(codec), shape, codec)
     if codec == "int8":
         rows = _num_rows(shape)
-        _check_nbytes(name, "scales", len(msg.scales), rows * _SCALE_BYTES, shape, codec)
-        return _check_finite(_dequantize_int8(msg.data, msg.scales, shape, dtype), name)
-    if msg.scales:
+        _check_nbytes(name, "scales", len(scales), rows * _SCALE_BYTES, shape, codec)
+        return _check_finite(_dequantize_int8(data, scales, shape, dtype), name)
+    if scales:
         raise TensorFormatError(
-            f"{name}: codec {codec.upper()} carries no scales, got {len(msg.scales)} scale bytes"
+            f"{name}: codec {codec.upper()} carries no scales, got {len(scales)} scale bytes"
         )
-    return _check_finite(_from_bytes(msg.data, _WIRE_DTYPE[codec], shape).to(dtype), name)
+    return _check_finite(_from_bytes(data, _WIRE_DTYPE[codec], shape).to(dtype), name)
 
 
 def _check_finite(t: torch.Tensor, name: str) -> torch.Tensor:
@@ -256,10 +286,11 @@ def labels_from_proto(
         )
     shape = _checked_shape(msg, name, expect_shape, max_elements)
     itemsize = _LABEL_DTYPE.itemsize
-    _check_nbytes(name, "data", len(msg.data), math.prod(shape) * itemsize, shape, "int64")
+    data = msg.data  # each read copies the field: read it once
+    _check_nbytes(name, "data", len(data), math.prod(shape) * itemsize, shape, "int64")
     if msg.scales:
         raise TensorFormatError(f"{name}: labels carry no scales, got {len(msg.scales)} bytes")
-    return _from_bytes(msg.data, _LABEL_DTYPE, shape)
+    return _from_bytes(data, _LABEL_DTYPE, shape)
 
 
 def _checked_shape(
@@ -306,10 +337,18 @@ def _check_nbytes(
 
 
 def _from_bytes(data: bytes, wire_dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    """A writable tensor that owns a copy of ``data`` (torch.frombuffer rejects empty buffers)."""
+    """A tensor over ``data``, a fresh ``bytes`` only this tensor holds (no copy under upb).
+
+    torch warns that ``bytes`` is read-only; nothing else sees these bytes, so writing is safe.
+    (torch.frombuffer rejects empty buffers.)
+    """
     if len(data) == 0:
         return torch.zeros(shape, dtype=wire_dtype)
-    return torch.frombuffer(bytearray(data), dtype=wire_dtype).reshape(shape)
+    if not _FRESH_BYTES:
+        return torch.frombuffer(bytearray(data), dtype=wire_dtype).reshape(shape)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(data, dtype=wire_dtype).reshape(shape)
 
 
 def _dequantize_int8(
