@@ -2,10 +2,10 @@
 
 Both sides stream ``--messages`` messages of one SmolLM2-sized activation (8 x 512 x 576 fp32,
 9.4 MB) up and get a message of the same size back for each, as a middle stage answers an
-activation with its output. The stage link encodes with ``msg_to_proto``, travels the real
-``StageLink/Exchange`` method (generated stub and servicer registration) and decodes with
-``msg_from_proto`` on both sides, with the server's bounds checks; the plain stream sends
-``bytes`` through an identity-serialised method. Trials alternate between the two so drift hits
+activation with its output. The stage link frames with ``msg_to_wire``, travels a
+``StageLink/Exchange`` method registered as the StageServer registers it (bytes in and out) and
+decodes with ``msg_from_wire`` on both sides, with the server's bounds checks; the plain stream
+sends ``bytes`` through a method of its own. Trials alternate between the two so drift hits
 both alike; the medians are compared.
 
     python benchmarks/transport_bench.py --json
@@ -24,27 +24,24 @@ import grpc
 import torch
 
 from fedpipe.pipeline.messages import Kind, StageMsg
-from fedpipe.proto import stage_pb2 as pb
-from fedpipe.proto import stage_pb2_grpc as pb_grpc
-from fedpipe.transport.client import channel_options
-from fedpipe.transport.serde import MessageBounds, msg_from_proto, msg_to_proto
+from fedpipe.transport.client import EXCHANGE_METHOD, channel_options
+from fedpipe.transport.serde import MessageBounds, msg_from_wire, msg_to_wire
 
 SHAPE = (8, 512, 576)  # SmolLM2-135M: microbatch 8, 512 tokens, hidden 576
 _PLAIN = "/bench.Plain/Echo"
 _MAX_BYTES = 64 * 2**20
 
 
-class _StageEcho(pb_grpc.StageLinkServicer):
-    """Decodes each activation as the StageServer does and answers with an output of its tensor."""
+def _stage_echo(bounds: MessageBounds):  # type: ignore[no-untyped-def]
+    """An Exchange that decodes as the StageServer does and answers with an output."""
 
-    def __init__(self, bounds: MessageBounds) -> None:
-        self.bounds = bounds
-
-    def Exchange(self, request_iterator, context):  # type: ignore[no-untyped-def]  # noqa: N802
-        for raw in request_iterator:
-            msg = msg_from_proto(raw, bounds=self.bounds, max_elements=_MAX_BYTES)
+    def exchange(request_iterator, context):  # type: ignore[no-untyped-def]
+        for frame in request_iterator:
+            msg = msg_from_wire(frame, bounds=bounds, max_elements=_MAX_BYTES)
             reply = StageMsg(Kind.OUTPUT, msg.step, msg.microbatch, tensor=msg.tensor)
-            yield msg_to_proto(reply, session_id=raw.session_id, codec="fp32")
+            yield msg_to_wire(reply, session_id="bench", codec="fp32")
+
+    return exchange
 
 
 def _plain_echo(request_iterator, context):  # type: ignore[no-untyped-def]
@@ -54,11 +51,14 @@ def _plain_echo(request_iterator, context):  # type: ignore[no-untyped-def]
 def _serve() -> tuple[grpc.Server, str]:
     server = grpc.server(futures.ThreadPoolExecutor(4), options=channel_options(_MAX_BYTES))
     bounds = MessageBounds(hidden_size=SHAPE[2], max_batch=SHAPE[0], max_tokens=SHAPE[1])
-    pb_grpc.add_StageLinkServicer_to_server(_StageEcho(bounds), server)
-    handler = grpc.method_handlers_generic_handler(
+    stage = grpc.method_handlers_generic_handler(
+        "fedpipe.proto.StageLink",
+        {"Exchange": grpc.stream_stream_rpc_method_handler(_stage_echo(bounds))},
+    )
+    plain = grpc.method_handlers_generic_handler(
         "bench.Plain", {"Echo": grpc.stream_stream_rpc_method_handler(_plain_echo)}
     )
-    server.add_generic_rpc_handlers((handler,))
+    server.add_generic_rpc_handlers((stage, plain))
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     return server, f"127.0.0.1:{port}"
@@ -66,16 +66,16 @@ def _serve() -> tuple[grpc.Server, str]:
 
 def _stage_trial(channel: grpc.Channel, tensor: torch.Tensor, n: int) -> float:
     """Seconds to send ``n`` activations and decode their ``n`` outputs over StageLink."""
-    stub = pb_grpc.StageLinkStub(channel)
+    exchange = channel.stream_stream(EXCHANGE_METHOD)
 
-    def requests() -> Iterator[pb.StageMessage]:
+    def requests() -> Iterator[bytes]:
         for mb in range(n):
             msg = StageMsg(Kind.ACTIVATION, 0, mb, tensor=tensor)
-            yield msg_to_proto(msg, session_id="bench", codec="fp32")
+            yield msg_to_wire(msg, session_id="bench", codec="fp32")
 
     start = time.perf_counter()
-    for raw in stub.Exchange(requests()):
-        reply = msg_from_proto(raw, max_elements=_MAX_BYTES)
+    for frame in exchange(requests()):
+        reply = msg_from_wire(frame, max_elements=_MAX_BYTES)
         assert reply.tensor is not None and reply.tensor.shape == tensor.shape
     return time.perf_counter() - start
 

@@ -53,6 +53,8 @@ __all__ = [
     "labels_to_proto",
     "tensor_from_proto",
     "tensor_to_proto",
+    "tensor_to_wire",
+    "wire_buffer",
 ]
 
 if sys.byteorder != "little":  # the wire is little-endian and the codec reinterprets bytes in place
@@ -162,6 +164,17 @@ def tensor_to_proto(t: torch.Tensor, codec: str, *, out: pb.Tensor | None = None
     ``out`` (e.g. a ``StageMessage``'s ``tensor`` field) is filled in place instead of a new
     message, which saves copying the payload again with ``CopyFrom``.
     """
+    msg = pb.Tensor() if out is None else out
+    msg.data = _to_bytes(tensor_to_wire(t, codec, msg))
+    return msg
+
+
+def tensor_to_wire(t: torch.Tensor, codec: str, meta: pb.Tensor) -> torch.Tensor:
+    """Fill ``meta``'s codec, shape and (int8) scales; return the values ``data`` must hold.
+
+    The returned tensor is contiguous, on the CPU, in the codec's wire dtype: its raw bytes
+    (see :func:`wire_buffer`) are the ``data`` field, so a framer can copy them only once.
+    """
     _check_codec(codec)
     if not t.is_floating_point():
         raise TypeError(
@@ -169,16 +182,20 @@ def tensor_to_proto(t: torch.Tensor, codec: str, *, out: pb.Tensor | None = None
             "send integer tensors (labels, token ids) with labels_to_proto"
         )
     t = t.detach()
-    msg = pb.Tensor() if out is None else out
-    msg.codec = _TO_PROTO[codec]
-    msg.shape[:] = t.shape
+    meta.codec = _TO_PROTO[codec]
+    meta.shape[:] = t.shape
     if codec == "int8":
         q, scales = _quantize_int8(t)
-        msg.data = _to_bytes(q)
-        msg.scales = _to_bytes(scales)
-    else:
-        msg.data = _to_bytes(t.to(_WIRE_DTYPE[codec]))
-    return msg
+        meta.scales = _to_bytes(scales)
+        return q.contiguous().cpu()
+    return t.to(_WIRE_DTYPE[codec]).contiguous().cpu()
+
+
+def wire_buffer(t: torch.Tensor) -> memoryview:
+    """The raw little-endian bytes of a contiguous CPU tensor, without a copy."""
+    if t.dtype == torch.bfloat16:  # numpy has no bfloat16; the bit pattern is what we send
+        t = t.view(torch.int16)
+    return t.numpy().reshape(-1).data.cast("B")
 
 
 def _quantize_int8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -225,8 +242,12 @@ def tensor_from_proto(
     dtype: torch.dtype = torch.float32,
     max_elements: int | None = None,
     name: str = "tensor",
+    data: bytes | memoryview | None = None,
 ) -> torch.Tensor:
     """Decode and validate a float tensor; returns a contiguous, writable tensor of ``dtype``.
+
+    ``data``, when given, stands for ``msg.data`` (a framer that kept the payload out of the
+    message); the decoded tensor then wraps it without a copy.
 
     ``expect_shape`` pins the shape (``None`` in a dimension accepts any size there);
     ``max_elements`` bounds the element count; ``name`` (e.g. ``"ACTIVATION tensor"``) starts
@@ -241,7 +262,9 @@ def tensor_from_proto(
         raise TensorFormatError(f"{name}: {exc}") from None
     shape = _checked_shape(msg, name, expect_shape, max_elements)
     numel = math.prod(shape)
-    data, scales = msg.data, msg.scales  # each read copies the field: read them once
+    scales = msg.scales  # each read of a bytes field copies it: read once
+    if data is None:
+        data = msg.data
     _check_nbytes(name, "data", len(data), numel * bytes_per_value(codec), shape, codec)
     if codec == "int8":
         rows = _num_rows(shape)
@@ -336,7 +359,9 @@ def _check_nbytes(
         )
 
 
-def _from_bytes(data: bytes, wire_dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+def _from_bytes(
+    data: bytes | memoryview, wire_dtype: torch.dtype, shape: tuple[int, ...]
+) -> torch.Tensor:
     """A tensor over ``data``, a fresh ``bytes`` only this tensor holds (no copy under upb).
 
     torch warns that ``bytes`` is read-only; nothing else sees these bytes, so writing is safe.
@@ -352,7 +377,7 @@ def _from_bytes(data: bytes, wire_dtype: torch.dtype, shape: tuple[int, ...]) ->
 
 
 def _dequantize_int8(
-    data: bytes, scales: bytes, shape: tuple[int, ...], dtype: torch.dtype
+    data: bytes | memoryview, scales: bytes, shape: tuple[int, ...], dtype: torch.dtype
 ) -> torch.Tensor:
     if math.prod(shape) == 0:
         return torch.zeros(shape, dtype=dtype)
