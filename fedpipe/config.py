@@ -111,6 +111,9 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 50051
     device: str = "auto"  # auto | cpu | cuda
+    # The server stage's compute dtype: auto | float32 | bfloat16. auto: bfloat16 on CUDA,
+    # float32 on CPUs (bfloat16 there is opt-in: see fedpipe.serving.pick_device).
+    dtype: str = "auto"
     max_message_mb: float = 64.0
     max_sessions: int = 64
     max_in_flight: int = 64  # per session: microbatches forwarded, gradients not yet received
@@ -137,6 +140,10 @@ class ServerConfig:
         _check(
             self.device in ("auto", "cpu", "cuda"),
             f"server.device must be auto, cpu or cuda, got {self.device!r}",
+        )
+        _check(
+            self.dtype in ("auto", "float32", "bfloat16"),
+            f"server.dtype must be auto, float32 or bfloat16, got {self.dtype!r}",
         )
         _check(self.max_message_mb > 0, "server.max_message_mb must be > 0")
         for name in (

@@ -260,6 +260,7 @@ class DeviceTrainer:
                     result.loss,
                     result.wall_s,
                 )
+            runtime.finish()  # the last step's server update, confirmed before reporting
         report.bytes_up, report.bytes_down = session.stats.bytes_up, session.stats.bytes_down
         report.wall_s = time.perf_counter() - start
         return report

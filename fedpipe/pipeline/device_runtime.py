@@ -6,6 +6,12 @@ while the channel sends and receives in the background, so device compute, both 
 directions and the server's compute overlap. Losses are summed over tokens and divided by the
 step's total token count, so any schedule and any number of microbatches give the same loss
 and gradients as the unsplit model on the whole batch.
+
+A step ends by sending ``STEP_END`` without waiting for the server's ``STEP_DONE``: the server's
+worker serves a session's messages in order, so its optimizer update is applied before the next
+step's first activation is computed. ``STEP_DONE`` is collected lazily, before the next step's
+first reply is consumed (or by :meth:`DeviceRuntime.finish`), so a failed update still surfaces,
+and a step no longer pays one round trip of the link at its end.
 """
 
 from __future__ import annotations
@@ -119,6 +125,7 @@ class DeviceRuntime:
         max_in_flight: int | None = None,
         throttle: Throttle | None = None,
         tracer: Tracer | None = None,
+        wait_step_done: bool = False,
     ) -> None:
         self.head = head
         self.tail = tail
@@ -129,6 +136,8 @@ class DeviceRuntime:
         self.max_in_flight = max_in_flight
         self.throttle = throttle
         self.tracer = tracer or Tracer()
+        self.wait_step_done = wait_step_done  # True: every step waits for its STEP_DONE
+        self._unconfirmed: int | None = None  # a step whose STEP_DONE is not collected yet
         make_schedule(schedule, microbatches, has_tail=tail is not None)  # validate early
 
     def train_step(self, batch: dict[str, torch.Tensor], *, step: int) -> StepResult:
@@ -159,8 +168,24 @@ class DeviceRuntime:
             log.warning("step %d failed; its gradients and stashed activations are dropped", step)
             raise
 
+    def finish(self) -> None:
+        """Collect the last step's ``STEP_DONE``; call it before reporting a session's steps.
+
+        Raises :class:`StageLinkError` when the server's optimizer update failed.
+        """
+        self._confirm(None)
+
+    def _confirm(self, state: _StepState | None) -> None:
+        """Take the previous step's ``STEP_DONE`` if it is still out (it waits at most for it)."""
+        if self._unconfirmed is None:
+            return
+        step, self._unconfirmed = self._unconfirmed, None
+        reply = self.channel.receive(Kind.STEP_DONE, step, 0)
+        if state is not None:  # the server's update ran at the start of this step
+            self._server_span("So", 0, reply, state)
+
     def _walk(self, state: _StepState) -> StepResult:
-        """The step's actions, the optimizer update, and the server's confirmation."""
+        """The step's actions, the optimizer update, and (maybe) the server's confirmation."""
         start = time.perf_counter()
         n_events = len(self.tracer.events)
         if state.schedule.strict:
@@ -168,12 +193,15 @@ class DeviceRuntime:
                 self._run(action, state)
         else:
             self._run_greedy(state)
+        self._confirm(state)  # a step without replies (none today) still collects the last one
         self.channel.send(StageMsg(Kind.STEP_END, state.step))
+        self._unconfirmed = state.step
         with self._compute("O", "device"):
             if self.optimizer is not None:
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
-        self._server_span("So", 0, self.channel.receive(Kind.STEP_DONE, state.step, 0), state)
+        if self.wait_step_done:
+            self._confirm(state)
         return self._result(state, time.perf_counter() - start, n_events)
 
     def _clear_grads(self) -> None:
@@ -190,6 +218,7 @@ class DeviceRuntime:
         All head forwards go out first, then the tails run as outputs come back, so the
         link's latency is paid about once per batch, not once per microbatch.
         """
+        self._confirm(None)
         parts = split_batch(batch, min(self.microbatches, batch["input_ids"].shape[0]))
         kind = Kind.OUTPUT if self.tail is not None else Kind.INPUT_GRAD
         for mb, data in enumerate(parts):
@@ -238,6 +267,7 @@ class DeviceRuntime:
 
     def _tail(self, mb: int, state: _StepState) -> None:
         assert self.tail is not None
+        self._confirm(state)
         reply = self.channel.receive(Kind.OUTPUT, state.step, mb)
         self._server_span("Sf", mb, reply, state)
         with self._compute(f"T{mb}", "device"):
@@ -249,6 +279,7 @@ class DeviceRuntime:
         self.channel.send(StageMsg(Kind.OUTPUT_GRAD, state.step, mb, tensor=x.grad))
 
     def _backward(self, mb: int, state: _StepState) -> None:
+        self._confirm(state)
         reply = self.channel.receive(Kind.INPUT_GRAD, state.step, mb)
         self._server_span("Sb", mb, reply, state)
         if self.tail is None:

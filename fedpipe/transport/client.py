@@ -31,7 +31,7 @@ from fedpipe.proto import stage_pb2 as pb
 from fedpipe.proto import stage_pb2_grpc as pb_grpc
 from fedpipe.split.agreement import SplitLike
 from fedpipe.transport.codec import codec_to_proto
-from fedpipe.transport.serde import codec_for, msg_from_proto, msg_to_proto
+from fedpipe.transport.serde import codec_for, msg_from_wire, msg_to_wire, wire_header
 
 __all__ = [
     "SessionStats",
@@ -46,6 +46,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 SESSION_HEADER = "fedpipe-session-id"
+# The stream's method, called with bytes both ways: serde frames messages itself (one copy).
+EXCHANGE_METHOD = "/fedpipe.proto.StageLink/Exchange"
 T = TypeVar("T")
 # Timeline names of transfers, by message kind (activation, output, output grad, input grad).
 _TRANSFER_NAMES = {
@@ -274,9 +276,8 @@ class StageSession:
         self._closed = False
         self._up = DelayLine(link.up, self._clock, self._wire.put, name="uplink")
         self._down = DelayLine(link.down, self._clock, self._file, name="downlink")
-        self._call = client.stub.Exchange(
-            self._requests(), metadata=((SESSION_HEADER, self.session_id),)
-        )
+        exchange = client.channel.stream_stream(EXCHANGE_METHOD)  # bytes in, bytes out
+        self._call = exchange(self._requests(), metadata=((SESSION_HEADER, self.session_id),))
         self._threads = [
             threading.Thread(target=self._encode_loop, name="stage-encode", daemon=True),
             threading.Thread(target=self._read_loop, name="stage-read", daemon=True),
@@ -361,11 +362,11 @@ class StageSession:
             assert isinstance(item, StageMsg)
             try:
                 codec = codec_for(item.kind, self.codec, self.gradient_codec)
-                raw = msg_to_proto(item, session_id=self.session_id, codec=codec)
+                raw = msg_to_wire(item, session_id=self.session_id, codec=codec)
             except Exception as exc:  # a bug or a bad tensor on our side
                 self._fail(StageLinkError(f"cannot encode {item}: {exc}"))
                 continue
-            size = raw.ByteSize()
+            size = len(raw)
             self.stats.bytes_up += size
             self.stats.messages_up += 1
             sent = self._clock.now()
@@ -382,15 +383,16 @@ class StageSession:
     def _read_loop(self) -> None:
         try:
             for raw in self._call:
-                size = raw.ByteSize()
+                size = len(raw)
                 self.stats.bytes_down += size
                 self.stats.messages_down += 1
                 sent = self._clock.now()
                 at = self._down.put(raw, size)
                 if self.tracer is not None:
-                    name = _TRANSFER_NAMES.get(Kind(raw.kind), "?")
+                    head = wire_header(raw)
+                    name = _TRANSFER_NAMES.get(Kind(head.kind), "?")
                     self.tracer.add(
-                        f"{name}{raw.microbatch}", "downlink", sent, at, {"bytes": size}
+                        f"{name}{head.microbatch}", "downlink", sent, at, {"bytes": size}
                     )
         except grpc.RpcError as exc:
             if not self._closed or exc.code() != grpc.StatusCode.CANCELLED:
@@ -399,9 +401,9 @@ class StageSession:
         except Exception as exc:
             self._fail(StageLinkError(f"stage link failed: {exc}"))
 
-    def _file(self, raw: pb.StageMessage) -> None:
+    def _file(self, raw: bytes) -> None:
         try:
-            msg = msg_from_proto(raw, max_elements=self.client.max_message_bytes)
+            msg = msg_from_wire(raw, max_elements=self.client.max_message_bytes)
         except Exception as exc:
             self._fail(StageLinkError(f"bad message from the server: {exc}"))
             return

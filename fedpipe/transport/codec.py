@@ -22,16 +22,21 @@ cannot be confused).
 Decoding validates everything a peer could get wrong -- codec, shape, byte counts, scales, and
 that every value is finite (NaN and Inf are refused) -- and
 raises ``TensorFormatError`` (a ``ValueError``; the server maps it to ``INVALID_ARGUMENT``) with the
-numbers and what was expected. Decoded tensors are contiguous, writable and own their memory.
+numbers and what was expected. Decoded tensors are contiguous and writable, and share memory with
+nothing the caller can reach: with protobuf's upb runtime every read of ``data`` yields a fresh
+``bytes``, so the decoder reads it once and wraps it with ``torch.frombuffer`` (no further copy);
+other protobuf runtimes get a private copy. Encoding copies a tensor's bytes once into the message.
 """
 
 from __future__ import annotations
 
 import math
 import sys
+import warnings
 from collections.abc import Sequence
 
 import torch
+from google.protobuf.internal import api_implementation
 
 from fedpipe.proto import stage_pb2 as pb
 
@@ -43,10 +48,13 @@ __all__ = [
     "codec_from_proto",
     "codec_to_proto",
     "encoded_nbytes",
+    "payload_nbytes",
     "labels_from_proto",
     "labels_to_proto",
     "tensor_from_proto",
     "tensor_to_proto",
+    "tensor_to_wire",
+    "wire_buffer",
 ]
 
 if sys.byteorder != "little":  # the wire is little-endian and the codec reinterprets bytes in place
@@ -74,6 +82,9 @@ _WIRE_DTYPE: dict[str, torch.dtype] = {
 _LABEL_DTYPE = torch.int64
 _SCALE_BYTES = 4  # one fp32 scale per int8 row
 _INT8_MAX = 127.0
+# upb (protobuf >= 4.21's default) returns a new bytes object on every read of a bytes field, so
+# a decoded tensor may wrap it; the C++ and pure-Python runtimes return the message's own object.
+_FRESH_BYTES = api_implementation.Type() == "upb"
 
 
 class TensorFormatError(ValueError):
@@ -125,6 +136,19 @@ def encoded_nbytes(shape: Sequence[int], codec: str) -> int:
     return nbytes
 
 
+def payload_nbytes(msg: pb.Tensor) -> int:
+    """Payload bytes a tensor message declares, from its shape and codec (``data`` is not read).
+
+    Reading ``data`` copies it, and ``ByteSize()`` re-serialises the message: this costs neither.
+    Labels (codec unspecified) count 8 bytes per value; an unknown codec counts 4.
+    """
+    shape = tuple(msg.shape)
+    if msg.codec == pb.CODEC_UNSPECIFIED:
+        return math.prod(shape) * _LABEL_DTYPE.itemsize
+    codec = _FROM_PROTO.get(msg.codec)
+    return encoded_nbytes(shape, codec) if codec else math.prod(shape) * 4
+
+
 def _num_rows(shape: Sequence[int]) -> int:
     """Rows of a tensor for int8 scales: all dims but the last (a 0-d tensor is one row)."""
     return math.prod(shape[:-1]) if len(shape) > 0 else 1
@@ -133,10 +157,23 @@ def _num_rows(shape: Sequence[int]) -> int:
 # --- encoding ------------------------------------------------------------------------------------
 
 
-def tensor_to_proto(t: torch.Tensor, codec: str) -> pb.Tensor:
+def tensor_to_proto(t: torch.Tensor, codec: str, *, out: pb.Tensor | None = None) -> pb.Tensor:
     """Encode a float tensor of any float dtype, on any device, with ``codec``.
 
     Casting and quantization run on ``t``'s device; only the encoded bytes move to the CPU.
+    ``out`` (e.g. a ``StageMessage``'s ``tensor`` field) is filled in place instead of a new
+    message, which saves copying the payload again with ``CopyFrom``.
+    """
+    msg = pb.Tensor() if out is None else out
+    msg.data = _to_bytes(tensor_to_wire(t, codec, msg))
+    return msg
+
+
+def tensor_to_wire(t: torch.Tensor, codec: str, meta: pb.Tensor) -> torch.Tensor:
+    """Fill ``meta``'s codec, shape and (int8) scales; return the values ``data`` must hold.
+
+    The returned tensor is contiguous, on the CPU, in the codec's wire dtype: its raw bytes
+    (see :func:`wire_buffer`) are the ``data`` field, so a framer can copy them only once.
     """
     _check_codec(codec)
     if not t.is_floating_point():
@@ -145,14 +182,20 @@ def tensor_to_proto(t: torch.Tensor, codec: str) -> pb.Tensor:
             "send integer tensors (labels, token ids) with labels_to_proto"
         )
     t = t.detach()
-    msg = pb.Tensor(codec=_TO_PROTO[codec], shape=t.shape)
+    meta.codec = _TO_PROTO[codec]
+    meta.shape[:] = t.shape
     if codec == "int8":
         q, scales = _quantize_int8(t)
-        msg.data = _to_bytes(q)
-        msg.scales = _to_bytes(scales)
-    else:
-        msg.data = _to_bytes(t.to(_WIRE_DTYPE[codec]))
-    return msg
+        meta.scales = _to_bytes(scales)
+        return q.contiguous().cpu()
+    return t.to(_WIRE_DTYPE[codec]).contiguous().cpu()
+
+
+def wire_buffer(t: torch.Tensor) -> memoryview:
+    """The raw little-endian bytes of a contiguous CPU tensor, without a copy."""
+    if t.dtype == torch.bfloat16:  # numpy has no bfloat16; the bit pattern is what we send
+        t = t.view(torch.int16)
+    return t.numpy().reshape(-1).data.cast("B")
 
 
 def _quantize_int8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,12 +221,15 @@ def _to_bytes(t: torch.Tensor) -> bytes:
     return t.numpy().tobytes()
 
 
-def labels_to_proto(t: torch.Tensor) -> pb.Tensor:
+def labels_to_proto(t: torch.Tensor, *, out: pb.Tensor | None = None) -> pb.Tensor:
     """Encode an integer tensor (labels, token ids) as little-endian int64, codec unspecified."""
     if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
         raise TypeError(f"labels_to_proto encodes integer tensors, got {t.dtype}")
-    data = _to_bytes(t.detach().to(_LABEL_DTYPE))
-    return pb.Tensor(codec=pb.CODEC_UNSPECIFIED, shape=t.shape, data=data)
+    msg = pb.Tensor() if out is None else out
+    msg.codec = pb.CODEC_UNSPECIFIED
+    msg.shape[:] = t.shape
+    msg.data = _to_bytes(t.detach().to(_LABEL_DTYPE))
+    return msg
 
 
 # --- decoding ------------------------------------------------------------------------------------
@@ -196,8 +242,12 @@ def tensor_from_proto(
     dtype: torch.dtype = torch.float32,
     max_elements: int | None = None,
     name: str = "tensor",
+    data: bytes | memoryview | None = None,
 ) -> torch.Tensor:
     """Decode and validate a float tensor; returns a contiguous, writable tensor of ``dtype``.
+
+    ``data``, when given, stands for ``msg.data`` (a framer that kept the payload out of the
+    message); the decoded tensor then wraps it without a copy.
 
     ``expect_shape`` pins the shape (``None`` in a dimension accepts any size there);
     ``max_elements`` bounds the element count; ``name`` (e.g. ``"ACTIVATION tensor"``) starts
@@ -212,16 +262,19 @@ def tensor_from_proto(
         raise TensorFormatError(f"{name}: {exc}") from None
     shape = _checked_shape(msg, name, expect_shape, max_elements)
     numel = math.prod(shape)
-    _check_nbytes(name, "data", len(msg.data), numel * bytes_per_value(codec), shape, codec)
+    scales = msg.scales  # each read of a bytes field copies it: read once
+    if data is None:
+        data = msg.data
+    _check_nbytes(name, "data", len(data), numel * bytes_per_value(codec), shape, codec)
     if codec == "int8":
         rows = _num_rows(shape)
-        _check_nbytes(name, "scales", len(msg.scales), rows * _SCALE_BYTES, shape, codec)
-        return _check_finite(_dequantize_int8(msg.data, msg.scales, shape, dtype), name)
-    if msg.scales:
+        _check_nbytes(name, "scales", len(scales), rows * _SCALE_BYTES, shape, codec)
+        return _check_finite(_dequantize_int8(data, scales, shape, dtype), name)
+    if scales:
         raise TensorFormatError(
-            f"{name}: codec {codec.upper()} carries no scales, got {len(msg.scales)} scale bytes"
+            f"{name}: codec {codec.upper()} carries no scales, got {len(scales)} scale bytes"
         )
-    return _check_finite(_from_bytes(msg.data, _WIRE_DTYPE[codec], shape).to(dtype), name)
+    return _check_finite(_from_bytes(data, _WIRE_DTYPE[codec], shape).to(dtype), name)
 
 
 def _check_finite(t: torch.Tensor, name: str) -> torch.Tensor:
@@ -256,10 +309,11 @@ def labels_from_proto(
         )
     shape = _checked_shape(msg, name, expect_shape, max_elements)
     itemsize = _LABEL_DTYPE.itemsize
-    _check_nbytes(name, "data", len(msg.data), math.prod(shape) * itemsize, shape, "int64")
+    data = msg.data  # each read copies the field: read it once
+    _check_nbytes(name, "data", len(data), math.prod(shape) * itemsize, shape, "int64")
     if msg.scales:
         raise TensorFormatError(f"{name}: labels carry no scales, got {len(msg.scales)} bytes")
-    return _from_bytes(msg.data, _LABEL_DTYPE, shape)
+    return _from_bytes(data, _LABEL_DTYPE, shape)
 
 
 def _checked_shape(
@@ -305,15 +359,25 @@ def _check_nbytes(
         )
 
 
-def _from_bytes(data: bytes, wire_dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    """A writable tensor that owns a copy of ``data`` (torch.frombuffer rejects empty buffers)."""
+def _from_bytes(
+    data: bytes | memoryview, wire_dtype: torch.dtype, shape: tuple[int, ...]
+) -> torch.Tensor:
+    """A tensor over ``data``, a fresh ``bytes`` only this tensor holds (no copy under upb).
+
+    torch warns that ``bytes`` is read-only; nothing else sees these bytes, so writing is safe.
+    (torch.frombuffer rejects empty buffers.)
+    """
     if len(data) == 0:
         return torch.zeros(shape, dtype=wire_dtype)
-    return torch.frombuffer(bytearray(data), dtype=wire_dtype).reshape(shape)
+    if not _FRESH_BYTES:
+        return torch.frombuffer(bytearray(data), dtype=wire_dtype).reshape(shape)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(data, dtype=wire_dtype).reshape(shape)
 
 
 def _dequantize_int8(
-    data: bytes, scales: bytes, shape: tuple[int, ...], dtype: torch.dtype
+    data: bytes | memoryview, scales: bytes, shape: tuple[int, ...], dtype: torch.dtype
 ) -> torch.Tensor:
     if math.prod(shape) == 0:
         return torch.zeros(shape, dtype=dtype)

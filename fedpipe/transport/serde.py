@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import cast
 
 import torch
+from google.protobuf.message import DecodeError
 
 from fedpipe.errors import InvalidRequestError
 from fedpipe.pipeline.messages import Kind, StageMsg
@@ -15,15 +16,29 @@ from fedpipe.transport.codec import (
     TensorFormatError,
     labels_from_proto,
     labels_to_proto,
+    payload_nbytes,
     tensor_from_proto,
     tensor_to_proto,
+    tensor_to_wire,
+    wire_buffer,
 )
 
-__all__ = ["MessageBounds", "codec_for", "msg_from_proto", "msg_to_proto"]
+__all__ = [
+    "MessageBounds",
+    "codec_for",
+    "msg_from_proto",
+    "msg_from_wire",
+    "msg_to_proto",
+    "msg_to_wire",
+    "wire_header",
+    "wire_nbytes",
+]
 
 _KINDS = {int(k) for k in Kind}
 _DEVICE_KINDS = (Kind.ACTIVATION, Kind.OUTPUT_GRAD, Kind.STEP_END)
 IGNORE_INDEX = -100  # labels that do not count in the loss (torch's cross-entropy default)
+# Ids, kind, scalars, shapes and field tags of a message: a generous bound, not an exact count.
+_HEADER_BYTES = 96
 
 
 @dataclass(frozen=True)
@@ -61,11 +76,26 @@ def msg_to_proto(msg: StageMsg, *, session_id: str, codec: str) -> pb.StageMessa
         compute_s=msg.compute_s,
         forward_only=msg.forward_only,
     )
-    if msg.tensor is not None:
-        out.tensor.CopyFrom(tensor_to_proto(msg.tensor, codec))
+    if msg.tensor is not None:  # filled in place: CopyFrom would copy the payload again
+        tensor_to_proto(msg.tensor, codec, out=out.tensor)
     if msg.labels is not None:
-        out.labels.CopyFrom(labels_to_proto(msg.labels))
+        labels_to_proto(msg.labels, out=out.labels)
     return out
+
+
+def wire_nbytes(raw: pb.StageMessage) -> int:
+    """A message's size on the wire, from its tensors' shapes, within ``_HEADER_BYTES``.
+
+    ``ByteSize()`` would serialise the whole message again to count it (about 1 ms for a
+    9.4 MB activation), and reading ``data`` would copy it; link emulation and traffic stats
+    only need the size to a few bytes.
+    """
+    size = _HEADER_BYTES + len(raw.error)
+    if raw.HasField("tensor"):
+        size += payload_nbytes(raw.tensor)
+    if raw.HasField("labels"):
+        size += payload_nbytes(raw.labels)
+    return size
 
 
 def msg_from_proto(
@@ -74,8 +104,13 @@ def msg_from_proto(
     hidden_size: int | None = None,
     max_elements: int | None = None,
     bounds: MessageBounds | None = None,
+    tensor_data: bytes | memoryview | None = None,
+    wire_bytes: int = 0,
 ) -> StageMsg:
     """Decode and validate a message; tensors must be (batch, tokens, hidden_size).
+
+    ``tensor_data`` stands for ``raw.tensor.data`` and ``wire_bytes`` for the encoded size when
+    a framer (:func:`msg_from_wire`) kept them out of ``raw``.
 
     With ``bounds`` (the server's side), shapes must fit what the session declared, labels
     must be token ids or -100, and ``loss_scale`` must lie in [0, 1]; any violation raises
@@ -103,7 +138,7 @@ def msg_from_proto(
         error=raw.error,
         compute_s=raw.compute_s,
         forward_only=raw.forward_only,
-        wire_bytes=raw.ByteSize(),
+        wire_bytes=wire_bytes or wire_nbytes(raw),
     )
     if raw.HasField("tensor"):
         msg.tensor = tensor_from_proto(
@@ -111,6 +146,7 @@ def msg_from_proto(
             expect_shape=(None, None, hidden_size) if hidden_size else None,
             max_elements=max_elements,
             name=f"{kind.name} tensor (step {raw.step}, microbatch {raw.microbatch})",
+            data=tensor_data,
         )
     if raw.HasField("labels"):
         msg.labels = labels_from_proto(
@@ -175,3 +211,125 @@ def _check_label_values(
             f"outside [0, {vocab_size}) and not {IGNORE_INDEX} (first: {int(bad[0])}); labels "
             "are token ids of the server's model, or -100 for tokens that do not count"
         )
+
+
+# --- one-copy framing -----------------------------------------------------------------------
+# The stage link's Exchange stream carries a StageMessage's standard protobuf encoding, but
+# built and read by hand around the tensor's ``data`` field: ``msg_to_wire`` writes the tensor
+# bytes straight from the tensor into the frame (one copy), and ``msg_from_wire`` parses every
+# other field with protobuf while the tensor wraps its slice of the received frame (no copy).
+# Peers that use the generated stubs interoperate: the bytes are a valid StageMessage.
+_TENSOR_FIELD = 5  # StageMessage.tensor
+_DATA_FIELD = 3  # Tensor.data
+_LEN = 2  # wire type of length-delimited fields
+_FIXED = {1: 8, 5: 4}  # wire type -> bytes of fixed-size fields
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _read_varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
+    value, shift = 0, 0
+    while pos < end and shift < 64:
+        byte = buf[pos]
+        value |= (byte & 0x7F) << shift
+        pos, shift = pos + 1, shift + 7
+        if byte < 0x80:
+            return value, pos
+    raise TensorFormatError("malformed stage message: a truncated or overlong varint")
+
+
+def _fields(buf: memoryview, pos: int, end: int) -> list[tuple[int, int, int, int]]:
+    """(field number, start of its tag, start of its value, end) of every field in a span."""
+    out = []
+    while pos < end:
+        start = pos
+        tag, pos = _read_varint(buf, pos, end)
+        number, wire = tag >> 3, tag & 7
+        if wire == 0:
+            _, value_end = _read_varint(buf, pos, end)
+        elif wire == _LEN:
+            length, pos = _read_varint(buf, pos, end)
+            value_end = pos + length
+        elif wire in _FIXED:
+            value_end = pos + _FIXED[wire]
+        else:
+            raise TensorFormatError(f"malformed stage message: wire type {wire}")
+        if value_end > end:
+            raise TensorFormatError("malformed stage message: a field runs past its end")
+        out.append((number, start, pos, value_end))
+        pos = value_end
+    return out
+
+
+def msg_to_wire(msg: StageMsg, *, session_id: str, codec: str) -> bytes:
+    """``msg`` as the bytes of its StageMessage, the float tensor copied once, into the frame."""
+    tensor = msg.tensor
+    head = msg_to_proto(replace(msg, tensor=None), session_id=session_id, codec=codec)
+    if tensor is None:
+        return head.SerializeToString()
+    meta = pb.Tensor()
+    view = wire_buffer(tensor_to_wire(tensor, codec, meta))  # meta: all fields but data
+    meta_bytes = meta.SerializeToString()
+    data_key = _varint(_DATA_FIELD << 3 | _LEN) + _varint(len(view))
+    body_len = len(meta_bytes) + len(data_key) + len(view)
+    tensor_key = _varint(_TENSOR_FIELD << 3 | _LEN) + _varint(body_len)
+    return b"".join((head.SerializeToString(), tensor_key, meta_bytes, data_key, view))
+
+
+def msg_from_wire(
+    frame: bytes,
+    *,
+    hidden_size: int | None = None,
+    max_elements: int | None = None,
+    bounds: MessageBounds | None = None,
+) -> StageMsg:
+    """Decode a StageMessage's bytes as ``msg_from_proto`` does; the tensor wraps ``frame``.
+
+    The float tensor's data is not copied: the decoded tensor is a view of ``frame`` (keep
+    ``frame`` for nothing else). Any field order a protobuf encoder may produce is accepted.
+    """
+    raw, data = _split_frame(frame)
+    return msg_from_proto(
+        raw,
+        hidden_size=hidden_size,
+        max_elements=max_elements,
+        bounds=bounds,
+        tensor_data=data,
+        wire_bytes=len(frame),
+    )
+
+
+def wire_header(frame: bytes) -> pb.StageMessage:
+    """The message's ids, kind and scalars, without its tensor's data (for traces and logs)."""
+    return _split_frame(frame)[0]
+
+
+def _split_frame(frame: bytes) -> tuple[pb.StageMessage, memoryview | None]:
+    """The message without its tensor's data (parsed by protobuf), and that data as a view."""
+    try:
+        return _split_fields(memoryview(frame), frame)
+    except DecodeError as exc:
+        raise TensorFormatError(f"malformed stage message: {exc}") from None
+
+
+def _split_fields(buf: memoryview, frame: bytes) -> tuple[pb.StageMessage, memoryview | None]:
+    tensors = [f for f in _fields(buf, 0, len(buf)) if f[0] == _TENSOR_FIELD]
+    if len(tensors) != 1:  # none, or split over several fields: protobuf merges them itself
+        return pb.StageMessage.FromString(frame), None
+    _, t_start, t_body, t_end = tensors[0]
+    datas = [f for f in _fields(buf, t_body, t_end) if f[0] == _DATA_FIELD]
+    if len(datas) != 1:
+        return pb.StageMessage.FromString(frame), None
+    _, d_start, d_body, d_end = datas[0]
+    meta = bytes(buf[t_body:d_start]) + bytes(buf[d_end:t_end])
+    tensor_key = _varint(_TENSOR_FIELD << 3 | _LEN) + _varint(len(meta))
+    rest = bytes(buf[:t_start]) + bytes(buf[t_end:])
+    raw = pb.StageMessage.FromString(rest + tensor_key + meta)
+    return raw, buf[d_body:d_end]

@@ -29,7 +29,7 @@ from fedpipe.split.agreement import check_agreement
 from fedpipe.transport.client import SESSION_HEADER, channel_options
 from fedpipe.transport.codec import codec_from_proto
 from fedpipe.transport.errors import status_for
-from fedpipe.transport.serde import MessageBounds, codec_for, msg_from_proto, msg_to_proto
+from fedpipe.transport.serde import MessageBounds, codec_for, msg_from_wire, msg_to_wire
 
 __all__ = ["SplitInfo", "StageServer"]
 
@@ -215,14 +215,14 @@ class _LinkServicer(pb_grpc.StageLinkServicer):
                     context.abort(status_for(item), str(item))
                 assert isinstance(item, StageMsg)
                 kind_codec = codec_for(item.kind, codec, grad_codec)
-                yield msg_to_proto(item, session_id=session_id, codec=kind_codec)
+                yield msg_to_wire(item, session_id=session_id, codec=kind_codec)
         finally:
             handle.close()
 
     def _read(self, handle: StreamHandle, requests, bounds: MessageBounds) -> None:  # type: ignore[no-untyped-def]
         try:
             for raw in requests:
-                msg = msg_from_proto(raw, bounds=bounds, max_elements=self.max_message_bytes)
+                msg = msg_from_wire(raw, bounds=bounds, max_elements=self.max_message_bytes)
                 handle.submit(msg)
         except grpc.RpcError:
             return  # the device went away; the stream's end cleans up
@@ -230,6 +230,31 @@ class _LinkServicer(pb_grpc.StageLinkServicer):
             handle.fail(exc)
             return
         handle.finish()  # half-closed: end the replies after those to what it sent
+
+
+def _add_link_servicer(servicer: pb_grpc.StageLinkServicer, server: grpc.Server) -> None:
+    """Register StageLink as the generated code does, but Exchange takes and gives bytes.
+
+    serde frames stream messages itself (``msg_to_wire`` / ``msg_from_wire``): the tensor is
+    copied once into a frame and decoded in place, where protobuf's (de)serialisers would copy
+    it twice more. The bytes on the wire are an ordinary StageMessage either way.
+    """
+    handlers = {
+        "OpenSession": grpc.unary_unary_rpc_method_handler(
+            servicer.OpenSession,
+            request_deserializer=pb.OpenSessionRequest.FromString,
+            response_serializer=pb.OpenSessionReply.SerializeToString,
+        ),
+        "Exchange": grpc.stream_stream_rpc_method_handler(servicer.Exchange),
+        "CloseSession": grpc.unary_unary_rpc_method_handler(
+            servicer.CloseSession,
+            request_deserializer=pb.CloseSessionRequest.FromString,
+            response_serializer=pb.CloseSessionReply.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("fedpipe.proto.StageLink", handlers),)
+    )
 
 
 class _Gone(Exception):
@@ -363,7 +388,7 @@ class StageServer:
         self._link = _LinkServicer(
             runtime, split, self.rounds, authenticate, max_message_bytes, max_streams
         )
-        pb_grpc.add_StageLinkServicer_to_server(self._link, self._server)
+        _add_link_servicer(self._link, self._server)
         pb_grpc.add_StageControlServicer_to_server(
             _ControlServicer(runtime, self.rounds, control_auth), self._server
         )

@@ -279,3 +279,58 @@ def test_sliding_window_model_over_the_wire_equals_unsplit(
     assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
     for key, grad in ref_grads.items():
         torch.testing.assert_close(grads[key], grad, rtol=1e-4, atol=1e-6, msg=f"grad {key}")
+
+
+@pytest.mark.parametrize("split", ["u", "two"])
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.parametrize("m", [2, 5])
+def test_consecutive_steps_without_step_end_wait_equal_unsplit(
+    setups, split: str, schedule: str, m: int
+) -> None:
+    """Four steps back to back, STEP_DONE collected lazily: losses and adapters stay exact.
+
+    Each step's forwards leave before the previous step's STEP_DONE is read, so this fails if
+    the server ever computed a forward before applying the previous step's update.
+    """
+    setup = _setup(setups, "tiny-llama", split)
+    batches = _batches(setup.vocab, n=4)
+    ref_losses, _, ref_weights = setup.reference_run(batches)
+    losses, _, weights = _pipelined(setup, _config("tiny-llama", split, schedule, m), batches)
+    assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
+    assert len(set(losses)) == len(losses)  # every step saw updated weights
+    for key, value in ref_weights.items():
+        torch.testing.assert_close(weights[key], value, rtol=1e-4, atol=LR * 1e-2, msg=key)
+
+
+class _FailingAdamW(torch.optim.AdamW):
+    def step(self, closure=None):  # type: ignore[no-untyped-def]
+        raise RuntimeError("injected optimizer failure")
+
+
+@pytest.mark.parametrize("wait", [False, True], ids=["lazy", "eager"])
+def test_a_failed_server_update_still_surfaces(setups, wait: bool) -> None:
+    """The server's optimizer fails: an eager step raises, a lazy one raises at finish()."""
+    from fedpipe.errors import StageLinkError
+
+    setup = _setup(setups, "tiny-llama", "u")
+    (batch,) = _batches(setup.vocab, n=1)
+    config = _config("tiny-llama", "u", "greedy", 2)
+    trainer = DeviceTrainer(config, device_id=f"failing-{wait}", folder=setup.folder)
+    saved = setup.runtime.optimizer_factory
+    setup.runtime.optimizer_factory = lambda p, lr, wd: _FailingAdamW(p, lr=lr)
+    try:
+        with StageClient(setup.server.address) as client:
+            session, _ = trainer.connect(client, optimizer=None)
+            runtime = DeviceRuntime(
+                trainer.head,
+                trainer.tail,
+                session,
+                optimizer=None,
+                microbatches=2,
+                wait_step_done=wait,
+            )
+            with session, pytest.raises(StageLinkError, match="injected optimizer failure"):
+                runtime.train_step(batch, step=0)
+                runtime.finish()
+    finally:
+        setup.runtime.optimizer_factory = saved

@@ -1,0 +1,118 @@
+"""The stage link's serde: sizes from shapes, one-copy framing, the transport benchmark."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fedpipe.errors import InvalidRequestError
+from fedpipe.pipeline.messages import Kind, StageMsg
+from fedpipe.proto import stage_pb2 as pb
+from fedpipe.transport.codec import CODECS, TensorFormatError
+from fedpipe.transport.serde import (
+    MessageBounds,
+    msg_from_proto,
+    msg_from_wire,
+    msg_to_proto,
+    msg_to_wire,
+    wire_header,
+    wire_nbytes,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("labels", [False, True])
+def test_wire_size_from_shapes_is_within_the_header_bound(codec: str, labels: bool) -> None:
+    msg = StageMsg(Kind.ACTIVATION, 3, 5, tensor=torch.randn(2, 7, 16), loss_scale=0.25)
+    if labels:
+        msg.labels = torch.randint(0, 50, (2, 7))
+    raw = msg_to_proto(msg, session_id="s" * 32, codec=codec)
+    assert raw.ByteSize() <= wire_nbytes(raw) <= raw.ByteSize() + 96
+    decoded = msg_from_proto(pb.StageMessage.FromString(raw.SerializeToString()))
+    assert decoded.wire_bytes == wire_nbytes(raw)
+
+
+def test_decoded_tensors_do_not_share_memory_with_each_other() -> None:
+    """Two decodes of one message are independent: writing one leaves the other intact."""
+    raw = msg_to_proto(
+        StageMsg(Kind.OUTPUT, 0, 0, tensor=torch.ones(2, 3, 4)), session_id="", codec="fp32"
+    )
+    first, second = msg_from_proto(raw), msg_from_proto(raw)
+    assert first.tensor is not None and second.tensor is not None
+    first.tensor.add_(1)
+    assert torch.equal(second.tensor, torch.ones(2, 3, 4))
+    assert torch.equal(msg_from_proto(raw).tensor, torch.ones(2, 3, 4))
+
+
+def test_transport_bench_prints_the_ratio_as_json() -> None:
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks/transport_bench.py"), "--json"]
+        + ["--messages", "1", "--trials", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    result = json.loads(out.stdout)
+    assert result["message_mb"] == pytest.approx(9.44, abs=0.01)
+    assert result["stage_mb_per_s"] > 0 and result["plain_grpc_mb_per_s"] > 0
+    expected = result["stage_mb_per_s"] / result["plain_grpc_mb_per_s"]
+    assert result["ratio"] == pytest.approx(expected, rel=1e-2)
+
+
+def _msg(codec_labels: bool = True) -> StageMsg:
+    msg = StageMsg(Kind.ACTIVATION, 4, 2, tensor=torch.randn(2, 5, 8), loss_scale=0.125)
+    if codec_labels:
+        msg.labels = torch.randint(0, 50, (2, 5))
+    return msg
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_framed_messages_are_ordinary_stage_messages(codec: str) -> None:
+    """msg_to_wire's bytes parse as a StageMessage; protobuf's own bytes decode by msg_from_wire."""
+    msg = _msg()
+    frame = msg_to_wire(msg, session_id="s1", codec=codec)
+    parsed = msg_from_proto(pb.StageMessage.FromString(frame))
+    framed = msg_from_wire(frame)
+    reference = msg_to_proto(msg, session_id="s1", codec=codec).SerializeToString()
+    for decoded in (parsed, framed, msg_from_wire(reference)):
+        assert decoded.tensor is not None and decoded.labels is not None
+        assert torch.equal(decoded.tensor, parsed.tensor)  # type: ignore[arg-type]
+        assert torch.equal(decoded.labels, msg.labels)  # type: ignore[arg-type]
+        assert (decoded.step, decoded.microbatch, decoded.loss_scale) == (4, 2, 0.125)
+    assert framed.wire_bytes == len(frame)
+    assert wire_header(frame).kind == pb.ACTIVATION and wire_header(frame).microbatch == 2
+
+
+def test_a_frame_with_its_tensor_split_in_two_fields_decodes_as_protobuf_merges_it() -> None:
+    """Protobuf merges repeated message fields (last data wins); the framer falls back to it."""
+    first = msg_to_proto(_msg(False), session_id="", codec="fp32").SerializeToString()
+    second = pb.StageMessage(tensor=pb.Tensor(data=bytes(2 * 5 * 8 * 4))).SerializeToString()
+    decoded = msg_from_wire(first + second)
+    assert decoded.tensor is not None and torch.equal(decoded.tensor, torch.zeros(2, 5, 8))
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [b"\x2a\xff\xff\xff\xff\x0f", b"\x2a\x05\x1a", b"\xff" * 11, b"\x2f", b"\x2a\x02\x1a\x09"],
+    ids=["tensor-past-end", "truncated", "overlong-varint", "wire-type-7", "data-past-end"],
+)
+def test_malformed_frames_are_refused_as_format_errors(frame: bytes) -> None:
+    with pytest.raises(TensorFormatError, match="malformed stage message"):
+        msg_from_wire(frame)
+
+
+def test_a_framed_tensor_is_checked_like_any_other() -> None:
+    bad = StageMsg(Kind.ACTIVATION, 0, 0, tensor=torch.tensor([[[1.0, float("nan")]]]))
+    with pytest.raises(TensorFormatError, match="NaN or Inf"):
+        msg_from_wire(msg_to_wire(bad, session_id="", codec="fp32"))
+    bounds = MessageBounds(hidden_size=8, max_batch=1, max_tokens=5)
+    with pytest.raises(InvalidRequestError, match="does not fit the session"):
+        msg_from_wire(msg_to_wire(_msg(False), session_id="", codec="fp32"), bounds=bounds)
