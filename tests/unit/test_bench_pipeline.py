@@ -49,6 +49,8 @@ def test_noise_report_flags_a_wide_spread() -> None:
     assert quiet["noisy"] is False
     jumpy = noise_report({"c_f": [0.1, 0.1, 0.2, 0.2, 0.1, 0.25]}, [1.0, 1.02])
     assert jumpy["noisy"] is True and jumpy["solo_spread"]["c_f"] > NOISE_THRESHOLD
+    short = noise_report({"c_f": steady, "c_opt": [0.004, 0.006, 0.004, 0.009]}, [1.0, 1.01])
+    assert short["noisy"] is False and short["solo_spread"]["c_opt"] > NOISE_THRESHOLD
     drifting = noise_report({"c_f": steady}, [1.0, 1.5])  # steps, not components, moved
     assert drifting["noisy"] is True and drifting["solo_step_spread"] == pytest.approx(0.5)
 
