@@ -316,14 +316,15 @@ def _print_bench_table(report: dict[str, Any]) -> None:
         f"M={report['microbatches']}, {report['pinning']}"
     )
     print(
-        f"{'link':>18} {'T_seq s':>8} {'T_pipe s':>9} {'T_bound s':>10} {'speedup':>8} "
-        f"{'efficiency':>10} {'ceiling':>8}  best / bound term"
+        f"{'link':>18} {'T_seq s':>8} {'T_whole s':>9} {'T_pipe s':>9} {'T_bound s':>10} "
+        f"{'in-run':>7} {'speedup':>8} {'efficiency':>10} {'ceiling':>8}  best / bound term"
     )
     for e in report["links"]:
         print(
-            f"{e['link']:>18} {e['t_seq_s']:>8.3f} {e['t_pipe_s']:>9.3f} {e['t_bound_s']:>10.3f} "
+            f"{e['link']:>18} {e['t_seq_s']:>8.3f} {e['t_seq_whole_s']:>9.3f} "
+            f"{e['t_pipe_s']:>9.3f} {e['t_bound_s']:>10.3f} {e['t_bound_inrun_s']:>7.3f} "
             f"{e['speedup']:>8.2f} {e['efficiency']:>10.2f} {e['ceiling']:>8.2f}  "
-            f"{e['best_schedule']} / {e['bound_term']}"
+            f"{e['best_schedule']} / {e['bound_term']}" + ("  (noisy)" if e["noisy"] else "")
         )
 
 

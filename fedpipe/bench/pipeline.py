@@ -2,14 +2,28 @@
 
 The StageServer runs in a child process and the device in this one; each is pinned to its own
 core with one torch thread (two threads per process on two cores halved the speedup in the
-prototype, notes/pipeline-bound.md). Links are emulated inside the device's transport. For
-every link setting the benchmark measures the median step time of each schedule, the component
-times inside the best pipelined run, and the bound computed from those components; it prints
-``t_seq_s``, ``t_pipe_s``, ``t_bound_s``, ``speedup``, ``efficiency`` and ``ceiling``.
+prototype, notes/pipeline-bound.md). Links are emulated inside the device's transport.
+
+For every link setting the benchmark keeps one session per run open and walks them round robin,
+step by step (``round_robin``), so that drift on a shared machine hits every schedule alike:
+
+- ``solo``: stop-and-wait over the microbatches on an un-emulated loopback. One side computes
+  while the other waits, so its trace holds every component measured alone, under the same
+  pinning as the pipelined runs; the bound (``t_bound_s``) is built from these and from the link
+  model's occupancy (bytes / bandwidth) and latency.
+- ``sequential``: stop-and-wait over the microbatches on the emulated link (``t_seq_s``).
+- ``sequential-whole``: stop-and-wait on the whole batch, one microbatch (``t_seq_whole_s``),
+  what split-learning systems run today.
+- the pipelined schedules; the best gives ``t_pipe_s``. Its trace gives the in-run components
+  and ``t_bound_inrun_s`` (a finding: contention inflates them; not the bound).
+
+``speedup`` and ``ceiling`` are taken against the faster stop-and-wait. A wide spread of the
+solo timings sets ``noisy`` and warns on stderr.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import statistics
@@ -18,24 +32,37 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
 import torch
 
-from fedpipe.bench.bound import Components, pipeline_bound, sequential_model
+from fedpipe.bench.bound import (
+    Components,
+    bound_terms,
+    link_occupancy,
+    pipeline_bound,
+    relative_spread,
+    sequential_model,
+)
 from fedpipe.config import FedpipeConfig
 from fedpipe.device import DeviceTrainer
 from fedpipe.link import LinkProfile, parse_link
-from fedpipe.pipeline.device_runtime import StepResult
+from fedpipe.pipeline.device_runtime import DeviceRuntime
 from fedpipe.pipeline.trace import Tracer
 from fedpipe.transport.client import StageClient, StageSession
+from fedpipe.transport.codec import encoded_nbytes
 
-__all__ = ["BENCH_SCHEDULES", "run_pipeline_bench"]
+__all__ = ["BENCH_SCHEDULES", "NOISE_THRESHOLD", "round_robin", "run_pipeline_bench"]
 
 log = logging.getLogger(__name__)
 
 BENCH_SCHEDULES = ("sequential", "gpipe", "1f1b", "greedy")
+SOLO = "solo"
+WHOLE = "sequential-whole"
+NOISE_THRESHOLD = 0.2
+"""Solo timings whose IQR/median (or per-step max/min - 1) exceeds this mark the run noisy."""
 
 
 def _pin(cpus: list[int]) -> str:
@@ -101,29 +128,64 @@ def _batches(vocab: int, batch: int, seq: int, n: int) -> list[dict[str, torch.T
     return out
 
 
-def _run_schedule(
+def round_robin(runs: Sequence[str], steps: int) -> list[tuple[int, str]]:
+    """``(step, run)`` in the order the bench executes them: every run's step k before any k+1."""
+    return [(step, name) for step in range(steps) for name in runs]
+
+
+@dataclass
+class _Run:
+    """One open session of the bench and what it measured."""
+
+    name: str
+    link: LinkProfile
+    microbatches: int
+    session: StageSession
+    runtime: DeviceRuntime
+    tracer: Tracer
+    walls: list[float]
+
+
+def _open_run(
     trainer: DeviceTrainer,
     client: StageClient,
-    link: LinkProfile,
+    stack: contextlib.ExitStack,
+    *,
+    name: str,
     schedule: str,
-    batches: list[dict[str, torch.Tensor]],
-    warmup: int,
-) -> tuple[list[StepResult], Tracer, StageSession]:
+    link: LinkProfile,
+    microbatches: int,
+) -> _Run:
+    """A session of its own (its own device id, so the server keeps them all open)."""
     cfg = trainer.config
     tracer = Tracer()
-    optimizer = torch.optim.AdamW(trainer.parameters(), lr=cfg.train.lr)
-    session, runtime = trainer.connect(
-        client, optimizer=optimizer, link=link, schedule=schedule, tracer=tracer
+    session = client.open_session(
+        device_id=f"bench-{name}",
+        lr=cfg.train.lr,
+        weight_decay=cfg.train.weight_decay,
+        uplink_codec=cfg.pipeline.uplink_codec,
+        downlink_codec=cfg.pipeline.downlink_codec,
+        gradient_codec=cfg.pipeline.gradient_codec,
+        link=link,
+        link_seed=f"bench-{name}",
+        tracer=tracer,
+        timeout_s=cfg.pipeline.timeout_s,
+        split=trainer.split,
+        microbatch_size=-(-cfg.train.batch_size // microbatches),
+        seq_len=cfg.train.seq_len,
     )
-    results = []
-    with session:
-        for step, batch in enumerate(batches):
-            if step == warmup:
-                tracer.clear()
-                session.link.up.clear_records()
-                session.link.down.clear_records()
-            results.append(runtime.train_step(batch, step=step))
-    return results[warmup:], tracer, session
+    stack.enter_context(session)
+    runtime = DeviceRuntime(
+        trainer.head,
+        trainer.tail,
+        session,
+        optimizer=torch.optim.AdamW(trainer.parameters(), lr=cfg.train.lr),
+        schedule=schedule,
+        microbatches=microbatches,
+        max_in_flight=cfg.pipeline.max_in_flight or None,
+        tracer=tracer,
+    )
+    return _Run(name, link, microbatches, session, runtime, tracer, [])
 
 
 def _median(values: Sequence[float]) -> float:
@@ -143,27 +205,101 @@ def _occupancy(tracer: Tracer, records: list[Any], lane: str) -> dict[str, float
     return {kind: _median(values) for kind, values in spans.items()}
 
 
-def _components(tracer: Tracer, session: StageSession, link: LinkProfile, m: int) -> Components:
-    up = _occupancy(tracer, session.link.up.records(), "uplink")
-    down = _occupancy(tracer, session.link.down.records(), "downlink")
+def _compute_samples(tracer: Tracer) -> dict[str, list[float]]:
+    """Every timed computation of a run, per component name."""
+    return {
+        "c_f": tracer.durations("F", "device"),
+        "c_t": tracer.durations("T", "device"),
+        "c_b": tracer.durations("B", "device"),
+        "s_f": tracer.durations("Sf", "server"),
+        "s_b": tracer.durations("Sb", "server"),
+        "c_opt": tracer.durations("O", "device"),
+        "s_opt": tracer.durations("So", "server"),
+    }
 
-    c_opt = _median(tracer.durations("O", "device"))
-    s_opt = _median(tracer.durations("So", "server"))
-    lat = link.one_way_s + link.overhead_s
+
+def _inrun_components(run: _Run, split: str) -> Components:
+    """Components as measured inside a pipelined run (transfers from the link's records)."""
+    up = _occupancy(run.tracer, run.session.link.up.records(), "uplink")
+    down = _occupancy(run.tracer, run.session.link.down.records(), "downlink")
+    med = {k: _median(v) for k, v in _compute_samples(run.tracer).items()}
+    lat = run.link.one_way_s + run.link.overhead_s
     return Components(
-        c_f=_median(tracer.durations("F", "device")),
-        c_t=_median(tracer.durations("T", "device")),
-        c_b=_median(tracer.durations("B", "device")),
-        s_f=_median(tracer.durations("Sf", "server")),
-        s_b=_median(tracer.durations("Sb", "server")),
+        **med,
         tau_up=up.get("a", 0.0),
         tau_down=down.get("o", 0.0),
         tau_up_grad=up.get("g", 0.0),
         tau_down_grad=down.get("i", 0.0),
         lat_up=lat,
         lat_down=lat,
-        t_opt=max(c_opt, 2 * lat + s_opt),
+        split=split,
     )
+
+
+def solo_components(
+    samples: dict[str, list[float]], link: LinkProfile, nbytes: dict[str, int], split: str
+) -> Components:
+    """Components from solo timings plus the link model's occupancy and latency.
+
+    ``nbytes`` holds the encoded bytes of each transfer kind: ``a`` (activation up), ``o``
+    (output down), ``g`` (its gradient up), ``i`` (the head's gradient down).
+    """
+    lat = link.one_way_s + link.overhead_s
+    return Components(
+        **{k: _median(v) for k, v in samples.items()},
+        tau_up=link_occupancy(nbytes["a"], link.up_mbps),
+        tau_down=link_occupancy(nbytes["o"], link.down_mbps),
+        tau_up_grad=link_occupancy(nbytes["g"], link.up_mbps),
+        tau_down_grad=link_occupancy(nbytes["i"], link.down_mbps),
+        lat_up=lat,
+        lat_down=lat,
+        split=split,
+    )
+
+
+def noise_report(samples: dict[str, list[float]], solo_walls: Sequence[float]) -> dict[str, Any]:
+    """Spread of the solo timings; ``noisy`` when a compute's or the steps' is too wide."""
+    spread = {k: round(relative_spread(v), 3) for k, v in samples.items() if len(v) >= 4}
+    walls = [w for w in solo_walls if w > 0]
+    step_spread = max(walls) / min(walls) - 1 if len(walls) >= 2 else 0.0
+    # The optimizer steps are a few ms, once per step: too short and too few to judge by.
+    judged = [v for k, v in spread.items() if k not in ("c_opt", "s_opt")]
+    worst = max([*judged, step_spread], default=0.0)
+    return {
+        "solo_spread": spread,
+        "solo_step_spread": round(step_spread, 3),
+        "noisy": worst > NOISE_THRESHOLD,
+    }
+
+
+def _transfer_bytes(config: FedpipeConfig, hidden: int, microbatches: int) -> dict[str, int]:
+    """Encoded payload bytes of each transfer kind of one microbatch (labels not counted)."""
+    p = config.pipeline
+    shape = (-(-config.train.batch_size // microbatches), config.train.seq_len, hidden)
+    grad = p.gradient_codec or ""
+    return {
+        "a": encoded_nbytes(shape, p.uplink_codec),
+        "o": encoded_nbytes(shape, p.downlink_codec),
+        "g": encoded_nbytes(shape, grad or p.uplink_codec),
+        "i": encoded_nbytes(shape, grad or p.downlink_codec),
+    }
+
+
+def _walk_runs(
+    runs: list[_Run], batches: list[dict[str, torch.Tensor]], warmup: int, link: str
+) -> None:
+    """Every run's steps, round robin; traces and link records start after the warm-up."""
+    by_name = {run.name: run for run in runs}
+    for step, name in round_robin([r.name for r in runs], len(batches)):
+        run = by_name[name]
+        if step == warmup:
+            run.tracer.clear()
+            run.session.link.up.clear_records()
+            run.session.link.down.clear_records()
+        result = run.runtime.train_step(batches[step], step=step)
+        if step >= warmup:
+            run.walls.append(result.wall_s)
+        print(f"  {link:>18} step {step} {name:>16}: {result.wall_s:.3f} s", file=sys.stderr)
 
 
 def _bench_link(
@@ -174,34 +310,74 @@ def _bench_link(
     batches: list[dict[str, torch.Tensor]],
     warmup: int,
 ) -> dict[str, Any]:
-    m = trainer.config.pipeline.microbatches
-    times: dict[str, float] = {}
-    runs: dict[str, tuple[Tracer, StageSession]] = {}
-    for name in schedules:
-        results, tracer, session = _run_schedule(trainer, client, link, name, batches, warmup)
-        times[name] = _median([r.wall_s for r in results])
-        runs[name] = (tracer, session)
-        print(f"  {link.name:>18} {name:>10}: {times[name]:.3f} s/step", file=sys.stderr)
-    pipelined = [s for s in schedules if s != "sequential"] or list(schedules)
-    best = min(pipelined, key=times.__getitem__)
-    comps = _components(*runs[best], link, m)
-    bound, term = pipeline_bound(comps, m)
-    t_seq = times.get("sequential", float("nan"))
+    cfg = trainer.config
+    m, split = cfg.pipeline.microbatches, cfg.model.split
+    plan = [(SOLO, "sequential", LinkProfile.unlimited(), m)]
+    plan += [(name, name, link, m) for name in schedules]
+    if "sequential" in schedules:
+        plan.append((WHOLE, "sequential", link, 1))
+    with contextlib.ExitStack() as stack:
+        runs = [
+            _open_run(trainer, client, stack, name=n, schedule=s, link=lk, microbatches=k)
+            for n, s, lk, k in plan
+        ]
+        _walk_runs(runs, batches, warmup, link.name)
+        by_name = {run.name: run for run in runs}
+        times = {run.name: _median(run.walls) for run in runs}
+        pipelined = [s for s in schedules if s != "sequential"] or list(schedules)
+        best = min(pipelined, key=times.__getitem__)
+        inrun = _inrun_components(by_name[best], split)
+        solo_run = by_name[SOLO]
+        samples = _compute_samples(solo_run.tracer)
+    solo = solo_components(samples, link, _transfer_bytes(cfg, trainer.split.hidden_size, m), split)
+    return _entry(link, m, times, best, solo, inrun, noise_report(samples, solo_run.walls))
+
+
+def _entry(
+    link: LinkProfile,
+    m: int,
+    times: dict[str, float],
+    best: str,
+    solo: Components,
+    inrun: Components,
+    noise: dict[str, Any],
+) -> dict[str, Any]:
+    """One link's JSON entry (the contract in DESIGN.md)."""
+    bound, term = pipeline_bound(solo, m)
+    bound_inrun, term_inrun = pipeline_bound(inrun, m)
+    t_seq, t_whole = times.get("sequential", float("nan")), times.get(WHOLE, float("nan"))
+    finite = [t for t in (t_seq, t_whole) if t == t]
+    baseline = min(finite) if finite else float("nan")
     t_pipe = times[best]
+    if noise["noisy"]:
+        print(
+            f"  warning: {link.name}: solo timings spread beyond {NOISE_THRESHOLD:.0%} "
+            f"({noise['solo_spread']}, step spread {noise['solo_step_spread']}): the machine "
+            "is busy; rerun on a quiet machine before trusting efficiency and ceiling",
+            file=sys.stderr,
+        )
     return {
         "link": link.name,
         "microbatches": m,
         "t_seq_s": round(t_seq, 4),
+        "t_seq_whole_s": round(t_whole, 4),
+        "baseline": "sequential-whole" if baseline == t_whole else "sequential",
         "t_pipe_s": round(t_pipe, 4),
         "best_schedule": best,
         "t_bound_s": round(bound, 4),
         "bound_term": term,
-        "speedup": round(t_seq / t_pipe, 3),
+        "t_bound_inrun_s": round(bound_inrun, 4),
+        "bound_term_inrun": term_inrun,
+        "speedup": round(baseline / t_pipe, 3),
         "efficiency": round(bound / t_pipe, 3),
-        "ceiling": round(t_seq / bound, 3),
-        "t_seq_model_s": round(sequential_model(comps, m), 4),
-        "components": comps.as_dict(),
-        "schedules": {k: round(v, 4) for k, v in times.items()},
+        "ceiling": round(baseline / bound, 3),
+        "t_seq_model_s": round(sequential_model(solo, m), 4),
+        "t_solo_step_s": round(times[SOLO], 4),
+        "components_solo": solo.as_dict(),
+        "components_inrun": inrun.as_dict(),
+        "bound_terms_solo": {k: round(v, 4) for k, v in bound_terms(solo, m).items()},
+        **noise,
+        "schedules": {k: round(v, 4) for k, v in times.items() if k != SOLO},
     }
 
 
@@ -247,7 +423,17 @@ def run_pipeline_bench(
         "steps": steps,
         "warmup": warmup,
         "pinning": pinning,
-        "bound": "max over device/uplink/server/downlink rows, one microbatch's critical path, "
-        "and the tail phase, + optimizer tail (fedpipe.bench.bound)",
+        "noisy": any(e["noisy"] for e in entries),
+        "bound": BOUND_TEXT,
         "links": entries,
     }
+
+
+BOUND_TEXT = (
+    "components measured alone in this invocation (stop-and-wait on an un-emulated loopback, same "
+    "pinning: one side computes while the other waits) plus the link model's occupancy "
+    "(bytes/bandwidth) and latency; max over the device row (with its fill and drain), uplink, "
+    "server, downlink, the server's steady state and one microbatch's critical path; "
+    "4 transfers per microbatch U-shaped, 2 two-part; the device's optimizer step after its "
+    "last backward; no STEP_END/STEP_DONE round trip (fedpipe.bench.bound)"
+)

@@ -1,0 +1,122 @@
+"""``fedpipe bench pipeline``: the run order, the solo components, the noise flag, and the JSON
+contract of a real (small) run."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from fedpipe.bench.bound import Components, pipeline_bound
+from fedpipe.bench.pipeline import (
+    NOISE_THRESHOLD,
+    noise_report,
+    round_robin,
+    solo_components,
+)
+from fedpipe.link import LinkProfile
+
+
+def test_round_robin_runs_every_schedule_at_a_step_before_the_next_step() -> None:
+    order = round_robin(["solo", "sequential", "greedy"], 2)
+    assert order == [
+        (0, "solo"),
+        (0, "sequential"),
+        (0, "greedy"),
+        (1, "solo"),
+        (1, "sequential"),
+        (1, "greedy"),
+    ]
+
+
+def test_solo_components_take_transfers_from_the_link_model() -> None:
+    samples = {"c_f": [0.01, 0.03, 0.02], "c_t": [0.02], "c_b": [0.01], "s_f": [], "s_b": [0.05]}
+    link = LinkProfile("l", up_mbps=10.0, down_mbps=25.0, rtt_s=0.05, overhead_s=0.001)
+    nbytes = {"a": 1_000_000, "o": 1_000_000, "g": 500_000, "i": 500_000}
+    c = solo_components(samples, link, nbytes, "u")
+    assert (c.c_f, c.c_t, c.s_f, c.s_b) == (0.02, 0.02, 0.0, 0.05)  # medians; none measured: 0
+    assert c.tau_up == pytest.approx(0.8) and c.tau_down == pytest.approx(0.32)
+    assert c.tau_up_grad == pytest.approx(0.4) and c.tau_down_grad == pytest.approx(0.16)
+    assert c.lat_up == c.lat_down == pytest.approx(0.026)
+
+
+def test_noise_report_flags_a_wide_spread() -> None:
+    steady = [0.1, 0.1, 0.101, 0.1, 0.099, 0.1]
+    quiet = noise_report({"c_f": steady}, [1.0, 1.02, 1.01])
+    assert quiet["noisy"] is False
+    jumpy = noise_report({"c_f": [0.1, 0.1, 0.2, 0.2, 0.1, 0.25]}, [1.0, 1.02])
+    assert jumpy["noisy"] is True and jumpy["solo_spread"]["c_f"] > NOISE_THRESHOLD
+    short = noise_report({"c_f": steady, "c_opt": [0.004, 0.006, 0.004, 0.009]}, [1.0, 1.01])
+    assert short["noisy"] is False and short["solo_spread"]["c_opt"] > NOISE_THRESHOLD
+    drifting = noise_report({"c_f": steady}, [1.0, 1.5])  # steps, not components, moved
+    assert drifting["noisy"] is True and drifting["solo_step_spread"] == pytest.approx(0.5)
+
+
+CONTRACT_KEYS = {
+    "link",
+    "microbatches",
+    "t_seq_s",
+    "t_pipe_s",
+    "t_bound_s",
+    "speedup",
+    "efficiency",
+    "ceiling",
+    "components_solo",
+    "components_inrun",
+    "t_bound_inrun_s",
+    "t_seq_whole_s",
+    "schedules",
+    "noisy",
+}
+
+
+def _bench(*extra: str) -> tuple[dict, str]:
+    args = [
+        *("bench", "pipeline", "--model", "tiny-llama", "--json"),
+        *("--links", "100mbit-5ms", "--schedules", "sequential,greedy"),
+        *("--steps", "2", "--warmup", "1", "--batch-size", "4", "--seq-len", "16"),
+        *("--microbatches", "2", *extra),
+    ]
+    done = subprocess.run(
+        [sys.executable, "-m", "fedpipe.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout), done.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("split", "layers", "transfers"),
+    [("u", ("1", "1"), 4), ("two", ("1", "0"), 2)],
+)
+def test_bench_json_holds_the_contract_in_both_split_modes(
+    split: str, layers: tuple[str, str], transfers: int
+) -> None:
+    report, stderr = _bench(
+        *("--set", f"model.split={split}", "--set", f"model.head_layers={layers[0]}"),
+        *("--set", f"model.tail_layers={layers[1]}"),
+    )
+    (entry,) = report["links"]
+    assert CONTRACT_KEYS <= set(entry), CONTRACT_KEYS - set(entry)
+    assert set(entry["schedules"]) == {"sequential", "greedy", "sequential-whole"}
+    assert entry["speedup"] == pytest.approx(
+        min(entry["t_seq_s"], entry["t_seq_whole_s"]) / entry["t_pipe_s"], rel=1e-2
+    )
+    solo = entry["components_solo"]
+    assert solo["split"] == split and solo["c_f"] > 0 and solo["s_b"] > 0
+    assert (solo["c_t"] > 0) == (split == "u")  # the two-part device has no tail
+    rebuilt = Components(**solo)  # the bound is what bench.bound makes of the solo components
+    assert len(rebuilt.transfers) == transfers
+    assert pipeline_bound(rebuilt, 2)[0] == pytest.approx(entry["t_bound_s"], abs=2e-4)
+    # Progress goes to stderr in round-robin order: every run's step k before any step k+1.
+    ran = re.findall(r"step (\d+)\s+(\S+):", stderr)
+    runs = ["solo", "sequential", "greedy", "sequential-whole"]
+    assert [(int(s), n) for s, n in ran] == round_robin(runs, 3)
+    assert report["noisy"] == entry["noisy"]
