@@ -8,6 +8,7 @@ errors to status codes; all compute happens in the runtime's worker.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import threading
 import time
@@ -351,6 +352,14 @@ class _ControlServicer(pb_grpc.StageControlServicer):
         return pb.LoadAdapterReply()
 
 
+def _is_loopback(host: str) -> bool:
+    """Whether ``host`` is reachable only from this machine (no one else on the path)."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 class StageServer:
     """Hosts a StageRuntime on gRPC with health checks; ``start()`` binds, ``stop()`` ends."""
 
@@ -409,6 +418,7 @@ class StageServer:
             self.port = self._server.add_insecure_port(bind)
         if self.port == 0:
             raise OSError(f"could not bind the StageServer to {bind}")
+        self.host = host
         self.address = f"{host}:{self.port}"
 
     def start(self) -> StageServer:
@@ -417,7 +427,7 @@ class StageServer:
         for service in ("", "fedpipe.proto.StageLink", "fedpipe.proto.StageControl"):
             self._health.set(service, serving)
         log.info("StageServer listening on %s (%s)", self.address, self.tls)
-        if self.tls == "plaintext":
+        if self.tls == "plaintext" and not _is_loopback(self.host):
             log.warning(
                 "the stage link on %s is plaintext: activations, gradients and session tokens "
                 "cross the network readable by anyone on the path; give the StageServer "

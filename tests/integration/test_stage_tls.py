@@ -134,13 +134,18 @@ def test_mutual_tls_admits_only_clients_with_a_certificate_from_the_ca(
 
 
 def test_plaintext_stage_link_warns_at_start(caplog: pytest.LogCaptureFixture) -> None:
+    """Warned when others can reach it (bound beyond loopback), not for loopback alone."""
     config = FedpipeConfig().with_overrides(SMALL)
-    with caplog.at_level(logging.WARNING, logger="fedpipe.transport.server"):
-        server = build_stage_server(config, port=0).start()
-        server.stop(grace=None)
-    assert server.tls == "plaintext"
-    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert any("is plaintext" in w and "fedpipe certs" in w for w in warnings), warnings
+    for host, warned in (("0.0.0.0", True), ("127.0.0.1", False)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="fedpipe.transport.server"):
+            server = build_stage_server(
+                config.with_overrides({"server.host": host}), port=0
+            ).start()
+            server.stop(grace=None)
+        assert server.tls == "plaintext"
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert any("is plaintext" in w and "fedpipe certs" in w for w in warnings) is warned
 
 
 def test_tls_settings_that_go_together_are_config_errors() -> None:
