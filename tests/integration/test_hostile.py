@@ -24,6 +24,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from safetensors.torch import load as st_load
+from waits import wait_for
 
 from fedpipe.config import FedpipeConfig, ModelConfig, PipelineConfig, ServerConfig, TrainConfig
 from fedpipe.device import split_terms
@@ -145,14 +146,6 @@ def _stream_error(stub: pb_grpc.StageLinkStub, session_id: str, *msgs: pb.StageM
         return stream.error()
     finally:
         stream.close()
-
-
-def _wait_for(predicate: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.02)
 
 
 def _step(stream: _Stream, seed: int, *, step: int = 0, microbatches: int = 2) -> None:
@@ -477,11 +470,11 @@ def test_worker_serves_sessions_round_robin(folder) -> None:  # type: ignore[no-
                     for m in range(30)
                 ]
             )
-            _wait_for(lambda: fair.runtime.pending(flooder) >= 29, "the flood to be queued")
+            wait_for(lambda: fair.runtime.pending(flooder) >= 29, "the flood to be queued")
             calm.send(
                 *[_msg(pb.ACTIVATION, mb=m, tensor=_values(m), forward_only=True) for m in range(3)]
             )
-            _wait_for(lambda: fair.runtime.pending(normal) == 3, "the normal session's work")
+            wait_for(lambda: fair.runtime.pending(normal) == 3, "the normal session's work")
             gate.set()
             assert [calm.next().microbatch for _ in range(3)] == [0, 1, 2]
             assert [flood.next().microbatch for _ in range(30)] == list(range(30))
@@ -514,7 +507,7 @@ def test_idle_streams_past_the_cap_are_refused_and_health_answers(folder) -> Non
             stub = pb_grpc.StageLinkStub(chan)
             sessions = [_open(stub, f"idle-{i}") for i in range(total)]
             streams = [_Stream(stub, s) for s in sessions[:cap]]
-            _wait_for(lambda: busy._link.slots.live == cap, f"{cap} live streams")
+            wait_for(lambda: busy._link.slots.live == cap, f"{cap} live streams")
             streams += [_Stream(stub, s) for s in sessions[cap:]]
             for stream in streams[cap:]:
                 error = stream.error()
@@ -525,7 +518,7 @@ def test_idle_streams_past_the_cap_are_refused_and_health_answers(folder) -> Non
             )
             assert health.status == health_pb2.HealthCheckResponse.SERVING
             streams[0].close()  # a slot frees up; a device uses it
-            _wait_for(lambda: busy._link.slots.live < cap, "a free stream slot")
+            wait_for(lambda: busy._link.slots.live < cap, "a free stream slot")
             stream = _Stream(stub, _open(stub, "worker"))
             try:
                 _step(stream, seed=4)
@@ -552,7 +545,7 @@ def test_idle_stream_and_session_expire_with_a_log_line(
                 stream.close()
             assert error.code() == S.DEADLINE_EXCEEDED
             assert "over server.stream_idle_s = 0.3" in error.details()
-            _wait_for(lambda: not idle.runtime.sessions(), "the idle session to be dropped")
+            wait_for(lambda: not idle.runtime.sessions(), "the idle session to be dropped")
             assert "[sleeper] session" in caplog.text and "dropped: idle for" in caplog.text
             assert "s (server.session_idle_s = 1)" in caplog.text
             error = _stream_error(stub, session_id, _msg(pb.STEP_END))
@@ -598,8 +591,8 @@ def test_device_killed_mid_step_frees_its_session(folder) -> None:  # type: igno
         assert sorted(info.cache) == [0]
         device.send_signal(signal.SIGKILL)
         device.wait(timeout=10)
-        _wait_for(lambda: not info.cache, "the killed device's step to be undone")
-        _wait_for(lambda: not victim_server.runtime.sessions(), "its session", deadline + 5)
+        wait_for(lambda: not info.cache, "the killed device's step to be undone")
+        wait_for(lambda: not victim_server.runtime.sessions(), "its session", deadline + 5)
         assert info.session_id not in victim_server.runtime.bank.names()
     finally:
         if device.poll() is None:

@@ -10,14 +10,14 @@ from __future__ import annotations
 import functools
 import queue
 import re
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from waits import wait_for
 
 from fedpipe.config import FedpipeConfig, PipelineConfig, ServerConfig, TrainConfig
 from fedpipe.device import DeviceTrainer, split_terms
@@ -143,14 +143,6 @@ def _stream_error(
         return info.value
     finally:
         stream.close()
-
-
-def _wait_for(predicate: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.02)
 
 
 def _session_of(runtime: StageRuntime, device_id: str):  # type: ignore[no-untyped-def]
@@ -284,12 +276,12 @@ def test_vanished_device_leaves_nothing_and_others_train_on(server: StageServer,
         info = runtime.session(session.session_id)
         assert sorted(info.cache) == [0, 1]
         survivor = pool.submit(_train, server.address, folder, "survivor", batches)
-        _wait_for(
+        wait_for(
             lambda: any(s.device_id == "survivor" for s in runtime.sessions()),
             "the second device's session",
         )
         session.abort()  # mid-step, while the survivor trains
-        _wait_for(lambda: not info.cache, "the vanished device's partial step to be dropped")
+        wait_for(lambda: not info.cache, "the vanished device's partial step to be dropped")
         assert info.step == 0 and info.steps_done == 0
         together = survivor.result(timeout=60)
     assert together == pytest.approx(alone, rel=1e-5)
