@@ -7,10 +7,14 @@ prototype, notes/pipeline-bound.md). Links are emulated inside the device's tran
 For every link setting the benchmark keeps one session per run open and walks them round robin,
 step by step (``round_robin``), so that drift on a shared machine hits every schedule alike:
 
-- ``solo``: stop-and-wait over the microbatches on an un-emulated loopback. One side computes
-  while the other waits, so its trace holds every component measured alone, under the same
-  pinning as the pipelined runs; the bound (``t_bound_s``) is built from these and from the link
-  model's occupancy (bytes / bandwidth) and latency.
+- ``solo``: the GPipe schedule in phases on an un-emulated loopback (:class:`PhasedChannel`):
+  the device runs all head forwards back to back, then the server all its forwards, then the
+  device all tails, the server all backwards, the device all head backwards. Only one side
+  computes at a time and each computation follows one of its own kind, so its trace holds every
+  component measured alone and warm, under the same pinning as the pipelined runs (timing each
+  microbatch after an idle gap, as stop-and-wait does, measured components slower than inside
+  the pipeline: efficiency above 1). The bound (``t_bound_s``) is built from these and from the
+  link model's occupancy (bytes / bandwidth) and latency.
 - ``sequential``: stop-and-wait over the microbatches on the emulated link (``t_seq_s``).
 - ``sequential-whole``: stop-and-wait on the whole batch, one microbatch (``t_seq_whole_s``),
   what split-learning systems run today.
@@ -49,7 +53,8 @@ from fedpipe.bench.bound import (
 from fedpipe.config import FedpipeConfig
 from fedpipe.device import DeviceTrainer
 from fedpipe.link import LinkProfile, parse_link
-from fedpipe.pipeline.device_runtime import DeviceRuntime
+from fedpipe.pipeline.device_runtime import DeviceRuntime, StageChannel
+from fedpipe.pipeline.messages import Kind, StageMsg
 from fedpipe.pipeline.trace import Tracer
 from fedpipe.transport.client import StageClient, StageSession
 from fedpipe.transport.codec import encoded_nbytes
@@ -175,17 +180,60 @@ def _open_run(
         seq_len=cfg.train.seq_len,
     )
     stack.enter_context(session)
+    phased = name == SOLO
     runtime = DeviceRuntime(
         trainer.head,
         trainer.tail,
-        session,
+        PhasedChannel(session, microbatches) if phased else session,
         optimizer=torch.optim.AdamW(trainer.parameters(), lr=cfg.train.lr),
         schedule=schedule,
         microbatches=microbatches,
-        max_in_flight=cfg.pipeline.max_in_flight or None,
+        max_in_flight=None if phased else cfg.pipeline.max_in_flight or None,
         tracer=tracer,
     )
     return _Run(name, link, microbatches, session, runtime, tracer, [])
+
+
+class PhasedChannel:
+    """A session's channel that makes each side compute a whole phase while the other waits.
+
+    Sends are held until the device next waits for a reply; a reply is handed over only once
+    all ``microbatches`` replies of its kind for that step have arrived. So the server receives
+    a phase's messages in one burst and computes them back to back, and the device's next phase
+    starts only after the server's has ended.
+    """
+
+    def __init__(self, channel: StageChannel, microbatches: int) -> None:
+        self._channel = channel
+        self._microbatches = microbatches
+        self._held: list[StageMsg] = []
+        self._arrived: set[tuple[Kind, int]] = set()  # phases whose replies all came
+
+    def send(self, msg: StageMsg) -> None:
+        self._held.append(msg)
+
+    def ready(self, kind: Kind, step: int, microbatch: int) -> bool:
+        self._flush()
+        return self._channel.ready(kind, step, microbatch)
+
+    def receive(self, kind: Kind, step: int, microbatch: int) -> StageMsg:
+        self._flush()
+        count = 1 if kind is Kind.STEP_DONE else self._microbatches
+        while (kind, step) not in self._arrived:
+            if all(self._channel.ready(kind, step, mb) for mb in range(count)):
+                self._arrived.add((kind, step))
+            else:
+                self._channel.wait_any(0.05)
+        return self._channel.receive(kind, step, microbatch)
+
+    def wait_any(self, timeout: float) -> None:
+        self._flush()
+        self._channel.wait_any(timeout)
+
+    def _flush(self) -> None:
+        held, self._held = self._held, []
+        for msg in held:
+            self._channel.send(msg)
 
 
 def _median(values: Sequence[float]) -> float:
@@ -312,7 +360,7 @@ def _bench_link(
 ) -> dict[str, Any]:
     cfg = trainer.config
     m, split = cfg.pipeline.microbatches, cfg.model.split
-    plan = [(SOLO, "sequential", LinkProfile.unlimited(), m)]
+    plan = [(SOLO, "gpipe", LinkProfile.unlimited(), m)]
     plan += [(name, name, link, m) for name in schedules]
     if "sequential" in schedules:
         plan.append((WHOLE, "sequential", link, 1))

@@ -13,11 +13,13 @@ import pytest
 from fedpipe.bench.bound import Components, pipeline_bound
 from fedpipe.bench.pipeline import (
     NOISE_THRESHOLD,
+    PhasedChannel,
     noise_report,
     round_robin,
     solo_components,
 )
 from fedpipe.link import LinkProfile
+from fedpipe.pipeline.messages import Kind, StageMsg
 
 
 def test_round_robin_runs_every_schedule_at_a_step_before_the_next_step() -> None:
@@ -30,6 +32,50 @@ def test_round_robin_runs_every_schedule_at_a_step_before_the_next_step() -> Non
         (1, "sequential"),
         (1, "greedy"),
     ]
+
+
+class _Server:
+    """A fake stage link: each ``wait_any`` lets the server answer one message it was sent."""
+
+    def __init__(self) -> None:
+        self.log: list[str] = []
+        self.queue: list[StageMsg] = []
+        self.replies: dict[tuple[Kind, int, int], StageMsg] = {}
+
+    def send(self, msg: StageMsg) -> None:
+        self.log.append(f"send {msg.kind.name} {msg.microbatch}")
+        self.queue.append(msg)
+
+    def ready(self, kind: Kind, step: int, microbatch: int) -> bool:
+        return (kind, step, microbatch) in self.replies
+
+    def receive(self, kind: Kind, step: int, microbatch: int) -> StageMsg:
+        assert self.ready(kind, step, microbatch), "receive would block forever here"
+        self.log.append(f"receive {kind.name} {microbatch}")
+        return self.replies.pop((kind, step, microbatch))
+
+    def wait_any(self, timeout: float) -> None:
+        msg = self.queue.pop(0)
+        self.log.append(f"compute {msg.kind.name} {msg.microbatch}")
+        kind = {Kind.ACTIVATION: Kind.OUTPUT, Kind.OUTPUT_GRAD: Kind.INPUT_GRAD}[msg.kind]
+        self.replies[(kind, msg.step, msg.microbatch)] = StageMsg(kind, msg.step, msg.microbatch)
+
+
+def test_phased_channel_lets_the_server_compute_a_whole_phase_before_the_device_goes_on() -> None:
+    server = _Server()
+    channel = PhasedChannel(server, microbatches=3)
+    for mb in range(3):  # the device's head forwards: nothing leaves yet
+        channel.send(StageMsg(Kind.ACTIVATION, 0, mb))
+    assert server.log == []
+    channel.receive(Kind.OUTPUT, 0, 0)  # the burst goes out; the first reply waits for all three
+    assert server.log == [
+        *(f"send ACTIVATION {mb}" for mb in range(3)),
+        *(f"compute ACTIVATION {mb}" for mb in range(3)),
+        "receive OUTPUT 0",
+    ]
+    channel.send(StageMsg(Kind.OUTPUT_GRAD, 0, 0))
+    channel.receive(Kind.OUTPUT, 0, 1)  # already there: the held gradient goes out, no wait
+    assert server.log[-2:] == ["send OUTPUT_GRAD 0", "receive OUTPUT 1"]
 
 
 def test_solo_components_take_transfers_from_the_link_model() -> None:
