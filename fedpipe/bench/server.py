@@ -56,6 +56,7 @@ log = logging.getLogger(__name__)
 Span = tuple[float, float]  # one step of one device: (start, end) on time.monotonic
 COLUMNS = ("unbatched", "batched")
 KNEE_FRACTION = 0.9  # the measured knee: the first N within 10% of the best throughput
+STARVED_SHARE = 0.7  # a server given less CPU than this while busy marks the run noisy
 
 
 @dataclass(frozen=True)
@@ -443,6 +444,15 @@ def _model_figures(settings: ServerBenchSettings, rows: list[dict[str, Any]]) ->
     }
 
 
+def cpu_share(rows: Sequence[dict[str, Any]]) -> float:
+    """The smallest ``server_cpu / busy`` of any column: the CPU the server got while computing.
+
+    Near 1 (or above: the server also decodes and runs gRPC) on a quiet machine; well below it,
+    other processes took the server's core and the columns' figures differ by noise alone.
+    """
+    return min(row[c]["server_cpu"] / max(row[c]["busy"], 1e-9) for row in rows for c in COLUMNS)
+
+
 def _report(
     settings: ServerBenchSettings,
     rows: list[dict[str, Any]],
@@ -453,6 +463,17 @@ def _report(
 ) -> dict[str, Any]:
     shape, emu = settings.shape, settings.emulation
     loadgen = [row[c]["loadgen_cpu"] for row in rows for c in COLUMNS]
+    for row in rows:
+        row["batched_over_unbatched"] = round(
+            row["batched"]["mb_per_s"] / row["unbatched"]["mb_per_s"], 3
+        )
+    share = cpu_share(rows)
+    if share < STARVED_SHARE:
+        print(
+            f"  warning: the server got {share:.0%} of a core while busy (server_cpu / busy): "
+            "other processes share its core; rerun on a quiet machine before trusting the figures",
+            file=sys.stderr,
+        )
     return {
         "mode": "real" if settings.real else "emulated",
         "model": settings.model,
@@ -468,6 +489,8 @@ def _report(
         "pinning": pinning,
         **_model_figures(settings, rows),
         "loadgen_cpu_max": max(loadgen),
+        "server_cpu_share": round(share, 3),
+        "noisy": share < STARVED_SHARE,
         "load_average": {"start": list(load_start), "end": list(os.getloadavg())},
         "wall_s": round(wall, 1),
         "rows": rows,

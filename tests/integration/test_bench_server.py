@@ -34,4 +34,6 @@ def test_quick_run_prints_the_contract_for_every_n() -> None:
     assert math.isfinite(report["n_star"]) and report["n_star"] > 0
     pinning = report["pinning"]
     assert {"server_cpus", "server_threads", "loadgen_cpus", "machine_cpus"} <= pinning.keys()
-    assert isinstance(report["batching_available"], bool)
+    assert isinstance(report["batching_available"], bool) and isinstance(report["noisy"], bool)
+    assert all(row["batched_over_unbatched"] > 0 for row in report["rows"])
+    assert report["loadgen_cpu_max"] >= 0 and len(report["load_average"]["start"]) == 3

@@ -16,6 +16,7 @@ from fedpipe.bench.server import (
     ServerBenchSettings,
     _runtime_settings,
     column_figures,
+    cpu_share,
     knee,
     measurement_window,
     n_star_model,
@@ -170,3 +171,13 @@ def test_bad_flags_fail_before_any_server_starts(
     assert main(["bench", "server", "--quick", *flags]) == EXIT_SETTINGS
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("fedpipe: error: ") and says in err[0], err
+
+
+def test_a_server_starved_of_its_core_is_noticed() -> None:
+    def column(busy: float, cpu: float) -> dict[str, float]:
+        return {"busy": busy, "server_cpu": cpu}
+
+    quiet = [{"batched": column(0.9, 1.0), "unbatched": column(0.5, 0.55)}]
+    assert cpu_share(quiet) == pytest.approx(1.1)
+    loaded = [*quiet, {"batched": column(0.98, 0.3), "unbatched": column(0.98, 0.9)}]
+    assert cpu_share(loaded) == pytest.approx(0.3 / 0.98)
