@@ -192,8 +192,7 @@ def _start_servers(
         "model.tail_layers": settings.tail_layers,
         "server.device": "cpu",
         "server.threads": settings.server_threads,
-        "server.max_streams": max(64, most),
-        "server.max_pending": 64,
+        "server.max_streams": max(64, most),  # one stream per device
     }
     available = _runtime_settings(True)[1]
     if not available:
