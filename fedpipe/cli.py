@@ -328,6 +328,59 @@ def _print_bench_table(report: dict[str, Any]) -> None:
         )
 
 
+def cmd_bench_server(args: argparse.Namespace) -> int:
+    """`fedpipe bench server`: N devices against one StageServer, batching off and on."""
+    from fedpipe.bench.server import make_settings, run_server_bench
+
+    devices = _int_list(args.devices, "--devices") if args.devices else None
+    settings = make_settings(
+        model=args.model,
+        devices=devices,
+        steps=args.steps,
+        warmup=args.warmup,
+        quick=args.quick,
+        real=args.real,
+        link=args.link,
+        server_threads=args.server_threads,
+        microbatches=args.microbatches,
+        microbatch_size=args.microbatch_size,
+        seq_len=args.seq_len,
+    )
+    report = run_server_bench(settings)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        _print_server_table(report)
+    return 0
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"{flag}: expected comma-separated whole numbers, got {text!r}") from None
+
+
+def _print_server_table(report: dict[str, Any]) -> None:
+    print(
+        f"model {report['model']} ({report['split']}), microbatch {report['microbatch']} x "
+        f"{report['microbatches']}, link {report['link']}, {report['pinning']['text']}; "
+        f"N* {report['n_star']} (knee: {report['knee']})"
+    )
+    print(
+        f"{'N':>4} {'column':>9} {'mb/s':>8} {'tokens/s':>9} {'p50 s':>7} {'p95 s':>7} "
+        f"{'busy':>5} {'batch':>5} {'model mb/s':>10}"
+    )
+    for row in report["rows"]:
+        for column in ("unbatched", "batched"):
+            f = row[column]
+            print(
+                f"{row['devices']:>4} {column:>9} {f['mb_per_s']:>8.2f} {f['tokens_per_s']:>9.0f} "
+                f"{f['step_p50_s']:>7.3f} {f['step_p95_s']:>7.3f} {f['busy']:>5.2f} "
+                f"{f['mean_batch']:>5.2f} {row['predicted_mb_per_s']:>10.2f}"
+            )
+
+
 def cmd_bench_memory(args: argparse.Namespace) -> int:
     """`fedpipe bench memory`: what the device side holds against the whole model."""
     from fedpipe.preflight import check_model

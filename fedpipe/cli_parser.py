@@ -286,6 +286,26 @@ def _add_bench(sub: Any) -> None:
     q.add_argument("--warmup", type=int, default=1, help="unmeasured steps first")
     r = _sub(bsub, "memory", "fedpipe.cli:cmd_bench_memory", "device memory vs the whole model")
     _settings(r, model_default="default (SmolLM2-135M-Instruct)")
+    _add_bench_server(bsub)
+
+
+def _add_bench_server(bsub: Any) -> None:
+    s = _sub(bsub, "server", "fedpipe.cli:cmd_bench_server", "N devices vs one StageServer")
+    s.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    s.add_argument(
+        "--model",
+        help="tiny-llama | small-llama | SmolLM2 (default: small-llama; tiny-llama with --quick)",
+    )
+    s.add_argument("--devices", help="comma-separated N (default: 1,2,4,8,16,32; 1,2,4 --real)")
+    s.add_argument("--steps", type=int, help="measured steps per device (default: 3; 2 --quick)")
+    s.add_argument("--warmup", type=int, default=1, help="unmeasured steps first")
+    s.add_argument("--quick", action="store_true", help="CI size: tiny-llama, N 1,2,4, 2 steps")
+    s.add_argument("--real", action="store_true", help="real head/tail stages, not generators")
+    s.add_argument("--link", help="each device's link (default: 100mbit-5ms; loopback --quick)")
+    s.add_argument("--server-threads", type=int, default=1, help="torch threads of the server")
+    s.add_argument("--microbatches", type=int, default=2, help="microbatches per device step")
+    s.add_argument("--microbatch-size", type=int, default=2, help="sequences per microbatch")
+    s.add_argument("--seq-len", type=int, help="tokens per sequence (default: 128; 16 --quick)")
 
 
 def _add_certs(sub: Any) -> None:

@@ -21,12 +21,14 @@ import functools
 import hashlib
 import json
 import logging
+import os
 import subprocess
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import torch
@@ -35,15 +37,50 @@ from fedpipe.pipeline.messages import Kind, StageMsg
 from fedpipe.proto import stage_pb2 as pb
 from fedpipe.proto import stage_pb2_grpc as pb_grpc
 from fedpipe.split.agreement import SplitTerms
-from fedpipe.transport.client import StageClient
+from fedpipe.transport.client import StageClient, StageSession
 
-__all__ = ["DeviceRun", "LoadReport", "ServerProcess", "run_device", "run_load"]
+__all__ = [
+    "DeviceEmulation",
+    "DeviceRun",
+    "LoadDevice",
+    "LoadReport",
+    "LoadShape",
+    "ServerProcess",
+    "device_split",
+    "run_device",
+    "run_load",
+]
 
 log = logging.getLogger(__name__)
 
-MICROBATCHES, ROWS, TOKENS = 2, 2, 16  # per step: 2 microbatches of (2, 16, hidden)
-HIDDEN = 64  # tiny-llama
 BASELINE_STEP = 5
+
+
+@dataclass(frozen=True)
+class LoadShape:
+    """What an emulated device sends per step: ``microbatches`` tensors (rows, tokens, hidden)."""
+
+    microbatches: int = 2
+    rows: int = 2
+    tokens: int = 16
+    hidden: int = 64  # tiny-llama
+
+    @property
+    def tokens_per_microbatch(self) -> int:
+        return self.rows * self.tokens
+
+
+@dataclass(frozen=True)
+class DeviceEmulation:
+    """A device's own compute per microbatch, emulated by sleeping (the server gets the cores)."""
+
+    head_forward_s: float = 0.0
+    tail_s: float = 0.0  # tail forward + loss + tail backward
+    head_backward_s: float = 0.0
+
+    @property
+    def per_microbatch_s(self) -> float:
+        return self.head_forward_s + self.tail_s + self.head_backward_s
 
 
 @dataclass
@@ -70,15 +107,29 @@ class LoadReport:
 
 
 class ServerProcess:
-    """A StageServer (tiny-llama, U-shaped split) in a child process; stopped by its PID."""
+    """A StageServer (U-shaped split) in a child process; stopped by its PID.
 
-    def __init__(self, *, max_sessions: int = 128) -> None:
-        code = (
-            "import sys; from fedpipe.bench.load import _serve; "
-            f"_serve(max_sessions={max_sessions})"
-        )
+    ``overrides`` are settings on top of tiny-llama's defaults (model, split, ``server.*``);
+    ``cpus`` pins the child (``sched_setaffinity``). With ``probe`` the child times its compute
+    calls (:class:`fedpipe.bench.server_probe.ComputeProbe`) and answers :meth:`probe_stats`
+    over its stdin and stdout.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_sessions: int = 128,
+        overrides: dict[str, object] | None = None,
+        cpus: list[int] | None = None,
+        probe: bool = False,
+    ) -> None:
+        spec = {"max_sessions": max_sessions, "overrides": overrides or {}, "cpus": cpus or []}
+        code = f"from fedpipe.bench.load import _serve; _serve({json.dumps(spec)!r}, probe={probe})"
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True
+            [sys.executable, "-c", code],
+            stdout=subprocess.PIPE,
+            stdin=subprocess.PIPE if probe else None,
+            text=True,
         )
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline().strip()
@@ -86,6 +137,17 @@ class ServerProcess:
             self.stop()
             raise RuntimeError(f"the StageServer process did not start: {line!r}")
         self.address = line.removeprefix("listening ")
+
+    def probe_stats(self) -> dict[str, Any]:
+        """The child's compute calls since the last ask, its CPU seconds and its clock."""
+        if self.proc.stdin is None or self.proc.stdout is None:
+            raise RuntimeError("this StageServer process was started without probe=True")
+        self.proc.stdin.write("stats\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the StageServer process ended (exit {self.proc.poll()})")
+        return dict(json.loads(line))
 
     def discard_round(self, round_: int) -> None:
         """Commit ``round_`` with no finished device: its sessions are dropped, nothing merged."""
@@ -110,31 +172,121 @@ class ServerProcess:
         self.proc.wait(timeout=30)
 
 
-def _serve(*, max_sessions: int) -> None:
-    """Child process: serve until killed; print the address on the first line."""
+def _serve(spec_json: str, *, probe: bool = False) -> None:
+    """Child process: serve until killed (or, with ``probe``, until stdin closes).
+
+    Prints the address on the first line; with ``probe`` each ``stats`` line on stdin is
+    answered with one JSON line (see :meth:`ServerProcess.probe_stats`).
+    """
     from fedpipe.config import load_config
     from fedpipe.serving import build_stage_server
 
+    spec = json.loads(spec_json)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    overrides = {"model.name": "tiny-llama", "server.max_sessions": max_sessions}
+    if spec["cpus"]:
+        os.sched_setaffinity(0, set(spec["cpus"]))
+    overrides = {"model.name": "tiny-llama", "server.max_sessions": spec["max_sessions"]}
+    overrides |= spec["overrides"]
     server = build_stage_server(load_config(None, overrides), port=0).start()
+    if not probe:
+        print(f"listening {server.address}", flush=True)
+        server.wait()
+        return
+    from fedpipe.bench.server_probe import ComputeProbe
+
+    stats = ComputeProbe(server.runtime).install()
     print(f"listening {server.address}", flush=True)
-    server.wait()
+    for line in sys.stdin:
+        if line.strip() == "stats":
+            print(json.dumps(stats.snapshot()), flush=True)
+    server.stop()
 
 
 @functools.cache
-def _device_split() -> SplitTerms:
-    """The split every emulated device declares: the server's (tiny-llama, default cut)."""
+def device_split(model: str = "tiny-llama", head: int = 0, tail: int = 0) -> SplitTerms:
+    """The split an emulated device declares: the server's (``head``/``tail`` 0: the default)."""
     from fedpipe.config import load_config
     from fedpipe.device import split_terms
     from fedpipe.models import resolve_model
 
-    return split_terms(load_config(None, {"model.name": "tiny-llama"}), resolve_model("tiny-llama"))
+    overrides: dict[str, object] = {"model.name": model}
+    if head:
+        overrides |= {"model.head_layers": head, "model.tail_layers": tail}
+    return split_terms(load_config(None, overrides), resolve_model(model))
 
 
-def _tensor(*seed: int) -> torch.Tensor:
+def _tensor(shape: LoadShape, *seed: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(hash(seed) & 0x7FFF_FFFF)
-    return torch.randn(ROWS, TOKENS, HIDDEN, generator=gen)  # (b, T, C)
+    return torch.randn(shape.rows, shape.tokens, shape.hidden, generator=gen)  # (b, T, C)
+
+
+class LoadDevice:
+    """One emulated device's steps on an open session: right-shaped tensors, sleeps for compute.
+
+    A step sends every microbatch's activation (after its emulated head forward), answers each
+    output with an output gradient (after its emulated tail), takes the input gradients (then
+    its emulated head backward) and ends with ``STEP_END``. Like the device runtime, it collects
+    ``STEP_DONE`` lazily, before the next step's first output. With a ``digest`` every tensor is
+    fresh (seeded by device, step and microbatch) and every reply is hashed; without one the
+    tensors are made once and reused, so the generator spends almost no CPU.
+    """
+
+    def __init__(
+        self,
+        session: StageSession,
+        seed: int,
+        shape: LoadShape,
+        emulation: DeviceEmulation | None = None,
+        digest: Any = None,
+    ) -> None:
+        self.session = session
+        self.seed = seed
+        self.shape = shape
+        self.emulation = emulation or DeviceEmulation()
+        self.digest = digest
+        self._unconfirmed: int | None = None
+        fixed = [_tensor(shape, seed, -2, mb) for mb in range(shape.microbatches)]
+        self._fixed = (fixed, _tensor(shape, seed, -3) * 1e-3)
+
+    def _activation(self, step: int, mb: int) -> torch.Tensor:
+        return _tensor(self.shape, self.seed, step, mb) if self.digest else self._fixed[0][mb]
+
+    def _gradient(self, step: int, mb: int) -> torch.Tensor:
+        if self.digest:
+            return _tensor(self.shape, self.seed, step, mb, 1) * 1e-3
+        return self._fixed[1]
+
+    def step(self, step: int) -> None:
+        session, emu, m = self.session, self.emulation, self.shape.microbatches
+        for mb in range(m):
+            _sleep(emu.head_forward_s)
+            session.send(StageMsg(Kind.ACTIVATION, step, mb, tensor=self._activation(step, mb)))
+        self.confirm()
+        for mb in range(m):
+            self._hash(session.receive(Kind.OUTPUT, step, mb))
+            _sleep(emu.tail_s)
+            session.send(StageMsg(Kind.OUTPUT_GRAD, step, mb, tensor=self._gradient(step, mb)))
+        for mb in range(m):
+            self._hash(session.receive(Kind.INPUT_GRAD, step, mb))
+            _sleep(emu.head_backward_s)
+        session.send(StageMsg(Kind.STEP_END, step))
+        self._unconfirmed = step
+
+    def confirm(self) -> None:
+        """Take the last step's ``STEP_DONE`` if it is still out."""
+        if self._unconfirmed is not None:
+            self.session.receive(Kind.STEP_DONE, self._unconfirmed, 0)
+            self._unconfirmed = None
+
+    def _hash(self, msg: StageMsg) -> None:
+        if self.digest is not None:
+            assert msg.tensor is not None
+            self.digest.update(msg.tensor.contiguous().numpy().tobytes())
+
+
+def _sleep(seconds: float) -> None:
+    if seconds > 0:
+        time.sleep(seconds)
 
 
 def run_device(
@@ -146,48 +298,35 @@ def run_device(
     round_: int = 0,
     progress: dict[str, int] | None = None,
 ) -> DeviceRun:
-    """One emulated device: ``steps`` training steps, then one evaluation forward."""
+    """One emulated device (tiny shapes, no sleeps): ``steps`` steps, one evaluation forward."""
     run = DeviceRun("")
     digest = hashlib.sha256()
+    shape = LoadShape()
     with StageClient(address) as client:
         session = client.open_session(
             device_id=device_id,
             round_=round_,
             lr=1e-2,
-            microbatch_size=ROWS,
-            seq_len=TOKENS,
-            split=_device_split(),
+            microbatch_size=shape.rows,
+            seq_len=shape.tokens,
+            split=device_split(),
         )
         with session:
+            device = LoadDevice(session, seed, shape, digest=digest)
             for step in range(steps):
                 start = time.perf_counter()
-                _train_step(session, seed, step, digest)
+                device.step(step)
+                device.confirm()
                 run.step_s.append(time.perf_counter() - start)
                 if progress is not None:
                     progress[device_id] = step + 1
-            probe = StageMsg(Kind.ACTIVATION, steps, 0, tensor=_tensor(seed, -1), forward_only=True)
+            probe = StageMsg(
+                Kind.ACTIVATION, steps, 0, tensor=_tensor(shape, seed, -1), forward_only=True
+            )
             session.send(probe)
-            _hash(digest, session.receive(Kind.OUTPUT, steps, 0))
+            device._hash(session.receive(Kind.OUTPUT, steps, 0))
     run.digest = digest.hexdigest()
     return run
-
-
-def _train_step(session, seed: int, step: int, digest) -> None:  # type: ignore[no-untyped-def]
-    for mb in range(MICROBATCHES):
-        session.send(StageMsg(Kind.ACTIVATION, step, mb, tensor=_tensor(seed, step, mb)))
-    for mb in range(MICROBATCHES):
-        _hash(digest, session.receive(Kind.OUTPUT, step, mb))
-        grad = _tensor(seed, step, mb, 1) * 1e-3
-        session.send(StageMsg(Kind.OUTPUT_GRAD, step, mb, tensor=grad))
-    for mb in range(MICROBATCHES):
-        _hash(digest, session.receive(Kind.INPUT_GRAD, step, mb))
-    session.send(StageMsg(Kind.STEP_END, step))
-    session.receive(Kind.STEP_DONE, step, 0)
-
-
-def _hash(digest, msg: StageMsg) -> None:  # type: ignore[no-untyped-def]
-    assert msg.tensor is not None
-    digest.update(msg.tensor.contiguous().numpy().tobytes())
 
 
 def run_load(devices: int, steps: int) -> LoadReport:

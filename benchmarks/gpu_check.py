@@ -1,0 +1,260 @@
+"""The server stage on one GPU: tokens/s at 1, 8 and 32 devices, batched and unbatched.
+
+    python benchmarks/gpu_check.py [--devices 1,8,32] [--steps 3]
+
+(with fedpipe installed, or from the repo root with ``PYTHONPATH=.``). Prints one JSON object:
+``results`` holds, per model, number of devices and column (``batched``/``unbatched``),
+``tokens_per_s`` (tokens through the middle stage's forward and backward per second),
+``peak_gpu_mb`` (``torch.cuda.max_memory_allocated``) and ``idle`` (1 - GPU time inside compute
+calls / wall; the GPU time comes from CUDA events recorded at each call's start and end, so
+launch gaps inside a call count as busy and the idle fraction is the host time between calls).
+Without CUDA it prints ``{"skipped": "no CUDA device"}`` and exits 0. Under 5 minutes on one GPU.
+
+Models: SmolLM2-135M (the bundled ``default``, split 2 + 2, 26 middle blocks) and a random
+Llama-family model of about 1B parameters (hidden 2048, 16 blocks, 32 heads, 8 KV heads; random
+init, nothing downloaded; 12 middle blocks). Both compute in bf16 (``server.dtype``).
+
+No gRPC: N sessions are opened on a real :class:`~fedpipe.pipeline.server_runtime.StageRuntime`
+and driven in-process with CUDA tensors, step by step: every session's activations, then every
+session's output gradients, then the step ends, so the runtime always holds N sessions' work
+(a saturated server: what batching can gain at most). Batching is switched with the runtime's
+``policy`` (``fedpipe.pipeline.batch_policy.BatchPolicy``); on a build without it both columns
+run unbatched and ``batching_available`` is false.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+ROWS, TOKENS, MICROBATCHES = 2, 128, 2  # per device step: 2 microbatches of 2 x 128 tokens
+LLAMA_1B: dict[str, Any] = {
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 32000,
+    "max_position_embeddings": 2048,
+    "attn_implementation": "sdpa",
+}
+COLUMNS = ("unbatched", "batched")
+
+log = logging.getLogger("gpu_check")
+
+
+def _policy(batched: bool) -> tuple[dict[str, Any], bool]:
+    """The runtime's keyword that turns batching on or off; and whether this build has it."""
+    try:
+        from fedpipe.pipeline.batch_policy import BatchPolicy  # type: ignore[import-not-found]
+    except ImportError:
+        return {}, False
+    return {"policy": BatchPolicy(enabled=batched)}, True
+
+
+Build = Callable[[torch.device, torch.dtype], tuple[torch.nn.Module, Any]]
+
+
+def _folder_stage(name: str) -> Build:
+    """The middle stage (split 2 + 2) of a model fedpipe resolves by ``name``."""
+
+    def build(device: torch.device, dtype: torch.dtype) -> tuple[torch.nn.Module, Any]:
+        from fedpipe.models import load_config, resolve_model
+        from fedpipe.preflight import default_split
+        from fedpipe.split import build_stage, plan_split
+
+        folder = resolve_model(name)
+        config = load_config(folder)
+        side = default_split(int(config.num_hidden_layers))
+        plan = plan_split(config, head_layers=side, tail_layers=side)
+        return build_stage(folder, plan, "middle", dtype=dtype, device=device), config
+
+    return build
+
+
+def _llama_1b_stage(device: torch.device, dtype: torch.dtype) -> tuple[torch.nn.Module, Any]:
+    """The middle 12 blocks of a random ~1B Llama, built straight on the device (no files)."""
+    from transformers import LlamaConfig
+
+    from fedpipe.split import plan_split
+    from fedpipe.split.stages import MiddleStage, rotary_embedding
+
+    config = LlamaConfig(**LLAMA_1B)
+    plan = plan_split(config, head_layers=2, tail_layers=2)
+    torch.manual_seed(0)
+    with torch.device(device):
+        stage = MiddleStage(config, plan.server_blocks).to(dtype)
+    stage.rotary_emb = rotary_embedding(config).to(device)  # computed buffers stay fp32
+    stage.requires_grad_(False)
+    return stage.eval(), config
+
+
+MODELS: dict[str, Build] = {
+    "SmolLM2-135M": _folder_stage("default"),
+    "llama-1b-random": _llama_1b_stage,
+    "tiny-llama": _folder_stage("tiny-llama"),  # for a CPU smoke test of this script
+}
+GPU_MODELS = ("SmolLM2-135M", "llama-1b-random")
+
+
+def _runtime(build: Build, batched: bool, device: torch.device) -> tuple[Any, Any, bool]:
+    """A StageRuntime over the built stage, its compute probe, and whether batching exists."""
+    from fedpipe.bench.server_probe import ComputeProbe
+    from fedpipe.config import load_config
+    from fedpipe.device import lora_settings
+    from fedpipe.models.loading import model_family
+    from fedpipe.pipeline.server_runtime import RuntimeLimits, StageRuntime
+    from fedpipe.split import AdapterBank
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    stage, config = build(device, dtype)
+    bank = AdapterBank(stage, lora_settings(load_config(None, {})), family=model_family(config))
+    policy, available = _policy(batched)
+    runtime = StageRuntime(
+        bank,
+        mode="u",
+        hidden_size=int(config.hidden_size),
+        device=device,
+        dtype=dtype,
+        limits=RuntimeLimits(max_sessions=80, max_microbatch_size=ROWS),
+        max_positions=int(config.max_position_embeddings),
+        **policy,
+    )
+    probe = ComputeProbe(runtime, cuda_events=device.type == "cuda").install()
+    return runtime, probe, available
+
+
+def _take(handle: Any, kind: Any) -> None:
+    from fedpipe.pipeline.messages import StageMsg
+
+    reply = handle.next_reply(timeout=300)
+    if not isinstance(reply, StageMsg) or reply.kind is not kind:
+        raise RuntimeError(f"expected {kind.name}, the runtime answered {reply!r}")
+
+
+def _step(handles: list[Any], step: int, x: torch.Tensor, grad: torch.Tensor) -> None:
+    """One step of every session: all activations, then all gradients, then the step end."""
+    from fedpipe.pipeline.messages import Kind, StageMsg
+
+    for kind, reply, tensor in (
+        (Kind.ACTIVATION, Kind.OUTPUT, x),
+        (Kind.OUTPUT_GRAD, Kind.INPUT_GRAD, grad),
+    ):
+        for h in handles:
+            for mb in range(MICROBATCHES):
+                h.submit(StageMsg(kind, step, mb, tensor=tensor))
+        for h in handles:
+            for _ in range(MICROBATCHES):
+                _take(h, reply)
+    for h in handles:
+        h.submit(StageMsg(Kind.STEP_END, step))
+    for h in handles:
+        _take(h, Kind.STEP_DONE)
+
+
+def measure(runtime: Any, probe: Any, n: int, round_: int, steps: int) -> dict[str, Any]:
+    """``n`` sessions, one warm-up step, then ``steps`` timed steps."""
+    from fedpipe.bench.server_probe import window_stats
+
+    cuda = runtime.device.type == "cuda"
+    handles = []
+    for i in range(n):
+        sid = runtime.open_session(f"d{i}", round_, microbatch_size=ROWS, seq_len=TOKENS)
+        handles.append(runtime.attach(sid))
+    x = torch.randn(ROWS, TOKENS, runtime.hidden_size, device=runtime.device)
+    grad = torch.randn_like(x) * 1e-3
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    _step(handles, 0, x, grad)
+    probe.snapshot()  # forget the warm-up's records ...
+    if cuda:
+        probe.gpu_busy_s()  # ... and its GPU time
+    start = time.monotonic()
+    for step in range(1, steps + 1):
+        _step(handles, step, x, grad)
+    if cuda:
+        torch.cuda.synchronize()
+    end = time.monotonic()
+    wall = end - start
+    gpu = probe.gpu_busy_s() if cuda else 0.0
+    server = window_stats(probe.snapshot()["calls"], start, end)
+    runtime.commit_round(round_, {})  # drops the sessions
+    tokens = n * steps * MICROBATCHES * ROWS * TOKENS
+    peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else 0.0
+    return {
+        "tokens_per_s": round(tokens / wall, 1),
+        "step_s": round(wall / steps, 4),
+        "peak_gpu_mb": round(peak, 1) if cuda else None,
+        "idle": round(max(0.0, 1.0 - gpu / wall), 3) if cuda else None,
+        "busy_host": round(server["busy"], 3),
+        "mean_batch": round(server["mean_batch"], 2),
+    }
+
+
+def run(
+    devices: list[int],
+    steps: int,
+    *,
+    models: tuple[str, ...] = GPU_MODELS,
+    device: torch.device | None = None,
+) -> dict[str, Any]:
+    """Every model at every N, both columns interleaved per N; the JSON-ready report."""
+    device = device or torch.device("cuda")
+    results: list[dict[str, Any]] = []
+    available = False
+    rounds = iter(range(1, 10_000))
+    for name in models:
+        try:
+            built = {c: _runtime(MODELS[name], c == "batched", device) for c in COLUMNS}
+        except Exception as exc:  # e.g. SmolLM2's wheel missing on this machine
+            results.append({"model": name, "error": f"{type(exc).__name__}: {exc}"})
+            continue
+        available = built["batched"][2]
+        try:
+            for n in devices:
+                row: dict[str, Any] = {"model": name, "devices": n}
+                for column in COLUMNS:  # interleaved per N, so drift hits both
+                    runtime, probe, _ = built[column]
+                    row[column] = measure(runtime, probe, n, next(rounds), steps)
+                    print(f"{name} N={n} {column}: {row[column]}", file=sys.stderr)
+                results.append(row)
+        finally:
+            for runtime, _, _ in built.values():
+                runtime.stop()
+            del built
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return {
+        "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "none (cpu)",
+        "dtype": "bfloat16" if device.type == "cuda" else "float32",
+        "microbatch": [ROWS, TOKENS],
+        "microbatches": MICROBATCHES,
+        "steps": steps,
+        "batching_available": available,
+        "results": results,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--devices", default="1,8,32", help="comma-separated N")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per measurement")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    if not torch.cuda.is_available():
+        print(json.dumps({"skipped": "no CUDA device"}))
+        return 0
+    devices = [int(n) for n in args.devices.split(",") if n.strip()]
+    print(json.dumps(run(devices, args.steps), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""benchmarks/gpu_check.py: skips cleanly without CUDA; its measuring loop runs (on a CPU here)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
+
+
+def _gpu_check() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_without_cuda_it_says_skipped_and_exits_0() -> None:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # hides any GPU from torch
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT)], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout) == {"skipped": "no CUDA device"}
+
+
+def test_the_loop_measures_both_columns_at_every_n_on_a_cpu() -> None:
+    report = _gpu_check().run([1, 2], 1, models=("tiny-llama",), device=torch.device("cpu"))
+    assert [r["devices"] for r in report["results"]] == [1, 2]
+    for row in report["results"]:
+        for column in ("batched", "unbatched"):
+            figures = row[column]
+            assert figures["tokens_per_s"] > 0 and figures["mean_batch"] >= 1.0
+            assert 0 < figures["busy_host"] <= 1.0
+            assert figures["peak_gpu_mb"] is None and figures["idle"] is None  # no GPU here
+    assert isinstance(report["batching_available"], bool)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_memory_and_idle_fraction_are_measured() -> None:
+    report = _gpu_check().run([1, 8], 1, models=("llama-1b-random",))
+    for row in report["results"]:
+        for column in ("batched", "unbatched"):
+            figures = row[column]
+            assert figures["peak_gpu_mb"] > 0 and 0.0 <= figures["idle"] <= 1.0
