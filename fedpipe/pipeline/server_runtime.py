@@ -1,11 +1,11 @@
 """The server side of the pipeline: one middle stage shared by many device sessions.
 
 Each session (one device, one round) trains its own LoRA adapter on the shared, frozen middle
-blocks. One compute worker runs every session's work, switching adapters per message; the
-transport's threads decode and encode around it so that I/O keeps flowing while the worker
-computes. The worker walks the server's half of the schedule implicitly: it answers
-``ACTIVATION`` with a forward and ``OUTPUT_GRAD`` with a backward, in the order the device's
-schedule sent them, and applies the session's optimizer on ``STEP_END``.
+blocks. One compute worker runs every session's work; the transport's threads decode and
+encode around it so that I/O keeps flowing while the worker computes. The worker walks the
+server's half of the schedule implicitly: it answers ``ACTIVATION`` with a forward and
+``OUTPUT_GRAD`` with a backward, in the order the device's schedule sent them, and applies the
+session's optimizer on ``STEP_END``.
 
 With batching on (the default, :class:`~fedpipe.pipeline.batch_policy.BatchPolicy`), the
 worker asks the policy which ready messages of which sessions to compute together, and the
