@@ -22,7 +22,7 @@ from fedpipe.split.stages import _window_mask, shifted_loss_sum, sliding_window
 if TYPE_CHECKING:
     from fedpipe.split.multilora import Group
 
-__all__ = ["BlockRunner", "frozen_linear"]
+__all__ = ["BlockRunner", "frozen_linear", "frozen_linears"]
 
 # (linear's global name, adapter, input) -> the adapter's low-rank term, or None (not a target).
 LoraTerm = Callable[[str, str, Tensor], Tensor | None]
@@ -52,18 +52,26 @@ def frozen_linear(xs: Sequence[Tensor], linear: nn.Linear) -> list[Tensor]:
     Each ``x`` is (..., in) with its own leading shape; returns (..., out) per input, each with a
     gradient path to its own input only.
     """
+    return frozen_linears(xs, [linear])[0]
+
+
+def frozen_linears(xs: Sequence[Tensor], linears: Sequence[nn.Linear]) -> list[list[Tensor]]:
+    """Several frozen linears of the same inputs (q, k, v): the tokens are joined once."""
     flat = [x.reshape(-1, x.shape[-1]) for x in xs]  # (tokens_g, in)
+    sizes = [f.shape[0] for f in flat]
     with torch.no_grad():
         joined = flat[0] if len(flat) == 1 else torch.cat(flat)
-        y = F.linear(joined, linear.weight, linear.bias)  # (sum tokens, out)
-    outs = y.split([f.shape[0] for f in flat])
+        ys = [F.linear(joined, lin.weight, lin.bias) for lin in linears]  # (sum tokens, out)
     track = torch.is_grad_enabled()
     result = []
-    for x, out in zip(xs, outs, strict=True):
-        out = out.view(*x.shape[:-1], out.shape[-1])
-        if track and x.requires_grad:
-            out = _FrozenRows.apply(x, out, linear.weight)
-        result.append(out)
+    for lin, y in zip(linears, ys, strict=True):
+        outs = []
+        for x, out in zip(xs, y.split(sizes), strict=True):
+            out = out.view(*x.shape[:-1], out.shape[-1])
+            if track and x.requires_grad:
+                out = _FrozenRows.apply(x, out, lin.weight)
+            outs.append(out)
+        result.append(outs)
     return result
 
 
@@ -113,14 +121,21 @@ class BlockRunner:
         return {h.shape[1]: _window_mask(h.shape[1], window, h.device) for h in hs}
 
     def _linear(
-        self, key: str, linear: nn.Linear, xs: list[Tensor], adapters: list[str]
-    ) -> list[Tensor]:
-        """Frozen ``linear`` over every group at once, plus each group's own LoRA term."""
-        outs = frozen_linear(xs, linear)
+        self,
+        keys: Sequence[str],
+        linears: Sequence[nn.Linear],
+        xs: list[Tensor],
+        adapters: list[str],
+    ) -> list[list[Tensor]]:
+        """Frozen ``linears`` of the same inputs over every group at once, plus each group's
+        own LoRA term; one list of outputs per linear."""
         result = []
-        for x, y, adapter in zip(xs, outs, adapters, strict=True):
-            term = self.lora_term(key, adapter, x)
-            result.append(y if term is None else (y + term).to(y.dtype))
+        for key, outs in zip(keys, frozen_linears(xs, linears), strict=True):
+            with_lora = []
+            for x, y, adapter in zip(xs, outs, adapters, strict=True):
+                term = self.lora_term(key, adapter, x)
+                with_lora.append(y if term is None else (y + term).to(y.dtype))
+            result.append(with_lora)
         return result
 
     def _block(
@@ -135,23 +150,28 @@ class BlockRunner:
         """One decoder layer: h + attn(norm(h)), then h + mlp(norm(h)), per group."""
         attn, mlp, prefix = layer.self_attn, layer.mlp, f"layers.{index}"
         normed = [layer.input_layernorm(h) for h in hs]
-        q, k, v = (
-            self._linear(f"{prefix}.self_attn.{n}", getattr(attn, n), normed, adapters)
-            for n in ("q_proj", "k_proj", "v_proj")
+        names = ("q_proj", "k_proj", "v_proj")
+        q, k, v = self._linear(
+            [f"{prefix}.self_attn.{n}" for n in names],
+            [getattr(attn, n) for n in names],
+            normed,
+            adapters,
         )
         heads = [
             _attend(attn, qi, ki, vi, rope[h.shape[1]], masks[h.shape[1]])
             for h, qi, ki, vi in zip(hs, q, k, v, strict=True)
         ]
-        o = self._linear(f"{prefix}.self_attn.o_proj", attn.o_proj, heads, adapters)
+        (o,) = self._linear([f"{prefix}.self_attn.o_proj"], [attn.o_proj], heads, adapters)
         hs = [h + oi for h, oi in zip(hs, o, strict=True)]
         normed = [layer.post_attention_layernorm(h) for h in hs]
-        gate, up = (
-            self._linear(f"{prefix}.mlp.{n}", getattr(mlp, n), normed, adapters)
-            for n in ("gate_proj", "up_proj")
+        gate, up = self._linear(
+            [f"{prefix}.mlp.gate_proj", f"{prefix}.mlp.up_proj"],
+            [mlp.gate_proj, mlp.up_proj],
+            normed,
+            adapters,
         )
         inner = [mlp.act_fn(g) * u for g, u in zip(gate, up, strict=True)]
-        down = self._linear(f"{prefix}.mlp.down_proj", mlp.down_proj, inner, adapters)
+        (down,) = self._linear([f"{prefix}.mlp.down_proj"], [mlp.down_proj], inner, adapters)
         return [h + d for h, d in zip(hs, down, strict=True)]
 
 
