@@ -600,6 +600,11 @@ class StageRuntime:
     def _measured(self, seconds: float) -> None:
         self._call_s = seconds if not self._call_s else 0.8 * self._call_s + 0.2 * seconds
 
+    def _device_of(self, session_id: str) -> str:
+        with self._lock:
+            info = self._sessions.get(session_id)
+        return info.device_id if info is not None else "?"
+
     def _trace(self, taken: list[tuple[str, QueueItem]], plan: Plan, start: float) -> None:
         if self.tracer is None:
             return
@@ -611,7 +616,8 @@ class StageRuntime:
             time.perf_counter(),
             {
                 "kind": plan.lane.name.lower(),
-                "sessions": sorted({key[:8] for key, _ in taken}),
+                "sessions": sorted({key[:8] for key, _ in taken}),  # id prefixes, as logged
+                "devices": sorted({self._device_of(key) for key, _ in taken}),
                 "messages": len(msgs),
                 "rows": sum(_rows(m.tensor) for m in msgs),
                 "tokens": plan.tokens,

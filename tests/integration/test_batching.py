@@ -127,6 +127,7 @@ def test_batched_runtime_equals_one_at_a_time(folder: Path) -> None:
         assert batched.runtime.session(batched.ids["a"]).steps_done == 2
         calls = [e.args or {} for e in batched.runtime.tracer.events]  # type: ignore[union-attr]
         shared = [c for c in calls if c["kind"] == "forward" and len(c["sessions"]) == 3]
+        assert any(c["devices"] == ["dev-a", "dev-b", "dev-c"] for c in shared), shared
         assert shared and max(c["messages"] for c in shared) >= 5, calls
         assert any(c["kind"] == "backward" and len(c["sessions"]) >= 2 for c in calls), calls
         single = [e.args or {} for e in plain.runtime.tracer.events]  # type: ignore[union-attr]
