@@ -86,12 +86,18 @@ class BlockRunner:
     def blocks(self, groups: Sequence[Group]) -> list[Tensor]:
         """Hidden states of each group after every block: (b, T, C) per group."""
         hs = [g.hidden for g in groups]
-        adapters = [g.adapter for g in groups]
         rope = self._rotary(hs)
         for index in self.block_indices:
+            # A group with its own block range (a device with another cut) skips the others.
+            active = [i for i, g in enumerate(groups) if g.blocks is None or index in g.blocks]
+            if not active:
+                continue
+            sub = [hs[i] for i in active]
             layer = self.stage.layers[str(index)]
-            masks = self._masks(hs, index)
-            hs = self._block(index, layer, hs, adapters, rope, masks)
+            adapters = [groups[i].adapter for i in active]
+            outs = self._block(index, layer, sub, adapters, rope, self._masks(sub, index))
+            for i, out in zip(active, outs, strict=True):
+                hs[i] = out
         return hs
 
     def loss(self, groups: Sequence[Group]) -> list[tuple[Tensor, int]]:

@@ -58,6 +58,9 @@ class Group:
     adapter: str
     hidden: Tensor  # (b, T, C)
     labels: Tensor | None = None  # (b, T): the loss stage only
+    # The stage's blocks this group runs through (None: all). A device whose cut leaves it
+    # fewer server blocks names them here; in the loss stage they must end at its last block.
+    blocks: tuple[int, ...] | None = None
 
 
 def batchable(stage: nn.Module, settings: LoraSettings, family: Family) -> str:
@@ -186,16 +189,33 @@ class BatchedAdapterBank:
     def run(self, groups: Sequence[Group]) -> list[Tensor]:
         """Each group's hidden states after the stage's blocks, (b, T, C) per group."""
         for group in groups:
-            self._check(group.adapter, allow_global=True)
+            self._check_group(group, loss=False)
         return self._runner.blocks(groups)
 
     def run_loss(self, groups: Sequence[Group]) -> list[tuple[Tensor, int]]:
         """Each group's (summed shifted token loss, tokens counted): the loss stage only."""
         for group in groups:
-            self._check(group.adapter, allow_global=True)
+            self._check_group(group, loss=True)
             if group.labels is None:
                 raise ValueError(f"group of adapter {group.adapter!r} has no labels")
         return self._runner.loss(groups)
+
+    def _check_group(self, group: Group, *, loss: bool) -> None:
+        self._check(group.adapter, allow_global=True)
+        if group.blocks is None:
+            return
+        held = self._runner.block_indices
+        wanted = tuple(group.blocks)
+        if not wanted or wanted != tuple(b for b in held if b in wanted):
+            raise ValueError(
+                f"group of adapter {group.adapter!r} asks for blocks {list(wanted)}; the stage "
+                f"holds {list(held)} (a non-empty subset, in order)"
+            )
+        if loss and wanted[-1] != held[-1]:
+            raise ValueError(
+                f"group of adapter {group.adapter!r} stops at block {wanted[-1]}, but the loss "
+                f"follows the stage's last block {held[-1]}"
+            )
 
     # -- internals ------------------------------------------------------------------------------
     def _lora_term(self, key: str, adapter: str, x: Tensor) -> Tensor | None:

@@ -211,3 +211,23 @@ def test_adapter_bank_falls_back_where_batching_cannot_run(tmp_path: Path) -> No
     bank.add("a")
     (y,) = bank.run([Group("a", torch.randn(1, 3, 64))])
     assert y.shape == (1, 3, 64)
+
+
+def test_a_group_with_its_own_block_range_equals_a_stage_of_those_blocks(folder: Path) -> None:
+    """Devices with other cuts in one call: each group runs only the blocks it names."""
+    plan = plan_split(load_config(folder))
+    stage = build_stage(folder, plan, "middle")
+    held = stage.block_indices
+    assert len(held) >= 2
+    _, batched = _banks(stage)
+    short = MiddleStage(stage.config, held[1:])
+    short.load_state_dict(stage.state_dict(), strict=False)  # the same weights, fewer blocks
+    reference = BatchedAdapterBank(short, SETTINGS, family="llama")
+    state = batched.state_dict("a")
+    reference.add("a", init={k: state[k] for k in reference.global_state()})  # a's, those blocks
+    x, other = torch.randn(2, 6, 64), torch.randn(1, 9, 64)
+    got, full = batched.run([Group("a", x, blocks=tuple(held[1:])), Group("b", other)])
+    torch.testing.assert_close(got, reference.run([Group("a", x)])[0], **TOL)
+    torch.testing.assert_close(full, batched.run([Group("b", other)])[0], **TOL)
+    with pytest.raises(ValueError, match="a non-empty subset, in order"):
+        batched.run([Group("a", x, blocks=(99,))])
