@@ -128,6 +128,11 @@ class ServerConfig:
     session_idle_s: float = 120.0  # an open session with no traffic this long is dropped
     stream_idle_s: float = 60.0  # a stream with nothing sent or pending this long is ended
     threads: int = 1  # torch threads for the server's compute
+    # Batching: several sessions' ready microbatches in one call of the frozen stage (false:
+    # one message at a time with peft adapters, the server before batching).
+    batching: bool = True
+    batch_tokens: int = 2048  # tokens (rows x seq) per call: 8 microbatches of 2 x 128
+    batch_wait_ms: float = 5.0  # cap on waiting to fill a call (25% of a measured call below it)
     tls_cert: str = ""  # the StageServer's certificate (PEM); with tls_key, serves TLS
     tls_key: str = ""
     tls_ca: str = ""  # CA that devices and the ServerApp verify the StageServer with
@@ -157,6 +162,10 @@ class ServerConfig:
                 getattr(self, name) >= 1, f"server.{name} must be >= 1, got {getattr(self, name)}"
             )
         _check(self.max_seq_len >= 0, f"server.max_seq_len must be >= 0, got {self.max_seq_len}")
+        _check(self.batch_tokens >= 1, f"server.batch_tokens must be >= 1, got {self.batch_tokens}")
+        _check(
+            self.batch_wait_ms >= 0, f"server.batch_wait_ms must be >= 0, got {self.batch_wait_ms}"
+        )
         for name in (
             "max_pending_mb",
             "max_learning_rate",

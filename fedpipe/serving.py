@@ -11,8 +11,9 @@ from fedpipe.config import FedpipeConfig, ServerConfig
 from fedpipe.device import lora_settings
 from fedpipe.errors import AuthError
 from fedpipe.models import load_config, model_family, model_fingerprint, resolve_model
+from fedpipe.pipeline.batch_policy import BatchPolicy
 from fedpipe.pipeline.server_runtime import RuntimeLimits, StageRuntime
-from fedpipe.split import AdapterBank, build_stage, plan_split
+from fedpipe.split import adapter_bank, build_stage, plan_split
 from fedpipe.transport.server import SplitInfo, StageServer
 
 __all__ = [
@@ -90,14 +91,16 @@ def build_runtime(
     max_positions = int(
         getattr(hf_config, "max_position_embeddings", 0) or getattr(hf_config, "n_positions", 0)
     )
+    server = config.server
     runtime = StageRuntime(
-        AdapterBank(stage, lora_settings(config), family=family),
+        adapter_bank(stage, lora_settings(config), family=family, batched=server.batching),
         mode=plan.mode,
         hidden_size=int(hf_config.hidden_size),
         device=device,
         dtype=dtype,
         limits=runtime_limits(config.server),
         max_positions=max_positions,
+        policy=batch_policy(server),
     )
     split = SplitInfo(
         model=config.model.name,
@@ -113,6 +116,15 @@ def build_runtime(
     )
     log.info("server stage: %s on %s (%s)", plan, device, split.dtype)
     return runtime, split
+
+
+def batch_policy(server: ServerConfig) -> BatchPolicy:
+    """The runtime's batching policy from the ``server.batch*`` settings."""
+    return BatchPolicy(
+        enabled=server.batching,
+        batch_tokens=server.batch_tokens,
+        max_wait_s=server.batch_wait_ms / 1000,
+    )
 
 
 def runtime_limits(server: ServerConfig) -> RuntimeLimits:

@@ -6,19 +6,48 @@ sessions that have work in turn, a few queued items each, so a device that flood
 with work delays another device by at most one turn's worth of its items instead of by its whole
 backlog.
 The queue knows nothing of torch or gRPC; tests drive it directly.
+
+``get`` takes one item (the unbatched server); ``take_batch`` shows a chooser (the batching
+policy) the first items of every key, with how long each has waited, and takes what it picks,
+all under the queue's lock, so nothing changes between the look and the take.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
-from collections.abc import Hashable
-from typing import Generic, TypeVar
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
 
-__all__ = ["FairQueue"]
+__all__ = ["Choice", "FairQueue", "Snapshot"]
 
 K = TypeVar("K", bound=Hashable)
 T = TypeVar("T")
+C = TypeVar("C", bound="Choice")
+
+
+class Choice(Protocol):
+    """What a chooser returns to ``take_batch`` (a ``batch_policy.Plan`` is one)."""
+
+    @property
+    def picks(self) -> Sequence[tuple[Hashable, int]]: ...  # (key, first n items) to take
+
+    @property
+    def wait_s(self) -> float: ...  # > 0: wait this long (or until a put), then choose again
+
+    @property
+    def end_turn(self) -> bool: ...  # served keys go to the back (False: quantum turns)
+
+
+@dataclass(frozen=True)
+class Snapshot(Generic[K, T]):
+    """The keys with work in serving order, each with its first items and their ages (s)."""
+
+    ring: list[tuple[K, list[tuple[T, float]]]]
+    served: int  # items the ring's head has had in its current turn
+    skipped: int  # takes that passed the ring's head over
 
 
 class FairQueue(Generic[K, T]):
@@ -33,10 +62,12 @@ class FairQueue(Generic[K, T]):
         if quantum < 1:
             raise ValueError(f"quantum must be >= 1, got {quantum}")
         self.quantum = quantum
-        self._queues: dict[K, deque[T]] = {}
+        self._queues: dict[K, deque[tuple[float, T]]] = {}  # (time queued, item)
         self._ring: deque[K] = deque()  # keys with at least one item, in serving order
         self._turn: K | None = None  # the key at the head of the ring being served
         self._served = 0  # items served in the current turn
+        self._skipped = 0  # takes that passed the ring's head over
+        self._clock = time.monotonic
         self._cond = threading.Condition()
         self._closed = False
 
@@ -46,7 +77,7 @@ class FairQueue(Generic[K, T]):
             items = self._queues.setdefault(key, deque())
             if not items:
                 self._ring.append(key)
-            items.append(item)
+            items.append((self._clock(), item))
             self._cond.notify()
 
     def get(self, timeout: float | None = None) -> tuple[K, T] | None:
@@ -57,19 +88,70 @@ class FairQueue(Generic[K, T]):
             if self._closed:
                 return None
             key = self._ring[0]
-            if key != self._turn:
-                self._turn, self._served = key, 0
-            items = self._queues[key]
-            item = items.popleft()
-            self._served += 1
-            if not items:
-                del self._queues[key]
-                self._ring.popleft()
-                self._turn = None
-            elif self._served >= self.quantum:
-                self._ring.rotate(-1)  # back of the line: the others go first
-                self._turn = None
+            ((_, item),) = self._pop(key, 1, end_turn=False)
             return key, item
+
+    def take_batch(
+        self,
+        choose: Callable[[Snapshot[K, T]], C | None],
+        *,
+        depth: int,
+        timeout: float | None = None,
+    ) -> tuple[list[tuple[K, T]], C] | None:
+        """The items ``choose`` picks from a snapshot (first ``depth`` items of each key).
+
+        Blocks until some key has work; None once closed or after ``timeout``. A choice that
+        asks to wait is asked again after the wait or as soon as anything is put.
+        """
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._ring or self._closed, timeout):
+                return None
+            while not self._closed:
+                choice = choose(self._snapshot(depth))
+                if choice is None:
+                    return None
+                if choice.wait_s <= 0:
+                    return self._take(choice), choice
+                self._cond.wait(choice.wait_s)
+            return None
+
+    def _snapshot(self, depth: int) -> Snapshot[K, T]:
+        now = self._clock()
+        ring = [
+            (key, [(item, now - t) for t, item in list(self._queues[key])[:depth]])
+            for key in self._ring
+        ]
+        served = self._served if self._ring and self._ring[0] == self._turn else 0
+        return Snapshot(ring, served, self._skipped)
+
+    def _take(self, choice: Choice) -> list[tuple[K, T]]:
+        head = self._ring[0] if self._ring else None
+        out: list[tuple[K, T]] = []
+        for key, n in choice.picks:
+            if key in self._queues:  # typed as Hashable by the protocol; our own keys
+                out += [(key, item) for _, item in self._pop(key, n, end_turn=choice.end_turn)]  # type: ignore[misc]
+        served_head = any(key == head for key, _ in choice.picks)
+        self._skipped = (
+            0 if served_head or not self._ring or self._ring[0] != head else self._skipped + 1
+        )
+        return out
+
+    def _pop(self, key: K, n: int, *, end_turn: bool) -> list[tuple[float, T]]:
+        """Up to ``n`` items of ``key``; then the key leaves, keeps or ends its turn."""
+        items = self._queues[key]
+        popped = [items.popleft() for _ in range(min(n, len(items)))]
+        if key != self._turn:
+            self._turn, self._served = key, 0
+        self._served += len(popped)
+        if not items:
+            del self._queues[key]
+            self._ring.remove(key)
+            self._turn = None
+        elif end_turn or self._served >= self.quantum:
+            self._ring.remove(key)
+            self._ring.append(key)  # back of the line: the others go first
+            self._turn = None
+        return popped
 
     def clear(self, key: K) -> list[T]:
         """Remove and return everything queued for ``key``."""
@@ -79,7 +161,7 @@ class FairQueue(Generic[K, T]):
                 self._ring.remove(key)
                 if self._turn == key:
                     self._turn = None
-            return list(items)
+            return [item for _, item in items]
 
     def pending(self, key: K) -> int:
         """How many items ``key`` has queued."""

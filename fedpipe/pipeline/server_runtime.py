@@ -1,15 +1,21 @@
 """The server side of the pipeline: one middle stage shared by many device sessions.
 
 Each session (one device, one round) trains its own LoRA adapter on the shared, frozen middle
-blocks. One compute worker runs every session's work, switching adapters per message; the
-transport's threads decode and encode around it so that I/O keeps flowing while the worker
-computes. The worker walks the server's half of the schedule implicitly: it answers
-``ACTIVATION`` with a forward and ``OUTPUT_GRAD`` with a backward, in the order the device's
-schedule sent them, and applies the session's optimizer on ``STEP_END``.
+blocks. One compute worker runs every session's work; the transport's threads decode and
+encode around it so that I/O keeps flowing while the worker computes. The worker walks the
+server's half of the schedule implicitly: it answers ``ACTIVATION`` with a forward and
+``OUTPUT_GRAD`` with a backward, in the order the device's schedule sent them, and applies the
+session's optimizer on ``STEP_END``.
+
+With batching on (the default, :class:`~fedpipe.pipeline.batch_policy.BatchPolicy`), the
+worker asks the policy which ready messages of which sessions to compute together, and the
+executor runs them in one call of the frozen stage (one matmul over every session's tokens, each
+session's adapter on its own rows); each reply goes to its own stream. With it off, the worker
+computes one message at a time, as before.
 
 No device can poison, crash or starve the others: settings a device asks for are checked
 against :class:`RuntimeLimits` at open, each session's queued work is bounded, the worker serves
-sessions round-robin, two queued messages per turn
+sessions round-robin, at most two queued messages per session per turn or call
 (:class:`~fedpipe.pipeline.fair_queue.FairQueue`), a failed step leaves
 no graph or gradient behind, one stream per session is live (a newer one replaces it), idle
 streams and sessions expire, and no adapter holding NaN or Inf is ever merged.
@@ -42,10 +48,20 @@ from fedpipe.errors import (
     StreamReplacedError,
     UnknownSessionError,
 )
-from fedpipe.pipeline.fair_queue import FairQueue
-from fedpipe.pipeline.messages import StageMsg
+from fedpipe.pipeline.batch_policy import (
+    BatchPolicy,
+    Item,
+    Lane,
+    Plan,
+    QueueView,
+    SessionView,
+    plan_batch,
+)
+from fedpipe.pipeline.fair_queue import FairQueue, Snapshot
+from fedpipe.pipeline.messages import Kind, StageMsg
 from fedpipe.pipeline.stage_executor import StageExecutor
-from fedpipe.split import AdapterBank
+from fedpipe.pipeline.trace import Tracer
+from fedpipe.split import AdapterBank, BatchedAdapterBank
 
 __all__ = ["CommitResult", "RuntimeLimits", "SessionInfo", "StageRuntime", "StreamHandle"]
 
@@ -55,10 +71,8 @@ OptimizerFactory = Callable[[list[nn.Parameter], float, float], torch.optim.Opti
 Reply = StageMsg | BaseException
 END = object()  # the stream's last reply: the device half-closed and everything was answered
 _RESET = object()  # queue marker: forget the session's unfinished step
-# Queued messages of one session the worker computes per turn before serving the next session:
-# 2 cuts adapter switches by about 40% with 16 devices (495 -> 304 for 496 messages) while a
-# flooding session delays another by at most 2 messages per turn.
-_COMPUTE_QUANTUM = 2
+QueueItem = tuple["StreamHandle | None", object]
+_TRACE_NAMES = {Lane.CONTROL: "O", Lane.BACKWARD: "Sb", Lane.EVAL: "Sf", Lane.FORWARD: "Sf"}
 _KEEP_COMMITS = 64  # committed rounds remembered so that a retried commit is answered the same
 
 
@@ -176,7 +190,7 @@ class StageRuntime:
 
     def __init__(
         self,
-        bank: AdapterBank,
+        bank: AdapterBank | BatchedAdapterBank,
         *,
         mode: str,
         hidden_size: int,
@@ -185,8 +199,17 @@ class StageRuntime:
         limits: RuntimeLimits | None = None,
         max_positions: int = 0,
         optimizer_factory: OptimizerFactory | None = None,
+        policy: BatchPolicy | None = None,
+        tracer: Tracer | None = None,
     ) -> None:
         self.bank = bank
+        # Which ready work runs together. A bank that cannot batch (GPT-2) still takes batches:
+        # it computes their groups one after another, and the policy keeps the fairness.
+        self.policy = policy or BatchPolicy()
+        self.tracer = tracer  # one "server" event per call, with the sessions in it
+        self.calls = 0  # compute calls made, and the messages they computed (mean batch)
+        self.messages = 0
+        self._call_s = 0.0  # moving average of a compute call's seconds (the policy's wait)
         self.optimizer_factory = optimizer_factory or _adamw
         self.mode = mode
         self.hidden_size = hidden_size
@@ -202,16 +225,14 @@ class StageRuntime:
             max_in_flight=self.limits.max_in_flight,
         )
         self.max_seq_len = _seq_bound(max_positions, self.limits.max_seq_len)
-        # Called on the worker before each message is computed (traces, tests).
+        # Called on the worker before each message is computed, batched or not (tests).
         self.on_compute: Callable[[str, StageMsg], None] | None = None
         self._sessions: dict[str, SessionInfo] = {}
         self._commits: dict[int, CommitResult] = {}
         self._opening = 0  # sessions being opened: their adapter is being added
         self._lock = threading.RLock()  # sessions, streams, counters; never held by compute
         self._bank_lock = threading.RLock()  # the bank; taken after _lock, never before
-        self._queue: FairQueue[str, tuple[StreamHandle | None, object]] = FairQueue(
-            quantum=_COMPUTE_QUANTUM
-        )
+        self._queue: FairQueue[str, QueueItem] = FairQueue(quantum=self.policy.quantum)
         self._stopped = threading.Event()
         self._worker = threading.Thread(target=self._run, name="stage-compute", daemon=True)
         self._reaper = threading.Thread(target=self._reap, name="stage-reaper", daemon=True)
@@ -503,38 +524,105 @@ class StageRuntime:
         self._reaper.join(timeout=10)
 
     def _run(self) -> None:
-        while (got := self._queue.get()) is not None:
-            session_id, (handle, item) = got
+        while (got := self._next_batch()) is not None:
+            taken, plan = got
             try:
-                self._serve(session_id, handle, item)
+                self._serve_batch(taken, plan)
             except Exception:  # a bug here must not stop every session's compute
-                log.exception("[%s] the compute worker failed on %s", session_id[:8], item)
+                log.exception("the compute worker failed on a call of %d messages", len(taken))
 
-    def _serve(self, session_id: str, handle: StreamHandle | None, item: object) -> None:
+    def _next_batch(self) -> tuple[list[tuple[str, QueueItem]], Plan] | None:
+        """The work the policy picks, once there is some (None when stopped)."""
+        with self._lock:  # sessions whose next message is on its way (gradients, steps)
+            mid_step = {s.session_id for s in self._sessions.values() if s.cache and s.stream}
+
+        def choose(snap: Snapshot[str, QueueItem]) -> Plan | None:
+            return plan_batch(self.policy, self._view(snap, mid_step))
+
+        return self._queue.take_batch(choose, depth=self.policy.quantum)
+
+    def _view(self, snap: Snapshot[str, QueueItem], mid_step: set[str]) -> QueueView:
+        ring = tuple(
+            SessionView(key, tuple(_policy_item(item, waited) for item, waited in items))
+            for key, items in snap.ring
+        )
+        queued = {key for key, _ in snap.ring}
+        return QueueView(ring, snap.served, snap.skipped, len(mid_step - queued), self._call_s)
+
+    def _serve_batch(self, taken: list[tuple[str, QueueItem]], plan: Plan) -> None:
+        """Run the messages of one call; resets and stream ends in their session's order."""
+        start = time.perf_counter()
+        work: list[tuple[SessionInfo, StageMsg, StreamHandle]] = []
+        for session_id, (handle, item) in taken:
+            with self._lock:
+                info = self._sessions.get(session_id)
+            if info is None:
+                continue
+            if not isinstance(item, StageMsg) or any(
+                w[0] is info and w[1].kind is Kind.STEP_END for w in work
+            ):
+                self._compute(work)  # what came before, first
+                work = []
+            if item is _RESET:
+                self._reset_step(info)
+            elif handle is None or info.stream is not handle or handle.broken:
+                continue  # leftovers of a stream that ended
+            elif item is END:
+                handle._end(END)
+            else:
+                assert isinstance(item, StageMsg)
+                if self.on_compute is not None:
+                    self.on_compute(session_id, item)
+                work.append((info, item, handle))
+        self._compute(work)
+        if plan.lane is not Lane.CONTROL:
+            self._measured(time.perf_counter() - start)
+        self._trace(taken, plan, start)
+
+    def _compute(self, work: list[tuple[SessionInfo, StageMsg, StreamHandle]]) -> None:
+        """One executor call for ``work``; each reply or error to its own stream."""
+        if not work:
+            return
+        results = self._handle_batch([(info, msg) for info, msg, _ in work])
+        self.calls += 1
+        self.messages += len(work)
+        for (info, msg, handle), reply in zip(work, results, strict=True):
+            if isinstance(reply, Exception):
+                if handle.broken:
+                    continue  # an earlier message of the session failed in this call
+                log.warning("[%s] %s failed: %s", info.device_id, msg, reply)
+                self._reset_step(info)
+                self._break(handle)
+            elif handle.broken:
+                continue  # its session failed in this call: the step is undone
+            self._deliver(handle, msg, reply)
+
+    def _measured(self, seconds: float) -> None:
+        self._call_s = seconds if not self._call_s else 0.8 * self._call_s + 0.2 * seconds
+
+    def _device_of(self, session_id: str) -> str:
         with self._lock:
             info = self._sessions.get(session_id)
-        if info is None:
+        return info.device_id if info is not None else "?"
+
+    def _trace(self, taken: list[tuple[str, QueueItem]], plan: Plan, start: float) -> None:
+        if self.tracer is None:
             return
-        if item is _RESET:
-            self._reset_step(info)
-            return
-        if handle is None or info.stream is not handle or handle.broken:
-            return  # leftovers of a stream that ended
-        if item is END:
-            handle._end(END)
-            return
-        assert isinstance(item, StageMsg)
-        if self.on_compute is not None:
-            self.on_compute(session_id, item)
-        reply: StageMsg | BaseException
-        try:
-            reply = self._handle(info, item)
-        except Exception as exc:  # one session's bad message must not stop the others
-            log.warning("[%s] %s failed: %s", info.device_id, item, exc)
-            self._reset_step(info)
-            self._break(handle)
-            reply = exc
-        self._deliver(handle, item, reply)
+        msgs = [item for _, (_, item) in taken if isinstance(item, StageMsg)]
+        self.tracer.add(
+            _TRACE_NAMES[plan.lane],
+            "server",
+            start,
+            time.perf_counter(),
+            {
+                "kind": plan.lane.name.lower(),
+                "sessions": sorted({key[:8] for key, _ in taken}),  # id prefixes, as logged
+                "devices": sorted({self._device_of(key) for key, _ in taken}),
+                "messages": len(msgs),
+                "rows": sum(_rows(m.tensor) for m in msgs),
+                "tokens": plan.tokens,
+            },
+        )
 
     def _deliver(self, handle: StreamHandle, msg: StageMsg, reply: Reply) -> None:
         nbytes = _nbytes(reply) if isinstance(reply, StageMsg) else 0
@@ -573,20 +661,52 @@ class StageRuntime:
                     self._drop(info, reason=reason)
 
     # -- compute (the executor runs it, under the bank lock) ---------------------------------
-    def _handle(self, info: SessionInfo, msg: StageMsg) -> StageMsg:
-        if msg.step != info.step:
-            raise SessionStateError(
-                f"message for step {msg.step}, but session {info.session_id} is at step {info.step}"
-            )
+    def _handle_batch(self, work: list[tuple[SessionInfo, StageMsg]]) -> list[Reply]:
+        """Replies (or errors) to ``work``; a message of another step or session fails alone."""
+        results: list[Reply | None] = [None] * len(work)
+        runnable = []
         with self._bank_lock:
-            if info.dropped:
-                raise UnknownSessionError(f"session {info.session_id} was dropped")
-            return self.executor.compute(info, msg)
+            for i, (info, msg) in enumerate(work):
+                if msg.step != info.step:
+                    results[i] = SessionStateError(
+                        f"message for step {msg.step}, but session {info.session_id} is at "
+                        f"step {info.step}"
+                    )
+                elif info.dropped:
+                    results[i] = UnknownSessionError(f"session {info.session_id} was dropped")
+                else:
+                    runnable.append(i)
+            replies = self.executor.compute_batch([work[i] for i in runnable])
+        for i, reply in zip(runnable, replies, strict=True):
+            results[i] = reply
+        return [r if r is not None else RuntimeError("no reply") for r in results]
 
     def _reset_step(self, info: SessionInfo) -> None:
         """Forget a failed step's graphs and gradients; the session may retry the same step."""
         with self._bank_lock:
             self.executor.reset(info)
+
+
+def _policy_item(item: QueueItem, waited_s: float) -> Item:
+    """A queued message as the policy sees it: its lane, tokens and age."""
+    msg = item[1]
+    if not isinstance(msg, StageMsg) or msg.kind is Kind.STEP_END:
+        return Item(Lane.CONTROL, 0, waited_s)
+    tokens = _tokens(msg.tensor)
+    if msg.kind is Kind.OUTPUT_GRAD:
+        return Item(Lane.BACKWARD, tokens, waited_s)
+    return Item(Lane.EVAL if msg.forward_only else Lane.FORWARD, tokens, waited_s)
+
+
+def _tokens(tensor: torch.Tensor | None) -> int:
+    """Rows x sequence length of a (B, T, C) tensor; any other shape counts its elements."""
+    if tensor is None:
+        return 0
+    return int(tensor.shape[0] * tensor.shape[1]) if tensor.dim() >= 2 else tensor.numel()
+
+
+def _rows(tensor: torch.Tensor | None) -> int:
+    return int(tensor.shape[0]) if tensor is not None and tensor.dim() >= 1 else 0
 
 
 def _seq_bound(max_positions: int, max_seq_len: int) -> int:

@@ -1,26 +1,49 @@
-"""The StageServer's executor: one session's message through the shared stage, nothing else.
+"""The StageServer's executor: a batch of sessions' messages through the shared stage.
 
 It knows nothing of gRPC, streams, queues or limits beyond a message's own shape: the runtime
-(``server_runtime``) decides which message runs next and holds the bank lock around each call.
-Received activations become leaves (``x.detach().requires_grad_(True)``) whose graphs are cached
-per microbatch until their gradient arrives; ``STEP_END`` applies the session's optimizer.
+(``server_runtime``) and its policy decide which messages run together, and the runtime holds
+the bank lock around each call. Received activations become leaves
+(``x.detach().requires_grad_(True)``) whose graphs are cached per microbatch until their
+gradient arrives; ``STEP_END`` applies the session's optimizer, and only its own.
+
+A call computes the ACTIVATIONs of all its sessions in one batched forward of the bank (one
+frozen matmul over every session's tokens, each session's LoRA on its own rows) and their
+OUTPUT_GRADs one graph each (the graphs are separate, so a backward costs its own rows only).
+Every message gets its own reply or its own error: a message that fails (a wrong shape, a
+duplicate, a reply that would hold NaN) fails alone, and the others of the call are answered
+as if they had run by themselves.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from fedpipe.errors import InvalidRequestError, SessionStateError, StageCapacityError
 from fedpipe.pipeline.messages import Kind, StageMsg
-from fedpipe.split import AdapterBank
+from fedpipe.split import AdapterBank, BatchedAdapterBank, Group
 
 if TYPE_CHECKING:
     from fedpipe.pipeline.server_runtime import SessionInfo
 
 __all__ = ["StageExecutor"]
+
+Work = tuple["SessionInfo", StageMsg]
+Result = StageMsg | Exception
+
+
+@dataclass
+class _Forward:
+    """One validated ACTIVATION of a call: where its reply goes and its group."""
+
+    index: int
+    info: SessionInfo
+    msg: StageMsg
+    group: Group
 
 
 class StageExecutor:
@@ -28,7 +51,7 @@ class StageExecutor:
 
     def __init__(
         self,
-        bank: AdapterBank,
+        bank: AdapterBank | BatchedAdapterBank,
         *,
         mode: str,
         hidden_size: int,
@@ -44,32 +67,131 @@ class StageExecutor:
         self.max_in_flight = max_in_flight
 
     def compute(self, info: SessionInfo, msg: StageMsg) -> StageMsg:
-        """The reply to one device message of ``info``'s current step."""
+        """The reply to one device message of ``info``'s current step (raises on failure)."""
+        (reply,) = self.compute_batch([(info, msg)])
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
+
+    def compute_batch(self, work: Sequence[Work]) -> list[Result]:
+        """One reply or error per message, in order; each session's messages keep their order."""
         start = time.perf_counter()
-        self.bank.activate(info.session_id)
-        if msg.kind is Kind.ACTIVATION:
-            reply = self._forward(info, msg)
-        elif msg.kind is Kind.OUTPUT_GRAD:
-            reply = self._backward(info, msg)
-        elif msg.kind is Kind.STEP_END:
-            reply = self._step(info, msg)
-        else:
-            raise InvalidRequestError(f"{msg.kind.name} is not a device-to-server message")
-        if reply.tensor is not None and not _all_finite(reply.tensor):
-            raise InvalidRequestError(
-                f"{msg}: the reply would hold NaN or Inf; the session's inputs made the "
-                "computation overflow (send values of a sane magnitude)"
+        results: list[Result | None] = [None] * len(work)
+        for segment in _segments(work):
+            self._forwards(
+                work, [i for i in segment if work[i][1].kind is Kind.ACTIVATION], results
             )
+            for i in segment:
+                if results[i] is None:
+                    results[i] = self._one(*work[i])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        reply.compute_s = time.perf_counter() - start
-        return reply
+        _share_time(work, results, time.perf_counter() - start)
+        return [r if r is not None else RuntimeError("no reply computed") for r in results]
 
     def reset(self, info: SessionInfo) -> None:
         """Forget the session's unfinished step: cached graphs and accumulated gradients."""
         info.cache.clear()
         info.optimizer.zero_grad(set_to_none=True)
 
+    # -- one message at a time: backward, step -----------------------------------------------
+    def _one(self, info: SessionInfo, msg: StageMsg) -> Result:
+        try:
+            if msg.kind is Kind.OUTPUT_GRAD:
+                return _finite(msg, self._backward(info, msg))
+            if msg.kind is Kind.STEP_END:
+                return self._step(info, msg)
+            raise InvalidRequestError(f"{msg.kind.name} is not a device-to-server message")
+        except Exception as exc:  # this message's failure is its own
+            return exc
+
+    # -- forwards, batched ---------------------------------------------------------------------
+    def _forwards(
+        self, work: Sequence[Work], indices: list[int], results: list[Result | None]
+    ) -> None:
+        """Validate every ACTIVATION, then run the valid ones: training and evaluation apart."""
+        train: list[_Forward] = []
+        evaluate: list[_Forward] = []
+        reserved: dict[str, set[int]] = {}  # microbatches of this call, per session
+        for i in indices:
+            info, msg = work[i]
+            try:
+                fwd = self._prepare(i, info, msg, reserved.setdefault(info.session_id, set()))
+            except Exception as exc:
+                results[i] = exc
+                continue
+            (evaluate if msg.forward_only else train).append(fwd)
+        if evaluate:
+            with torch.no_grad():
+                self._run(evaluate, results)
+        if train:
+            self._run(train, results)
+
+    def _prepare(self, i: int, info: SessionInfo, msg: StageMsg, reserved: set[int]) -> _Forward:
+        """The message's group, once it passed the session's checks (raises otherwise)."""
+        mb = msg.microbatch
+        if not msg.forward_only:
+            if mb in info.cache or mb in reserved:
+                raise SessionStateError(f"duplicate ACTIVATION for step {msg.step} microbatch {mb}")
+            if len(info.cache) + len(reserved) >= self.max_in_flight:
+                raise StageCapacityError(
+                    f"session {info.session_id} has {len(info.cache) + len(reserved)} "
+                    "microbatches in flight, the server's limit (server.max_in_flight = "
+                    f"{self.max_in_flight}); send fewer before their gradients"
+                )
+            reserved.add(mb)
+        x = self._to_stage(info, msg.tensor, "ACTIVATION")
+        if not msg.forward_only and not _frozen_head(info):
+            x.requires_grad_(True)
+        labels = self._labels(msg, x) if self.mode == "two" else None
+        return _Forward(i, info, msg, Group(info.session_id, x, labels))
+
+    def _run(self, forwards: list[_Forward], results: list[Result | None]) -> None:
+        """The groups in one call of the bank; if the call fails, each group alone."""
+        try:
+            outs = self._call([f.group for f in forwards])
+        except Exception as exc:
+            if len(forwards) == 1:
+                results[forwards[0].index] = exc
+                return
+            for fwd in forwards:  # find the culprit: the others must not pay for it
+                self._run([fwd], results)
+            return
+        for fwd, out in zip(forwards, outs, strict=True):
+            try:
+                results[fwd.index] = _finite(fwd.msg, self._reply(fwd, out))
+            except Exception as exc:
+                results[fwd.index] = exc
+
+    def _call(self, groups: list[Group]) -> list[torch.Tensor] | list[tuple[torch.Tensor, int]]:
+        return self.bank.run_loss(groups) if self.mode == "two" else self.bank.run(groups)
+
+    def _reply(self, fwd: _Forward, out: object) -> StageMsg:
+        """The reply to one forward: OUTPUT (u), or the loss and INPUT_GRAD (two)."""
+        info, msg, x = fwd.info, fwd.msg, fwd.group.hidden
+        if self.mode == "u":
+            assert isinstance(out, torch.Tensor)
+            if not msg.forward_only:
+                info.cache[msg.microbatch] = (x, out)
+            return StageMsg(Kind.OUTPUT, msg.step, msg.microbatch, tensor=out.detach().float())
+        assert isinstance(out, tuple)
+        loss_sum, tokens = out
+        if msg.forward_only:
+            return StageMsg(
+                Kind.INPUT_GRAD, msg.step, msg.microbatch, loss_sum=float(loss_sum), tokens=tokens
+            )
+        (loss_sum.float() * msg.loss_scale).backward()
+        info.cache[msg.microbatch] = (x, x)  # marks the microbatch as seen this step
+        return StageMsg(
+            Kind.INPUT_GRAD,
+            msg.step,
+            msg.microbatch,
+            tensor=_input_grad(info, x),
+            loss_sum=float(loss_sum.detach()),
+            tokens=int(tokens),
+        )
+
+    # -- checks ------------------------------------------------------------------------------
     def _to_stage(self, info: SessionInfo, tensor: torch.Tensor | None, what: str) -> torch.Tensor:
         """The tensor on the stage's device, if it fits what the session declared."""
         if tensor is None:
@@ -87,57 +209,13 @@ class StageExecutor:
             )
         return tensor.to(self.device, self.dtype)
 
-    def _forward(self, info: SessionInfo, msg: StageMsg) -> StageMsg:
-        if msg.forward_only:
-            with torch.no_grad():
-                return self._evaluate(info, msg)
-        mb = msg.microbatch
-        if mb in info.cache:
-            raise SessionStateError(f"duplicate ACTIVATION for step {msg.step} microbatch {mb}")
-        if len(info.cache) >= self.max_in_flight:
-            raise StageCapacityError(
-                f"session {info.session_id} has {len(info.cache)} microbatches in flight, the "
-                f"server's limit (server.max_in_flight = {self.max_in_flight}); send "
-                "fewer before their gradients"
-            )
-        x = self._to_stage(info, msg.tensor, "ACTIVATION").requires_grad_(True)
-        if self.mode == "two":
-            return self._forward_loss(info, msg, x)
-        y = self.bank.stage(x)  # (B, T, C)
-        info.cache[mb] = (x, y)
-        return StageMsg(Kind.OUTPUT, msg.step, mb, tensor=y.detach().float())
-
-    def _evaluate(self, info: SessionInfo, msg: StageMsg) -> StageMsg:
-        x = self._to_stage(info, msg.tensor, "ACTIVATION")
-        if self.mode == "u":
-            y = self.bank.stage(x)
-            return StageMsg(Kind.OUTPUT, msg.step, msg.microbatch, tensor=y.float())
-        labels = self._labels(msg, x)
-        loss_sum, tokens = self.bank.stage(x, labels)
-        return StageMsg(
-            Kind.INPUT_GRAD, msg.step, msg.microbatch, loss_sum=float(loss_sum), tokens=int(tokens)
-        )
-
     def _labels(self, msg: StageMsg, x: torch.Tensor) -> torch.Tensor:
         if msg.labels is None or tuple(msg.labels.shape) != tuple(x.shape[:2]):
             got = None if msg.labels is None else tuple(msg.labels.shape)
             raise InvalidRequestError(f"labels must have shape {tuple(x.shape[:2])}, got {got}")
         return msg.labels.to(self.device)
 
-    def _forward_loss(self, info: SessionInfo, msg: StageMsg, x: torch.Tensor) -> StageMsg:
-        loss_sum, tokens = self.bank.stage(x, self._labels(msg, x))
-        (loss_sum.float() * msg.loss_scale).backward()
-        assert x.grad is not None
-        info.cache[msg.microbatch] = (x, x)  # marks the microbatch as seen this step
-        return StageMsg(
-            Kind.INPUT_GRAD,
-            msg.step,
-            msg.microbatch,
-            tensor=x.grad.float(),
-            loss_sum=float(loss_sum.detach()),
-            tokens=int(tokens),
-        )
-
+    # -- backward and step ---------------------------------------------------------------------
     def _backward(self, info: SessionInfo, msg: StageMsg) -> StageMsg:
         mb = msg.microbatch
         if mb not in info.cache:
@@ -150,10 +228,9 @@ class StageExecutor:
             raise InvalidRequestError(
                 f"OUTPUT_GRAD shape {tuple(grad.shape)} != OUTPUT shape {tuple(y.shape)}"
             )
-        y.backward(grad)
+        y.backward(grad)  # this session's graph only: the others' are separate
         del info.cache[mb]
-        assert x.grad is not None
-        return StageMsg(Kind.INPUT_GRAD, msg.step, mb, tensor=x.grad.float())
+        return StageMsg(Kind.INPUT_GRAD, msg.step, mb, tensor=_input_grad(info, x))
 
     def _step(self, info: SessionInfo, msg: StageMsg) -> StageMsg:
         if self.mode == "u" and info.cache:
@@ -167,6 +244,58 @@ class StageExecutor:
         info.step += 1
         info.steps_done += 1
         return StageMsg(Kind.STEP_DONE, msg.step)
+
+
+def _segments(work: Sequence[Work]) -> list[list[int]]:
+    """Consecutive runs of the call in which no session has messages of two kinds.
+
+    Within a run, forwards are computed together before the rest; a session whose next message
+    is of another kind starts a new run, so each session's messages keep their order.
+    """
+    segments: list[list[int]] = [[]]
+    kinds: dict[str, Kind] = {}
+    for i, (info, msg) in enumerate(work):
+        if kinds.setdefault(info.session_id, msg.kind) is not msg.kind:
+            segments.append([])
+            kinds = {info.session_id: msg.kind}
+        segments[-1].append(i)
+    return segments
+
+
+def _frozen_head(info: SessionInfo) -> bool:
+    """Frozen-device sessions send activations that need no gradient back."""
+    return bool(getattr(info, "frozen_head", False))
+
+
+def _input_grad(info: SessionInfo, x: torch.Tensor) -> torch.Tensor | None:
+    """The gradient for the device's head, or None when its head is frozen."""
+    if _frozen_head(info):
+        return None
+    assert x.grad is not None
+    return x.grad.float()
+
+
+def _finite(msg: StageMsg, reply: StageMsg) -> StageMsg:
+    if reply.tensor is not None and not _all_finite(reply.tensor):
+        raise InvalidRequestError(
+            f"{msg}: the reply would hold NaN or Inf; the session's inputs made the "
+            "computation overflow (send values of a sane magnitude)"
+        )
+    return reply
+
+
+def _share_time(work: Sequence[Work], results: list[Result | None], seconds: float) -> None:
+    """Each reply's ``compute_s``: the call's time shared by the tokens each message brought."""
+    sizes = [_tokens(msg) for _, msg in work]
+    total = sum(sizes) or len(work)
+    for result, size in zip(results, sizes, strict=True):
+        if isinstance(result, StageMsg):
+            result.compute_s = seconds * (size or 1) / total
+
+
+def _tokens(msg: StageMsg) -> int:
+    t = msg.tensor
+    return int(t.shape[0] * t.shape[1]) if t is not None and t.dim() == 3 else 0
 
 
 def _all_finite(t: torch.Tensor) -> bool:

@@ -14,6 +14,7 @@ from fedpipe.split.lora import (
     set_active_adapter,
 )
 from fedpipe.split.memory import device_memory_report
+from fedpipe.split.multilora import BatchedAdapterBank, Group, adapter_bank, batchable
 from fedpipe.split.plan import SplitMode, SplitPlan, plan_split
 from fedpipe.split.stages import (
     IGNORE_INDEX,
@@ -29,6 +30,8 @@ __all__ = [
     "GLOBAL_ADAPTER",
     "IGNORE_INDEX",
     "AdapterBank",
+    "BatchedAdapterBank",
+    "Group",
     "HeadStage",
     "LoraSettings",
     "MiddleStage",
@@ -38,8 +41,10 @@ __all__ = [
     "SplitPlan",
     "SplitTerms",
     "TailStage",
+    "adapter_bank",
     "apply_lora",
     "average_state_dicts",
+    "batchable",
     "build_device_stages",
     "build_stage",
     "check_agreement",

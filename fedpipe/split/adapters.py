@@ -9,7 +9,8 @@ has been activated.
 
 from __future__ import annotations
 
-from typing import cast
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, cast
 
 from torch import Tensor, nn
 
@@ -20,9 +21,13 @@ from fedpipe.split.lora import (
     average_state_dicts,
     load_lora_state_dict,
     lora_layers,
+    lora_parameters,
     lora_state_dict,
     set_active_adapter,
 )
+
+if TYPE_CHECKING:
+    from fedpipe.split.multilora import Group
 
 __all__ = ["GLOBAL_ADAPTER", "AdapterBank"]
 
@@ -90,6 +95,11 @@ class AdapterBank:
             out += [cast(nn.Parameter, a), cast(nn.Parameter, b)]
         return out
 
+    def named_parameters(self, name: str) -> dict[str, nn.Parameter]:
+        """Adapter ``name``'s Parameters themselves under global keys (state-dict order)."""
+        self._check(name, allow_global=True)
+        return lora_parameters(self.stage, name)
+
     def state_dict(self, name: str) -> dict[str, Tensor]:
         self._check(name, allow_global=True)
         return lora_state_dict(self.stage, name)
@@ -128,6 +138,26 @@ class AdapterBank:
         for name in names:
             self.remove(name)
         return merged
+
+    def run(self, groups: Sequence[Group]) -> list[Tensor]:
+        """Each group through the stage with its own adapter, one group at a time.
+
+        The unbatched path (GPT-2, LoRA dropout): the same contract as
+        :meth:`~fedpipe.split.multilora.BatchedAdapterBank.run`, paying a switch per group.
+        """
+        outs = []
+        for group in groups:
+            self.activate(group.adapter)
+            outs.append(self.stage(group.hidden))
+        return outs
+
+    def run_loss(self, groups: Sequence[Group]) -> list[tuple[Tensor, int]]:
+        """Each group's (summed shifted token loss, tokens counted), one group at a time."""
+        outs = []
+        for group in groups:
+            self.activate(group.adapter)
+            outs.append(self.stage(group.hidden, group.labels))
+        return outs
 
     def _set_trainable(self, name: str, flag: bool) -> None:
         for param in self.parameters(name):

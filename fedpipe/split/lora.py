@@ -27,6 +27,7 @@ __all__ = [
     "load_lora_state_dict",
     "average_state_dicts",
     "global_name",
+    "initial_lora_a",
 ]
 
 Family = Literal["llama", "gpt2"]
@@ -146,14 +147,19 @@ def _seed_for(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
+def initial_lora_a(shape: tuple[int, ...], seed: int, name: str) -> Tensor:
+    """A fresh lora_A (float32, on the CPU) for layer ``name``: drawn from (seed, name) only."""
+    gen = torch.Generator().manual_seed(_seed_for(seed, name))
+    fresh = torch.empty(shape, dtype=torch.float32)
+    nn.init.kaiming_uniform_(fresh, a=math.sqrt(5), generator=gen)  # peft's default A init
+    return fresh
+
+
 @torch.no_grad()
 def _init_adapter(module: nn.Module, seed: int, adapter: str) -> None:
     for name, layer in lora_layers(module).items():
         a, b = _adapter_weights(layer, adapter)
-        gen = torch.Generator().manual_seed(_seed_for(seed, name))
-        fresh = torch.empty(a.shape, dtype=torch.float32)
-        nn.init.kaiming_uniform_(fresh, a=math.sqrt(5), generator=gen)  # peft's default A init
-        a.copy_(fresh)
+        a.copy_(initial_lora_a(tuple(a.shape), seed, name))
         b.zero_()
 
 

@@ -152,7 +152,7 @@ def _pipelined(setup: Setup, config: FedpipeConfig, batches):  # type: ignore[no
                 losses.append(runtime.train_step(batch, step=step).loss)
     (server_session,) = [s for s in setup.runtime.sessions() if s.device_id == trainer.device_id]
     (server_opt,) = setup.server_opts
-    server_params = lora_parameters(setup.runtime.bank.stage, server_session.session_id)
+    server_params = setup.runtime.bank.named_parameters(server_session.session_id)
     grads = dict(zip(params, opt.grads[0], strict=True))
     grads |= dict(zip(server_params, server_opt.grads[0], strict=True))
     weights = trainer.adapters() | setup.runtime.bank.state_dict(server_session.session_id)
