@@ -30,6 +30,7 @@ from fedpipe.split import (
     lora_state_dict,
     plan_split,
 )
+from fedpipe.split.aggregation import BaseFold, split_deltas
 from fedpipe.transport.client import StageClient, StageSession
 
 __all__ = ["DeviceFailure", "DeviceTrainer", "RoundReport", "lora_settings", "split_terms"]
@@ -143,9 +144,25 @@ class DeviceTrainer:
         settings = lora_settings(config)
         self.head = apply_lora(head, settings, self.family)
         self.tail = apply_lora(tail, settings, self.family) if tail is not None else None
+        self._freeze(config)
+        self.fold = BaseFold(self.head, self.tail)  # base deltas of `exact` / `stack`
         self.tracer = Tracer()
         slowdown = profile.compute_slowdown if profile else 1.0
         self.throttle = ComputeThrottle(slowdown, RealClock()) if slowdown > 1.0 else None
+
+    def _freeze(self, config: FedpipeConfig) -> None:
+        """Frozen-device mode trains nothing here; FFA-LoRA trains B only (A stays at init)."""
+        for stage in (self.head, self.tail):
+            for name, param in stage.named_parameters() if stage is not None else ():
+                if not config.pipeline.device_trains or (
+                    config.federated.aggregation == "ffa" and ".lora_A." in name
+                ):
+                    param.requires_grad_(False)
+
+    @property
+    def frozen(self) -> bool:
+        """Frozen-device mode: the head runs forward only, no input gradient comes down."""
+        return not self.config.pipeline.device_trains
 
     # -- adapters ---------------------------------------------------------------------------
     def adapters(self) -> dict[str, torch.Tensor]:
@@ -156,6 +173,10 @@ class DeviceTrainer:
         return {k: v.detach().clone() for k, v in state.items()}
 
     def load_adapters(self, state: dict[str, torch.Tensor]) -> None:
+        """Load the global adapters, and the base deltas (``*.base_delta``) that come with them
+        under ``exact`` and ``stack`` aggregation (none: the original base weights)."""
+        state, deltas = split_deltas(state)
+        self.fold.set(deltas)
         head_keys = set(lora_state_dict(self.head))
         load_lora_state_dict(self.head, {k: v for k, v in state.items() if k in head_keys})
         if self.tail is not None:
@@ -203,6 +224,7 @@ class DeviceTrainer:
             # The largest tensors this device sends: the server refuses bigger ones.
             microbatch_size=-(-cfg.train.batch_size // cfg.pipeline.microbatches),
             seq_len=cfg.train.seq_len,
+            frozen_head=self.frozen,
         )
         runtime = DeviceRuntime(
             self.head,
@@ -214,6 +236,7 @@ class DeviceTrainer:
             max_in_flight=cfg.pipeline.max_in_flight or None,
             throttle=self.throttle,
             tracer=tracer,
+            frozen_head=self.frozen,
         )
         return session, runtime
 
@@ -236,8 +259,12 @@ class DeviceTrainer:
         """
         cfg = self.config
         params = self.parameters()
-        optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
-        if proximal_mu > 0:
+        optimizer = (  # frozen-device mode: nothing to optimize here
+            torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+            if params
+            else None
+        )
+        if proximal_mu > 0 and optimizer is not None:
             _add_proximal_term(optimizer, params, proximal_mu)
         report = RoundReport()
         start = time.perf_counter()

@@ -126,6 +126,7 @@ class DeviceRuntime:
         throttle: Throttle | None = None,
         tracer: Tracer | None = None,
         wait_step_done: bool = False,
+        frozen_head: bool = False,
     ) -> None:
         self.head = head
         self.tail = tail
@@ -138,6 +139,8 @@ class DeviceRuntime:
         self.tracer = tracer or Tracer()
         self.wait_step_done = wait_step_done  # True: every step waits for its STEP_DONE
         self._unconfirmed: int | None = None  # a step whose STEP_DONE is not collected yet
+        # Frozen-device mode: the head runs forward only; no input gradient comes back.
+        self.frozen_head = frozen_head
         make_schedule(schedule, microbatches, has_tail=tail is not None)  # validate early
 
     def train_step(self, batch: dict[str, torch.Tensor], *, step: int) -> StepResult:
@@ -256,8 +259,8 @@ class DeviceRuntime:
 
     def _forward(self, mb: int, state: _StepState) -> None:
         data = state.microbatches[mb]
-        with self._compute(f"F{mb}", "device"):
-            h = self.head(data["input_ids"])  # (b, T, C)
+        with self._compute(f"F{mb}", "device"), torch.set_grad_enabled(not self.frozen_head):
+            h = self.head(data["input_ids"])  # (b, T, C); frozen: no graph is kept
         state.heads[mb] = h
         msg = StageMsg(Kind.ACTIVATION, state.step, mb, tensor=h.detach())
         if self.tail is None:  # two-part split: the server computes the loss
@@ -284,8 +287,13 @@ class DeviceRuntime:
         self._server_span("Sb", mb, reply, state)
         if self.tail is None:
             state.loss_sums.append(reply.loss_sum)
+        head = state.heads.pop(mb)
+        if self.frozen_head:  # nothing to train before the cut: the reply carries no tensor
+            return
+        if reply.tensor is None:
+            raise ValueError(f"INPUT_GRAD for step {state.step} microbatch {mb} has no tensor")
         with self._compute(f"B{mb}", "device"):
-            state.heads.pop(mb).backward(reply.tensor)
+            head.backward(reply.tensor)
 
     def _server_span(self, name: str, mb: int, reply: StageMsg, state: _StepState) -> None:
         """Record the server's compute for this reply (placed just before its receipt)."""

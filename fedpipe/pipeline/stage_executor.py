@@ -100,7 +100,8 @@ class StageExecutor:
                 f"server's limit (server.max_in_flight = {self.max_in_flight}); send "
                 "fewer before their gradients"
             )
-        x = self._to_stage(info, msg.tensor, "ACTIVATION").requires_grad_(True)
+        # Frozen-device mode (agg branch): no graph back to the device's activations.
+        x = self._to_stage(info, msg.tensor, "ACTIVATION").requires_grad_(not info.frozen_head)
         if self.mode == "two":
             return self._forward_loss(info, msg, x)
         y = self.bank.stage(x)  # (B, T, C)
@@ -127,13 +128,13 @@ class StageExecutor:
     def _forward_loss(self, info: SessionInfo, msg: StageMsg, x: torch.Tensor) -> StageMsg:
         loss_sum, tokens = self.bank.stage(x, self._labels(msg, x))
         (loss_sum.float() * msg.loss_scale).backward()
-        assert x.grad is not None
+        assert x.grad is not None or info.frozen_head
         info.cache[msg.microbatch] = (x, x)  # marks the microbatch as seen this step
         return StageMsg(
             Kind.INPUT_GRAD,
             msg.step,
             msg.microbatch,
-            tensor=x.grad.float(),
+            tensor=None if x.grad is None else x.grad.float(),  # None: frozen device (agg)
             loss_sum=float(loss_sum.detach()),
             tokens=int(tokens),
         )
@@ -152,8 +153,9 @@ class StageExecutor:
             )
         y.backward(grad)
         del info.cache[mb]
-        assert x.grad is not None
-        return StageMsg(Kind.INPUT_GRAD, msg.step, mb, tensor=x.grad.float())
+        assert x.grad is not None or info.frozen_head
+        tensor = None if x.grad is None else x.grad.float()  # None: frozen device (agg branch)
+        return StageMsg(Kind.INPUT_GRAD, msg.step, mb, tensor=tensor)
 
     def _step(self, info: SessionInfo, msg: StageMsg) -> StageMsg:
         if self.mode == "u" and info.cache:
