@@ -73,6 +73,9 @@ class PipelineConfig:
     # false: frozen-device mode: the device's head and tail train nothing, the head runs
     # forward only and the server sends no input gradient down (LoRA trains on the server).
     device_trains: bool = True
+    # true: the head's forward keeps no graph; its backward recomputes it (device memory:
+    # per microbatch in flight only the head's output is stashed, not its activations).
+    recompute_head: bool = False
 
     def __post_init__(self) -> None:
         from fedpipe.pipeline.schedule import SCHEDULES

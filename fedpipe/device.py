@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,6 +64,19 @@ def split_terms(config: FedpipeConfig, folder: Path) -> SplitTerms:
     )
 
 
+def peak_rss_mb() -> float:
+    """This process's peak resident memory in MiB (0 where the platform does not say).
+
+    A device process's own peak; devices simulated in one process share one number.
+    """
+    try:
+        import resource
+    except ImportError:  # not on Windows
+        return 0.0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # bytes vs KiB
+
+
 class DeviceFailure(RuntimeError):
     """A device stopped mid-round (fault injection in simulations and tests)."""
 
@@ -91,6 +105,7 @@ class RoundReport:
     bytes_down: int = 0
     examples: int = 0
     wall_s: float = 0.0
+    peak_rss_mb: float = 0.0  # the process's peak resident memory so far (ru_maxrss)
 
     @property
     def mean_loss(self) -> float:
@@ -108,6 +123,8 @@ class RoundReport:
             "bytes-down": self.bytes_down,
             "steps": len(self.steps),
             "wall-s": self.wall_s,
+            "peak-rss-mb": self.peak_rss_mb,
+            "stash-peak": max((s.stash_peak for s in self.steps), default=0),
         }
 
 
@@ -237,6 +254,7 @@ class DeviceTrainer:
             throttle=self.throttle,
             tracer=tracer,
             frozen_head=self.frozen,
+            recompute_head=cfg.pipeline.recompute_head,
         )
         return session, runtime
 
@@ -290,4 +308,5 @@ class DeviceTrainer:
             runtime.finish()  # the last step's server update, confirmed before reporting
         report.bytes_up, report.bytes_down = session.stats.bytes_up, session.stats.bytes_down
         report.wall_s = time.perf_counter() - start
+        report.peak_rss_mb = peak_rss_mb()
         return report
