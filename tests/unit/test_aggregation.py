@@ -167,3 +167,40 @@ def test_device_side_deltas_make_the_devices_mean_exact(
     trainer.load_adapters(initial)  # no deltas: the original base again
     for name, layer in layers.items():
         assert torch.equal(layer.get_base_layer().weight, originals[name])
+
+
+def test_the_server_app_carries_cumulative_device_deltas(tmp_path: Path) -> None:
+    """The ServerApp's strategy hook: exact aggregation over Flower replies, deltas added up."""
+    from types import SimpleNamespace
+
+    from flwr.app import ArrayRecord, MetricRecord
+
+    from fedpipe.federated.apps import _aggregate_exactly, _Rounds
+    from fedpipe.federated.local import RunSettings
+    from fedpipe.federated.runfolder import RunFolder
+
+    gen = torch.Generator().manual_seed(0)
+    template = {
+        "l.lora_A.weight": torch.randn(2, 6, generator=gen),
+        "l.lora_B.weight": torch.zeros(5, 2),
+    }
+    states = [{k: torch.randn(v.shape, generator=gen) for k, v in template.items()} for _ in "ab"]
+    replies = [
+        SimpleNamespace(
+            content={"arrays": ArrayRecord(s), "metrics": MetricRecord({"num-examples": n})},
+            has_error=lambda: False,
+        )
+        for s, n in zip(states, (1, 3), strict=True)
+    ]
+    policy = FederatedConfig(aggregation="exact")
+    rounds = _Rounds(None, RunFolder.open(tmp_path, "r"), RunSettings(), 0, policy=policy)  # type: ignore[arg-type]
+    rounds.device_initial, rounds.lora_scale = template, 2.0
+    rounds.device_deltas = {"l": torch.ones(5, 6)}  # what earlier rounds folded
+    arrays, _ = _aggregate_exactly(rounds, replies, (ArrayRecord({}), None))  # type: ignore[arg-type]
+    got = arrays.to_torch_state_dict()  # type: ignore[union-attr]
+    mean_ba = sum(
+        w * s["l.lora_B.weight"] @ s["l.lora_A.weight"]
+        for s, w in zip(states, (0.25, 0.75), strict=True)
+    )
+    effective = got["l.base_delta"] + 2.0 * got["l.lora_B.weight"] @ got["l.lora_A.weight"]
+    torch.testing.assert_close(effective, torch.ones(5, 6) + 2.0 * mean_ba)
