@@ -93,7 +93,7 @@ def aggregate_adapters(
     layers = sorted(k[: -len(_A)] for k in states[0] if k.endswith(_A))
     if mode == "stack":
         return _stacked(states, norm, layers, scale, initial)
-    merged = average_state_dicts(states, norm)  # the baseline's own arithmetic, unchanged
+    merged = average_state_dicts(states, weights)  # the baseline's own arithmetic, unchanged
     if mode != "exact":
         return merged, {}
     deltas = {}
