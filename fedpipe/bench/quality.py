@@ -141,10 +141,10 @@ def run_quality_bench(
         log.info("quality bench: run %s", name)
         if name == "centralized":
             runs.append(_centralized(base))
-            continue
-        settings = {k: v for k, v in catalogue[name].items() if k != "name"}
-        runs.append({"name": name, **_federated(base.with_overrides(settings))})
-        log.info("quality bench: %s", runs[-1])
+        else:
+            settings = {k: v for k, v in catalogue[name].items() if k != "name"}
+            runs.append({"name": name, **_federated(base.with_overrides(settings))})
+        log.info("quality bench: %s", runs[-1])  # each row as it ends, for a run cut short
     return {
         "model": base.model.name,
         "quick": quick,
