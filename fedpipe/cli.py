@@ -381,6 +381,26 @@ def _print_server_table(report: dict[str, Any]) -> None:
             )
 
 
+def cmd_bench_quality(args: argparse.Namespace) -> int:
+    """`fedpipe bench quality`: held-out loss and bytes of fedpipe's runs against centralized."""
+    overrides = parse_overrides(args.set or [])
+    from fedpipe.bench.quality import run_quality_bench
+
+    names = [n.strip() for n in args.runs.split(",") if n.strip()] if args.runs else None
+    report = run_quality_bench(quick=args.quick, names=names, overrides=overrides)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"model {report['model']}, {report['devices']} devices, {report['rounds']} rounds")
+    print(f"{'run':>14} {'eval loss':>9} {'ppl':>8} {'bytes/token':>11} {'wall s':>7} {'steps':>5}")
+    for r in report["runs"]:
+        print(
+            f"{r['name']:>14} {r['eval_loss']:>9.4f} {r['eval_ppl']:>8.2f} "
+            f"{r['bytes_per_token']:>11.1f} {r['wall_s']:>7.1f} {r['steps']:>5}"
+        )
+    return 0
+
+
 def cmd_bench_memory(args: argparse.Namespace) -> int:
     """`fedpipe bench memory`: what the device side holds against the whole model."""
     from fedpipe.preflight import check_model

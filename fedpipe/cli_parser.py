@@ -284,6 +284,16 @@ def _add_bench(sub: Any) -> None:
     q.add_argument("--gradient-codec", choices=codecs, help="codec of gradients (default: --codec)")
     q.add_argument("--steps", type=int, default=4, help="measured steps per schedule (median)")
     q.add_argument("--warmup", type=int, default=1, help="unmeasured steps first")
+    qb = _sub(bsub, "quality", "fedpipe.cli:cmd_bench_quality", "held-out loss vs centralized")
+    qb.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    qb.add_argument("--quick", action="store_true", help="a tiny random model (CI, seconds)")
+    qb.add_argument("--runs", help="comma-separated run names (default: all but noniid-stack)")
+    qb.add_argument(
+        "--set",
+        action="append",
+        metavar="SECTION.KEY=VALUE",
+        help="override one setting of every run (repeatable), e.g. federated.rounds=5",
+    )
     r = _sub(bsub, "memory", "fedpipe.cli:cmd_bench_memory", "device memory vs the whole model")
     _settings(r, model_default="default (SmolLM2-135M-Instruct)")
     _add_bench_server(bsub)

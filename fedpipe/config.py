@@ -29,6 +29,7 @@ __all__ = [
 ]
 
 CODECS = ("fp32", "bf16", "fp16", "int8")
+AGGREGATIONS = ("separate", "exact", "ffa", "stack")  # see fedpipe.split.aggregation
 _BOOLS = {"1": True, "true": True, "yes": True, "on": True}
 _BOOLS |= {"0": False, "false": False, "no": False, "off": False}
 
@@ -69,6 +70,12 @@ class PipelineConfig:
     downlink_codec: str = "fp32"
     gradient_codec: str = ""  # "" = each direction's codec; e.g. int8 activations, bf16 grads
     timeout_s: float = 120.0
+    # false: frozen-device mode: the device's head and tail train nothing, the head runs
+    # forward only and the server sends no input gradient down (LoRA trains on the server).
+    device_trains: bool = True
+    # true: the head's forward keeps no graph; its backward recomputes it (device memory:
+    # per microbatch in flight only the head's output is stashed, not its activations).
+    recompute_head: bool = False
 
     def __post_init__(self) -> None:
         from fedpipe.pipeline.schedule import SCHEDULES
@@ -222,6 +229,9 @@ class FederatedConfig:
     eval_fraction: float = 0.1
     proximal_mu: float = 0.01
     server_lr: float = 0.1
+    # How LoRA adapters are aggregated on both sides: separate | exact | ffa | stack
+    # (fedpipe.split.aggregation); exact and stack need a FedAvg-style strategy.
+    aggregation: str = "separate"
     # Round policy: wait up to connect_wait_s for num_devices to connect, then start with
     # those connected if there are at least min_devices; wait at most round_deadline_s for
     # replies, and (straggler_s > 0) at most straggler_s after the first device replied; say
@@ -255,6 +265,16 @@ class FederatedConfig:
         _check(
             self.partition in ("iid", "by-source", "dirichlet"),
             f"federated.partition must be iid, by-source or dirichlet, got {self.partition!r}",
+        )
+        _check(
+            self.aggregation in AGGREGATIONS,
+            f"federated.aggregation {self.aggregation!r} unknown; choose one of "
+            f"{', '.join(AGGREGATIONS)}",
+        )
+        _check(
+            self.aggregation not in ("exact", "stack") or self.strategy in ("fedavg", "fedprox"),
+            f"federated.aggregation = {self.aggregation!r} averages the devices' models itself; "
+            f"it needs federated.strategy fedavg or fedprox, got {self.strategy!r}",
         )
         try:  # names and inline specs, checked here so a typo fails before any process starts
             parse_device_profiles(self.profiles)

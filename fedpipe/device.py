@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +31,7 @@ from fedpipe.split import (
     lora_state_dict,
     plan_split,
 )
+from fedpipe.split.aggregation import BaseFold, split_deltas
 from fedpipe.transport.client import StageClient, StageSession
 
 __all__ = ["DeviceFailure", "DeviceTrainer", "RoundReport", "lora_settings", "split_terms"]
@@ -62,6 +64,19 @@ def split_terms(config: FedpipeConfig, folder: Path) -> SplitTerms:
     )
 
 
+def peak_rss_mb() -> float:
+    """This process's peak resident memory in MiB (0 where the platform does not say).
+
+    A device process's own peak; devices simulated in one process share one number.
+    """
+    try:
+        import resource
+    except ImportError:  # not on Windows
+        return 0.0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # bytes vs KiB
+
+
 class DeviceFailure(RuntimeError):
     """A device stopped mid-round (fault injection in simulations and tests)."""
 
@@ -90,6 +105,7 @@ class RoundReport:
     bytes_down: int = 0
     examples: int = 0
     wall_s: float = 0.0
+    peak_rss_mb: float = 0.0  # the process's peak resident memory so far (ru_maxrss)
 
     @property
     def mean_loss(self) -> float:
@@ -107,6 +123,8 @@ class RoundReport:
             "bytes-down": self.bytes_down,
             "steps": len(self.steps),
             "wall-s": self.wall_s,
+            "peak-rss-mb": self.peak_rss_mb,
+            "stash-peak": max((s.stash_peak for s in self.steps), default=0),
         }
 
 
@@ -143,9 +161,25 @@ class DeviceTrainer:
         settings = lora_settings(config)
         self.head = apply_lora(head, settings, self.family)
         self.tail = apply_lora(tail, settings, self.family) if tail is not None else None
+        self._freeze(config)
+        self.fold = BaseFold(self.head, self.tail)  # base deltas of `exact` / `stack`
         self.tracer = Tracer()
         slowdown = profile.compute_slowdown if profile else 1.0
         self.throttle = ComputeThrottle(slowdown, RealClock()) if slowdown > 1.0 else None
+
+    def _freeze(self, config: FedpipeConfig) -> None:
+        """Frozen-device mode trains nothing here; FFA-LoRA trains B only (A stays at init)."""
+        for stage in (self.head, self.tail):
+            for name, param in stage.named_parameters() if stage is not None else ():
+                if not config.pipeline.device_trains or (
+                    config.federated.aggregation == "ffa" and ".lora_A." in name
+                ):
+                    param.requires_grad_(False)
+
+    @property
+    def frozen(self) -> bool:
+        """Frozen-device mode: the head runs forward only, no input gradient comes down."""
+        return not self.config.pipeline.device_trains
 
     # -- adapters ---------------------------------------------------------------------------
     def adapters(self) -> dict[str, torch.Tensor]:
@@ -156,6 +190,10 @@ class DeviceTrainer:
         return {k: v.detach().clone() for k, v in state.items()}
 
     def load_adapters(self, state: dict[str, torch.Tensor]) -> None:
+        """Load the global adapters, and the base deltas (``*.base_delta``) that come with them
+        under ``exact`` and ``stack`` aggregation (none: the original base weights)."""
+        state, deltas = split_deltas(state)
+        self.fold.set(deltas)
         head_keys = set(lora_state_dict(self.head))
         load_lora_state_dict(self.head, {k: v for k, v in state.items() if k in head_keys})
         if self.tail is not None:
@@ -203,6 +241,7 @@ class DeviceTrainer:
             # The largest tensors this device sends: the server refuses bigger ones.
             microbatch_size=-(-cfg.train.batch_size // cfg.pipeline.microbatches),
             seq_len=cfg.train.seq_len,
+            frozen_head=self.frozen,
         )
         runtime = DeviceRuntime(
             self.head,
@@ -214,6 +253,8 @@ class DeviceTrainer:
             max_in_flight=cfg.pipeline.max_in_flight or None,
             throttle=self.throttle,
             tracer=tracer,
+            frozen_head=self.frozen,
+            recompute_head=cfg.pipeline.recompute_head,
         )
         return session, runtime
 
@@ -236,8 +277,12 @@ class DeviceTrainer:
         """
         cfg = self.config
         params = self.parameters()
-        optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
-        if proximal_mu > 0:
+        optimizer = (  # frozen-device mode: nothing to optimize here
+            torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+            if params
+            else None
+        )
+        if proximal_mu > 0 and optimizer is not None:
             _add_proximal_term(optimizer, params, proximal_mu)
         report = RoundReport()
         start = time.perf_counter()
@@ -263,4 +308,5 @@ class DeviceTrainer:
             runtime.finish()  # the last step's server update, confirmed before reporting
         report.bytes_up, report.bytes_down = session.stats.bytes_up, session.stats.bytes_down
         report.wall_s = time.perf_counter() - start
+        report.peak_rss_mb = peak_rss_mb()
         return report

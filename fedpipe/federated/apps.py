@@ -36,6 +36,7 @@ from fedpipe.federated.runfolder import RunFolder
 from fedpipe.federated.strategies import make_strategy
 from fedpipe.federated.tensorboard import Board
 from fedpipe.federated.tokens import issue_token
+from fedpipe.split.aggregation import DELTA_SUFFIX, aggregate_adapters, split_deltas
 
 __all__ = ["client_app", "server_app"]
 
@@ -70,6 +71,9 @@ class _Rounds:
         self.stats: dict[str, float | int] = {}  # the last committed round's, for its record
         self.failures_total = 0
         self.started = self.round_started = time.time()
+        self.device_initial: dict[str, torch.Tensor] = {}  # the seeded adapters (`stack`)
+        self.lora_scale = 1.0  # alpha / r of the device adapters
+        self.device_deltas: dict[str, torch.Tensor] = {}  # folded so far (`exact`, `stack`)
 
     def log(self, record: dict[str, object]) -> None:
         """One metrics record: metrics.jsonl (read live by the CLI) and TensorBoard."""
@@ -86,7 +90,7 @@ class _Rounds:
 
     def configure(self, server_round: int, messages: Iterable[Message]) -> list[Message]:
         round_ = self.offset + server_round
-        self.control.begin_round(round_, self.run_id)
+        self.control.begin_round(round_, self.run_id, self.policy.aggregation)
         out = []
         for msg in messages:
             node = str(msg.metadata.dst_node_id)
@@ -199,19 +203,47 @@ def _round_stats(ok: list[Message], failed: int) -> dict[str, float | int]:
     return stats
 
 
+def _aggregate_exactly(
+    rounds: _Rounds, replies: list[Message], result: tuple[ArrayRecord | None, object]
+) -> tuple[ArrayRecord | None, object]:
+    """``exact`` / ``stack``: the device adapters aggregated by fedpipe, base deltas folded.
+
+    The global arrays then carry the cumulative deltas (``*.base_delta``) down to every device
+    each round (dense: out x in values per adapted layer) and into the checkpoints.
+    """
+    mode = rounds.policy.aggregation
+    ok = [r for r in replies if not r.has_error()]
+    if mode not in ("exact", "stack") or not ok or result[0] is None:
+        return result
+    states = [dict(cast(ArrayRecord, r.content["arrays"]).to_torch_state_dict()) for r in ok]
+    weights = [float(cast(int, r.content["metrics"]["num-examples"])) for r in ok]
+    merged, deltas = aggregate_adapters(
+        states, weights, mode, scale=rounds.lora_scale, initial=rounds.device_initial
+    )
+    total = dict(rounds.device_deltas)
+    for name, delta in deltas.items():
+        total[name] = total[name] + delta if name in total else delta
+    rounds.device_deltas = total
+    arrays = {**merged, **{k + DELTA_SUFFIX: v.contiguous() for k, v in total.items()}}
+    return ArrayRecord(arrays), result[1]
+
+
 def _wrap_strategy(strategy, rounds: _Rounds):  # type: ignore[no-untyped-def]
     base = type(strategy)
 
     class FedpipeStrategy(base):  # type: ignore[misc, valid-type]
         def configure_train(self, server_round, arrays, config, grid):  # type: ignore[no-untyped-def]
             rounds.begin(server_round, grid)
+            _, rounds.device_deltas = split_deltas(arrays.to_torch_state_dict())
             return rounds.configure(
                 server_round, super().configure_train(server_round, arrays, config, grid)
             )
 
         def aggregate_train(self, server_round, replies):  # type: ignore[no-untyped-def]
             replies = rounds.finite_replies(list(replies))
-            result = super().aggregate_train(server_round, replies)
+            result = _aggregate_exactly(
+                rounds, replies, super().aggregate_train(server_round, replies)
+            )
             rounds.commit(server_round, replies)
             return result
 
@@ -291,6 +323,7 @@ def server_main(grid: Grid, context: Context) -> None:
         cfg, device_id="evaluator", partition=-1, num_partitions=cfg.federated.num_devices
     )
     arrays, offset = work.trainer.adapters(), 0
+    initial = dict(arrays)  # the seeded adapters, before any checkpoint is loaded
     checkpoint = folder.latest_checkpoint() if run.resume else None
     if checkpoint is not None:
         arrays, offset = checkpoint.device, checkpoint.round
@@ -303,10 +336,11 @@ def server_main(grid: Grid, context: Context) -> None:
         log.info("all %d rounds are done already", cfg.federated.rounds)
         return
     rounds = _Rounds(control, folder, run, offset, policy=cfg.federated)
+    rounds.device_initial, rounds.lora_scale = initial, cfg.model.lora_alpha / cfg.model.lora_r
     # Records of rounds after `offset` from an earlier attempt (a crash between commit and
     # checkpoint) are superseded from here on; build_summary drops them.
     rounds.log({"event": "start", "round": offset, "resumed": checkpoint is not None})
-    control.begin_round(offset, run.run_id)
+    control.begin_round(offset, run.run_id, cfg.federated.aggregation)
     fed = cfg.federated
     rounds.grid = RoundGrid(
         grid,

@@ -65,9 +65,12 @@ class StageControlClient:
 
         return retry_call(once)
 
-    def begin_round(self, round_: int, run_id: str = "") -> None:
-        """Tell the StageServer that ``round_`` of ``run_id`` starts: tokens must name both."""
-        self._call("BeginRound", pb.BeginRoundRequest(round=round_, run_id=run_id), 30)
+    def begin_round(self, round_: int, run_id: str = "", aggregation: str = "") -> None:
+        """Tell the StageServer that ``round_`` of ``run_id`` starts: tokens must name both.
+
+        ``aggregation`` (federated.aggregation; "" = separate) is how its commit merges."""
+        request = pb.BeginRoundRequest(round=round_, run_id=run_id, aggregation=aggregation)
+        self._call("BeginRound", request, 30)
 
     def commit_round(self, round_: int, finished: dict[str, float]) -> Committed:
         """Merge the finished devices' server adapters (by weight); the server leaves out (and

@@ -31,6 +31,7 @@ FROZEN = (
     "federated.partition",
     "federated.dirichlet_alpha",
     "federated.eval_fraction",
+    "federated.aggregation",  # exact/stack fold base deltas that the others would drop
 )
 
 

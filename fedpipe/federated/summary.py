@@ -68,6 +68,8 @@ def _add_train(entry: dict[str, Any], rec: dict[str, Any], names: dict[str, str]
     entry["bytes_up"] = entry.get("bytes_up", 0) + int(_get(rec, "bytes_up", 0))
     entry["bytes_down"] = entry.get("bytes_down", 0) + int(_get(rec, "bytes_down", 0))
     entry["devices_trained"] += 1
+    if _get(rec, "peak_rss_mb") is not None:  # each device's peak resident memory (agg branch)
+        entry.setdefault("peak_rss_mb", {})[device] = _get(rec, "peak_rss_mb")
 
 
 def _close_round(entry: dict[str, Any]) -> dict[str, Any]:

@@ -74,6 +74,7 @@ class StepResult:
     microbatches: int
     compute_s: dict[str, float] = field(default_factory=dict)  # device seconds per op kind
     server_compute_s: float = 0.0
+    stash_peak: int = 0  # most microbatches stashed for the head's backward at once
 
 
 def split_batch(batch: dict[str, torch.Tensor], num: int) -> list[dict[str, torch.Tensor]]:
@@ -108,6 +109,7 @@ class _StepState:
     loss_sums: list[float] = field(default_factory=list)
     done: set[Action] = field(default_factory=set)
     server_s: float = 0.0
+    stash_peak: int = 0
 
 
 class DeviceRuntime:
@@ -126,6 +128,8 @@ class DeviceRuntime:
         throttle: Throttle | None = None,
         tracer: Tracer | None = None,
         wait_step_done: bool = False,
+        frozen_head: bool = False,
+        recompute_head: bool = False,
     ) -> None:
         self.head = head
         self.tail = tail
@@ -138,6 +142,10 @@ class DeviceRuntime:
         self.tracer = tracer or Tracer()
         self.wait_step_done = wait_step_done  # True: every step waits for its STEP_DONE
         self._unconfirmed: int | None = None  # a step whose STEP_DONE is not collected yet
+        # Frozen-device mode: the head runs forward only; no input gradient comes back.
+        self.frozen_head = frozen_head
+        # Recompute: the forward keeps no graph; the backward runs the head again with one.
+        self.recompute_head = recompute_head
         make_schedule(schedule, microbatches, has_tail=tail is not None)  # validate early
 
     def train_step(self, batch: dict[str, torch.Tensor], *, step: int) -> StepResult:
@@ -256,9 +264,11 @@ class DeviceRuntime:
 
     def _forward(self, mb: int, state: _StepState) -> None:
         data = state.microbatches[mb]
-        with self._compute(f"F{mb}", "device"):
-            h = self.head(data["input_ids"])  # (b, T, C)
+        keep_graph = not (self.frozen_head or self.recompute_head)
+        with self._compute(f"F{mb}", "device"), torch.set_grad_enabled(keep_graph):
+            h = self.head(data["input_ids"])  # (b, T, C); frozen or recompute: no graph kept
         state.heads[mb] = h
+        state.stash_peak = max(state.stash_peak, len(state.heads))
         msg = StageMsg(Kind.ACTIVATION, state.step, mb, tensor=h.detach())
         if self.tail is None:  # two-part split: the server computes the loss
             msg.labels = data["labels"]
@@ -284,8 +294,15 @@ class DeviceRuntime:
         self._server_span("Sb", mb, reply, state)
         if self.tail is None:
             state.loss_sums.append(reply.loss_sum)
+        head = state.heads.pop(mb)
+        if self.frozen_head:  # nothing to train before the cut: the reply carries no tensor
+            return
+        if reply.tensor is None:
+            raise ValueError(f"INPUT_GRAD for step {state.step} microbatch {mb} has no tensor")
         with self._compute(f"B{mb}", "device"):
-            state.heads.pop(mb).backward(reply.tensor)
+            if self.recompute_head:  # the same forward again, this time with its graph
+                head = self.head(state.microbatches[mb]["input_ids"])
+            head.backward(reply.tensor)
 
     def _server_span(self, name: str, mb: int, reply: StageMsg, state: _StepState) -> None:
         """Record the server's compute for this reply (placed just before its receipt)."""
@@ -338,4 +355,5 @@ class DeviceRuntime:
             microbatches=state.schedule.num_microbatches,
             compute_s=compute,
             server_compute_s=state.server_s,
+            stash_peak=state.stash_peak,
         )

@@ -130,6 +130,7 @@ class SessionInfo:
     dropped: bool = False  # gone from the runtime; late work is refused
     stream: StreamHandle | None = None  # the live Exchange stream, if any
     streams_opened: int = 0
+    frozen_head: bool = False  # frozen-device mode: no input gradient goes back (agg branch)
 
 
 class StreamHandle:
@@ -250,6 +251,7 @@ class StageRuntime:
         microbatch_size: int = 0,
         seq_len: int = 0,
         codecs: tuple[str, str] = ("fp32", ""),
+        frozen_head: bool = False,
     ) -> str:
         """Start a session on a fresh copy of the global adapter; replaces the device's old one.
 
@@ -277,6 +279,7 @@ class StageRuntime:
             with self._lock:
                 self._opening -= 1
         info = SessionInfo(session_id, device_id, round_, opt, rows, tokens, codecs)
+        info.frozen_head = frozen_head  # agg branch: frozen-device mode
         with self._lock:
             for old in [s for s in self._sessions.values() if s.device_id == device_id]:
                 self._drop(old, reason="replaced by a newer session")  # a concurrent open
@@ -500,8 +503,13 @@ class StageRuntime:
             self._drop(info, reason=dropped.get(info.device_id, f"round {round_} committed"))
         return CommitResult(len(merge), len(stale), dropped)
 
+    def set_aggregation(self, mode: str) -> None:
+        """How commits aggregate from now on (agg branch: federated.aggregation)."""
+        with self._bank_lock:
+            self.bank.set_aggregation(mode)
+
     def global_state(self) -> dict[str, torch.Tensor]:
-        """A copy of the global adapter, never half-way through a merge."""
+        """A copy of the global adapter (and folded base deltas), never half-way through a merge."""
         with self._bank_lock:
             return {k: v.detach().clone() for k, v in self.bank.global_state().items()}
 

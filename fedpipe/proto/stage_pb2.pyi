@@ -104,7 +104,7 @@ class SplitSpec(_message.Message):
     def __init__(self, model: _Optional[str] = ..., num_layers: _Optional[int] = ..., head_layers: _Optional[int] = ..., tail_layers: _Optional[int] = ..., mode: _Optional[str] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., fingerprint: _Optional[str] = ..., max_positions: _Optional[int] = ..., vocab_size: _Optional[int] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("device_id", "token", "round", "uplink_codec", "downlink_codec", "microbatch_size", "seq_len", "learning_rate", "weight_decay", "gradient_codec", "split")
+    __slots__ = ("device_id", "token", "round", "uplink_codec", "downlink_codec", "microbatch_size", "seq_len", "learning_rate", "weight_decay", "gradient_codec", "split", "frozen_head")
     DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +116,7 @@ class OpenSessionRequest(_message.Message):
     WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
     GRADIENT_CODEC_FIELD_NUMBER: _ClassVar[int]
     SPLIT_FIELD_NUMBER: _ClassVar[int]
+    FROZEN_HEAD_FIELD_NUMBER: _ClassVar[int]
     device_id: str
     token: str
     round: int
@@ -127,7 +128,8 @@ class OpenSessionRequest(_message.Message):
     weight_decay: float
     gradient_codec: Codec
     split: SplitSpec
-    def __init__(self, device_id: _Optional[str] = ..., token: _Optional[str] = ..., round: _Optional[int] = ..., uplink_codec: _Optional[_Union[Codec, str]] = ..., downlink_codec: _Optional[_Union[Codec, str]] = ..., microbatch_size: _Optional[int] = ..., seq_len: _Optional[int] = ..., learning_rate: _Optional[float] = ..., weight_decay: _Optional[float] = ..., gradient_codec: _Optional[_Union[Codec, str]] = ..., split: _Optional[_Union[SplitSpec, _Mapping]] = ...) -> None: ...
+    frozen_head: bool
+    def __init__(self, device_id: _Optional[str] = ..., token: _Optional[str] = ..., round: _Optional[int] = ..., uplink_codec: _Optional[_Union[Codec, str]] = ..., downlink_codec: _Optional[_Union[Codec, str]] = ..., microbatch_size: _Optional[int] = ..., seq_len: _Optional[int] = ..., learning_rate: _Optional[float] = ..., weight_decay: _Optional[float] = ..., gradient_codec: _Optional[_Union[Codec, str]] = ..., split: _Optional[_Union[SplitSpec, _Mapping]] = ..., frozen_head: _Optional[bool] = ...) -> None: ...
 
 class OpenSessionReply(_message.Message):
     __slots__ = ("session_id", "split", "max_message_bytes")
@@ -152,12 +154,14 @@ class CloseSessionReply(_message.Message):
     def __init__(self, steps: _Optional[int] = ...) -> None: ...
 
 class BeginRoundRequest(_message.Message):
-    __slots__ = ("round", "run_id")
+    __slots__ = ("round", "run_id", "aggregation")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    AGGREGATION_FIELD_NUMBER: _ClassVar[int]
     round: int
     run_id: str
-    def __init__(self, round: _Optional[int] = ..., run_id: _Optional[str] = ...) -> None: ...
+    aggregation: str
+    def __init__(self, round: _Optional[int] = ..., run_id: _Optional[str] = ..., aggregation: _Optional[str] = ...) -> None: ...
 
 class BeginRoundReply(_message.Message):
     __slots__ = ()

@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, cast
 
 from torch import Tensor, nn
 
+from fedpipe.split.aggregation import BaseFold, aggregate_adapters, check_aggregation, split_deltas
 from fedpipe.split.lora import (
     Family,
     LoraSettings,
     apply_lora,
-    average_state_dicts,
     load_lora_state_dict,
     lora_layers,
     lora_parameters,
@@ -52,7 +52,9 @@ class AdapterBank:
         self._names: list[str] = []
         self._active = GLOBAL_ADAPTER
         self._set_trainable(GLOBAL_ADAPTER, False)  # the aggregate only changes by merge()
-        self._initial = self.global_state()
+        self._initial = self._global_adapter()
+        self.fold = BaseFold(self.stage)  # the frozen base as `exact` and `stack` change it
+        self.aggregation = "separate"  # federated.aggregation, set per run by BeginRound
 
     @property
     def active(self) -> str:
@@ -68,7 +70,7 @@ class AdapterBank:
             raise ValueError(
                 f"adapter {name!r} already exists; remove it first or pick another name"
             )
-        state = init if init is not None else self.global_state()
+        state = init if init is not None else self._global_adapter()
         apply_lora(self.stage, self.settings, self.family, adapter=name)
         self._names.append(name)
         try:
@@ -77,7 +79,14 @@ class AdapterBank:
             self.remove(name)
             raise
         self._set_trainable(name, True)
+        if self.aggregation == "ffa":  # FFA-LoRA: A stays at the shared init, only B trains
+            for param in self.parameters(name)[0::2]:
+                param.requires_grad_(False)
         set_active_adapter(self.stage, self._active)
+
+    def set_aggregation(self, mode: str) -> None:
+        """How merge() aggregates from now on (see :mod:`fedpipe.split.aggregation`)."""
+        self.aggregation = check_aggregation(mode)
 
     def activate(self, name: str) -> None:
         """Make the stage's forward use adapter ``name`` (or GLOBAL_ADAPTER)."""
@@ -115,26 +124,43 @@ class AdapterBank:
         set_active_adapter(self.stage, self._active)
 
     def global_state(self) -> dict[str, Tensor]:
+        """The global adapter, plus the base deltas folded so far (``<layer>.base_delta``)."""
+        return {**self._global_adapter(), **self.fold.state()}
+
+    def _global_adapter(self) -> dict[str, Tensor]:
         return lora_state_dict(self.stage, GLOBAL_ADAPTER)
 
     def reset_global_state(self) -> None:
-        """Back to the adapter the bank started with (deterministic from the LoRA seed)."""
+        """Back to the adapter the bank started with (deterministic from the LoRA seed), and
+        the original base weights."""
         self.set_global_state(self._initial)
 
     def set_global_state(self, sd: dict[str, Tensor]) -> None:
-        load_lora_state_dict(self.stage, sd, adapter=GLOBAL_ADAPTER)
+        """Load a global state; base deltas absent from ``sd`` mean the original base."""
+        adapter, deltas = split_deltas(sd)
+        load_lora_state_dict(self.stage, adapter, adapter=GLOBAL_ADAPTER)
+        self.fold.set(deltas)
 
     def merge(self, weights: dict[str, float]) -> dict[str, Tensor]:
-        """Global <- weighted average of the named adapters (weights normalised); remove them."""
+        """Global <- the named adapters aggregated by ``self.aggregation``; remove them.
+
+        ``exact`` and ``stack`` also fold a change into the base weights (no link bytes).
+        """
         if not weights:
             raise ValueError("merge needs at least one adapter name with a weight")
         for name in weights:
             self._check(name, allow_global=False)
         names = list(weights)
-        merged = average_state_dicts(
-            [self.state_dict(n) for n in names], [weights[n] for n in names]
+        merged, deltas = aggregate_adapters(
+            [self.state_dict(n) for n in names],
+            [weights[n] for n in names],
+            self.aggregation,
+            scale=self.settings.alpha / self.settings.r,
+            initial=self._initial,
         )
-        self.set_global_state(merged)
+        load_lora_state_dict(self.stage, merged, adapter=GLOBAL_ADAPTER)
+        if deltas:
+            self.fold.add(deltas)
         for name in names:
             self.remove(name)
         return merged

@@ -31,11 +31,11 @@ import torch
 from torch import Tensor, nn
 
 from fedpipe.split.adapters import GLOBAL_ADAPTER, AdapterBank
+from fedpipe.split.aggregation import BaseFold, aggregate_adapters, check_aggregation, split_deltas
 from fedpipe.split.batched_blocks import BlockRunner
 from fedpipe.split.lora import (
     Family,
     LoraSettings,
-    average_state_dicts,
     global_name,
     initial_lora_a,
 )
@@ -121,7 +121,9 @@ class BatchedAdapterBank:
         self._linears = _target_linears(stage, _targets(self.settings))
         self._adapters: dict[str, AdapterTensors] = {GLOBAL_ADAPTER: self._fresh()}
         self._runner = BlockRunner(stage, self._lora_term)
-        self._initial = self.global_state()
+        self._initial = self._global_adapter()
+        self.fold = BaseFold.of_linears(self._linears)  # the base as `exact` / `stack` change it
+        self.aggregation = "separate"  # federated.aggregation, set per run by BeginRound
 
     # -- the AdapterBank API ------------------------------------------------------------------
     def names(self) -> list[str]:
@@ -134,10 +136,17 @@ class BatchedAdapterBank:
             raise ValueError(
                 f"adapter {name!r} already exists; remove it first or pick another name"
             )
-        state = init if init is not None else self.global_state()
+        state = init if init is not None else self._global_adapter()
         tensors = self._fresh(trainable=True)
         _load(tensors, state)  # raises before the adapter is visible
+        if self.aggregation == "ffa":  # FFA-LoRA: A stays at the shared init, only B trains
+            for a, _ in tensors.values():
+                a.requires_grad_(False)
         self._adapters[name] = tensors
+
+    def set_aggregation(self, mode: str) -> None:
+        """How merge() aggregates from now on (see :mod:`fedpipe.split.aggregation`)."""
+        self.aggregation = check_aggregation(mode)
 
     def remove(self, name: str) -> None:
         """Drop adapter ``name`` (its tensors go with it)."""
@@ -161,26 +170,43 @@ class BatchedAdapterBank:
         return {k: p.detach().clone() for k, p in self.named_parameters(name).items()}
 
     def global_state(self) -> dict[str, Tensor]:
+        """The global adapter, plus the base deltas folded so far (``<layer>.base_delta``)."""
+        return {**self._global_adapter(), **self.fold.state()}
+
+    def _global_adapter(self) -> dict[str, Tensor]:
         return self.state_dict(GLOBAL_ADAPTER)
 
     def set_global_state(self, sd: dict[str, Tensor]) -> None:
-        _load(self._adapters[GLOBAL_ADAPTER], sd)
+        """Load a global state; base deltas absent from ``sd`` mean the original base."""
+        adapter, deltas = split_deltas(sd)
+        _load(self._adapters[GLOBAL_ADAPTER], adapter)
+        self.fold.set(deltas)
 
     def reset_global_state(self) -> None:
-        """Back to the adapter the bank started with (deterministic from the LoRA seed)."""
+        """Back to the adapter the bank started with (deterministic from the LoRA seed), and
+        the original base weights."""
         self.set_global_state(self._initial)
 
     def merge(self, weights: dict[str, float]) -> dict[str, Tensor]:
-        """Global <- weighted average of the named adapters (weights normalised); remove them."""
+        """Global <- the named adapters aggregated by ``self.aggregation``; remove them.
+
+        ``exact`` and ``stack`` also fold a change into the base weights (no link bytes).
+        """
         if not weights:
             raise ValueError("merge needs at least one adapter name with a weight")
         for name in weights:
             self._check(name, allow_global=False)
         names = list(weights)
-        merged = average_state_dicts(
-            [self.state_dict(n) for n in names], [weights[n] for n in names]
+        merged, deltas = aggregate_adapters(
+            [self.state_dict(n) for n in names],
+            [weights[n] for n in names],
+            self.aggregation,
+            scale=self.scale,
+            initial=self._initial,
         )
-        self.set_global_state(merged)
+        _load(self._adapters[GLOBAL_ADAPTER], merged)
+        if deltas:
+            self.fold.add(deltas)
         for name in names:
             self.remove(name)
         return merged

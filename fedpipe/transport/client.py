@@ -182,6 +182,7 @@ class StageClient:
         tracer: Tracer | None = None,
         timeout_s: float = 120.0,
         split: SplitLike | None = None,
+        frozen_head: bool = False,
     ) -> StageSession:
         """Open a session (retrying while the server is unavailable) and start its stream.
 
@@ -190,6 +191,7 @@ class StageClient:
 
         ``microbatch_size`` and ``seq_len`` declare the largest tensors the device will send
         (0: the server's bounds); the server refuses larger ones with INVALID_ARGUMENT.
+        ``frozen_head``: the device trains nothing before the cut, so no input gradient comes back.
         """
         request = pb.OpenSessionRequest(
             split=split_to_proto(split),
@@ -203,6 +205,7 @@ class StageClient:
             weight_decay=weight_decay,
             microbatch_size=microbatch_size,
             seq_len=seq_len,
+            frozen_head=frozen_head,
         )
         reply = reconnect_call(
             lambda: self.stub.OpenSession(request, timeout=30),

@@ -154,6 +154,7 @@ class _LinkServicer(pb_grpc.StageLinkServicer):
                 microbatch_size=request.microbatch_size,
                 seq_len=request.seq_len,
                 codecs=(codec, grad_codec),
+                frozen_head=request.frozen_head,
             )
         except Exception as exc:
             context.abort(status_for(exc), str(exc))
@@ -306,6 +307,10 @@ class _ControlServicer(pb_grpc.StageControlServicer):
     def BeginRound(self, request: pb.BeginRoundRequest, context: grpc.ServicerContext):  # noqa: N802
         self._check("BeginRound", request, context)
         self._require_run("BeginRound", context)
+        try:  # federated.aggregation: how this round's CommitRound merges (agg branch)
+            self.runtime.set_aggregation(request.aggregation or "separate")
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         with self.rounds.lock:
             self.rounds.current, self.rounds.run_id = request.round, request.run_id
             self.rounds.begun = time.time()

@@ -1,0 +1,68 @@
+"""Frozen-device mode over real loopback gRPC: the device trains nothing, no input gradient
+comes down, and the server's adapter still trains.
+
+The same two steps run trained and frozen; the frozen run's downlink carries the OUTPUT
+tensors only (the INPUT_GRAD replies hold no tensor), its head and tail weights are bit-for-bit
+unchanged, and the server's committed adapter moved.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fedpipe.config import FedpipeConfig, ModelConfig, PipelineConfig, TrainConfig
+from fedpipe.device import DeviceTrainer
+from fedpipe.serving import build_runtime
+from fedpipe.transport.client import StageClient
+from fedpipe.transport.server import StageServer
+
+BATCH, SEQ, STEPS, MICRO = 4, 16, 2, 2
+
+
+def _config(split: str, trains: bool) -> FedpipeConfig:
+    return FedpipeConfig(
+        model=ModelConfig(name="tiny-llama", tail_layers=0 if split == "two" else 1, split=split),
+        pipeline=PipelineConfig(microbatches=MICRO, device_trains=trains),
+        train=TrainConfig(batch_size=BATCH, seq_len=SEQ, lr=1e-2),
+    )
+
+
+def _batches(vocab: int) -> list[dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(0)
+    ids = [torch.randint(0, vocab, (BATCH, SEQ), generator=gen) for _ in range(STEPS)]
+    return [{"input_ids": x, "labels": x.clone()} for x in ids]
+
+
+def _weights(trainer: DeviceTrainer) -> dict[str, torch.Tensor]:
+    out = {f"head.{k}": v.clone() for k, v in trainer.head.state_dict().items()}
+    if trainer.tail is not None:
+        out |= {f"tail.{k}": v.clone() for k, v in trainer.tail.state_dict().items()}
+    return out
+
+
+@pytest.mark.parametrize("split", ["u", "two"])
+def test_frozen_device_trains_nothing_and_gets_no_input_gradient(split: str) -> None:
+    runtime, info = build_runtime(_config(split, True))
+    server = StageServer(runtime, info, port=0).start()
+    try:
+        down, moved = {}, {}
+        for round_, trains in ((1, True), (2, False)):
+            trainer = DeviceTrainer(_config(split, trains), device_id=f"d{round_}")
+            before, server_before = _weights(trainer), runtime.global_state()
+            vocab = int(trainer.head.state_dict()["embed_tokens.weight"].shape[0])
+            with StageClient(f"127.0.0.1:{server.port}") as client:
+                report = trainer.train_round(client, _batches(vocab), round_=round_)
+            runtime.commit_round(round_, {f"d{round_}": 1.0})
+            after = _weights(trainer)
+            moved[trains] = [k for k in before if not torch.equal(before[k], after[k])]
+            server_after = runtime.global_state()
+            assert any(not torch.equal(server_before[k], server_after[k]) for k in server_after)
+            down[trains] = report.bytes_down
+        assert moved[False] == [] and moved[True] != []
+        grad_bytes = STEPS * BATCH * SEQ * info.hidden_size * 4  # fp32 INPUT_GRAD tensors
+        assert down[True] - down[False] >= grad_bytes
+        headers = 200 * STEPS * (MICRO + 1)  # a generous bound on the frames without tensors
+        assert down[False] <= down[True] - grad_bytes + headers
+    finally:
+        server.stop(grace=None)
