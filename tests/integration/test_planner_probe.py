@@ -1,0 +1,120 @@
+"""The planner's measurements through a real StageServer on loopback gRPC (port 0).
+
+ECHO probes the link on the session's own stream; the server answers them from its transport
+thread. Link figures are checked only against what the emulator must add (it can delay, never
+speed up), not against wall-clock limits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grpc
+import pytest
+import torch
+
+from fedpipe.config import FedpipeConfig, PipelineConfig, TrainConfig
+from fedpipe.device import DeviceTrainer
+from fedpipe.link import LinkProfile
+from fedpipe.models import resolve_model
+from fedpipe.pipeline.messages import Kind, StageMsg
+from fedpipe.planner.measure import probe_link, time_codecs, time_device_ops
+from fedpipe.serving import build_stage_server
+from fedpipe.transport.client import StageClient
+from fedpipe.transport.server import MAX_ECHOES, StageServer
+
+BATCH, SEQ, HIDDEN = 4, 16, 64  # tiny-llama's hidden size is 64
+CONFIG = FedpipeConfig(
+    pipeline=PipelineConfig(microbatches=2, schedule="greedy", timeout_s=20.0),
+    train=TrainConfig(batch_size=BATCH, seq_len=SEQ, lr=1e-2),
+)
+
+
+@pytest.fixture(scope="module")
+def folder():  # type: ignore[no-untyped-def]
+    return resolve_model("tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def server(folder) -> Iterator[StageServer]:  # type: ignore[no-untyped-def]
+    stage_server = build_stage_server(CONFIG, port=0, folder=folder)
+    try:
+        yield stage_server.start()
+    finally:
+        stage_server.stop(grace=None)
+
+
+def _batch() -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def _session(client: StageClient, trainer: DeviceTrainer, link: LinkProfile | None = None):  # type: ignore[no-untyped-def]
+    return client.open_session(
+        device_id=trainer.device_id,
+        split=trainer.split,
+        microbatch_size=BATCH,
+        seq_len=SEQ,
+        link=link,
+        timeout_s=20.0,
+    )
+
+
+def test_probe_sees_the_emulated_link(server: StageServer, folder) -> None:  # type: ignore[no-untyped-def]
+    trainer = DeviceTrainer(CONFIG, device_id="prober", folder=folder)
+    link = LinkProfile("slow-up", up_mbps=2.0, down_mbps=50.0, rtt_s=0.04)
+    with StageClient(server.address) as client, _session(client, trainer, link) as session:
+        figures = probe_link(session, (BATCH, SEQ, HIDDEN))
+    assert figures.rtt_s >= 0.04, "the emulator adds its RTT to every round trip"
+    assert figures.up_mbps <= 2.0 * 1.05, "no faster than the emulated uplink"
+    assert figures.down_mbps > 5 * figures.up_mbps, "the 25x faster downlink shows"
+
+
+def test_echo_leaves_training_untouched(server: StageServer, folder) -> None:  # type: ignore[no-untyped-def]
+    """A session that probed first trains to the same loss as one that did not."""
+    losses = []
+    for name, probe in (("plain", False), ("probed", True)):
+        trainer = DeviceTrainer(CONFIG, device_id=name, folder=folder)
+        with StageClient(server.address) as client:
+            session, runtime = trainer.connect(client, optimizer=None)
+            with session:
+                if probe:
+                    probe_link(session, (BATCH // 2, SEQ, HIDDEN))  # its declared size
+                losses.append(runtime.train_step(_batch(), step=0).loss)
+                runtime.finish()
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+
+
+def test_echo_asks_within_the_session_and_a_stream_probes_a_bounded_number_of_times(
+    server: StageServer, folder
+) -> None:  # type: ignore[no-untyped-def]
+    trainer = DeviceTrainer(CONFIG, device_id="greedy-prober", folder=folder)
+    with StageClient(server.address) as client:
+        with _session(client, trainer) as session:
+            session.send(StageMsg(Kind.ECHO, 0, 0, tokens=BATCH + 1))
+            with pytest.raises(Exception, match="ECHO may ask for 0 to 4"):
+                session.receive(Kind.ECHO, 0, 0)
+        with _session(client, trainer) as session:
+            for mb in range(MAX_ECHOES + 1):
+                session.send(StageMsg(Kind.ECHO, 0, mb))
+            for mb in range(MAX_ECHOES):
+                session.receive(Kind.ECHO, 0, mb)
+            with pytest.raises(Exception, match=f"a stream may probe the link {MAX_ECHOES}"):
+                session.receive(Kind.ECHO, 0, MAX_ECHOES)
+            assert grpc.StatusCode.INVALID_ARGUMENT.name in str(session._failure)
+
+
+def test_device_ops_are_timed_without_changing_the_weights(folder) -> None:  # type: ignore[no-untyped-def]
+    trainer = DeviceTrainer(CONFIG, device_id="timer", folder=folder)
+    before = {k: v.clone() for k, v in trainer.adapters().items()}
+    times, stash = time_device_ops(trainer.head, trainer.tail, _batch(), (1, 2, 4), repeats=2)
+    assert set(times) == {1, 2, 4} and all(
+        t.head_forward > 0 and t.tail > 0 for t in times.values()
+    )
+    assert stash[1] < stash[2] < stash[4], "a bigger microbatch stashes more"
+    assert all(p.grad is None for p in trainer.parameters())
+    after = trainer.adapters()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    nbytes, seconds = time_codecs((BATCH, SEQ, HIDDEN), ("fp32", "bf16", "int8"), (1, 4))
+    assert nbytes["fp32", 4] > nbytes["bf16", 4] > nbytes["int8", 4] > nbytes["fp32", 1]
+    assert set(seconds) == set(nbytes)
