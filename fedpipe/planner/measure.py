@@ -157,13 +157,13 @@ def _rate(nbytes: int, seconds: float) -> float:
 
 
 def probe_link(
-    session: object, shape: tuple[int, int, int], *, small: int = 5, large: int = 2
+    session: object, shape: tuple[int, int, int], *, small: int = 5, large: int = 3
 ) -> LinkFigures:
     """RTT and each direction's rate of ``session``'s stream, with echoes of ``shape``.
 
     ``shape`` (rows, tokens, hidden) must fit what the session declared; large echoes carry
     a zero tensor of it one way and nothing the other. Costs ``small`` tiny round trips and
-    ``2 * large`` large ones (about 10 ECHOs, under the server's 64 per stream).
+    ``2 * large`` large ones (11 ECHOs, under the server's 64 per stream).
     """
     echo = _Echoes(session)
     rtt = _median([echo.round_trip(None, 0)[0] for _ in range(small)])

@@ -15,7 +15,7 @@ import torch
 
 from fedpipe.config import FedpipeConfig, PipelineConfig, TrainConfig
 from fedpipe.device import DeviceTrainer
-from fedpipe.link import LinkProfile
+from fedpipe.link import DeviceProfile, LinkProfile
 from fedpipe.models import resolve_model
 from fedpipe.pipeline.messages import Kind, StageMsg
 from fedpipe.planner.measure import probe_link, time_codecs, time_device_ops
@@ -118,3 +118,39 @@ def test_device_ops_are_timed_without_changing_the_weights(folder) -> None:  # t
     nbytes, seconds = time_codecs((BATCH, SEQ, HIDDEN), ("fp32", "bf16", "int8"), (1, 4))
     assert nbytes["fp32", 4] > nbytes["bf16", 4] > nbytes["int8", 4] > nbytes["fp32", 1]
     assert set(seconds) == set(nbytes)
+
+
+# -- pipeline.plan = "auto" --------------------------------------------------------------------
+AUTO = CONFIG.with_overrides({"pipeline.plan": "auto", "train.batch_size": 4})
+
+
+def _round(trainer: DeviceTrainer, address: str, seed: int, round_: int):  # type: ignore[no-untyped-def]
+    gen = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(3):
+        ids = torch.randint(0, 256, (BATCH, SEQ), generator=gen)
+        batches.append({"input_ids": ids, "labels": ids.clone()})
+    with StageClient(address) as client:
+        return trainer.train_round(client, batches, round_=round_)
+
+
+def test_auto_plans_keeps_the_loss_and_replans_when_the_link_drifts(
+    server: StageServer, folder
+) -> None:  # type: ignore[no-untyped-def]
+    fixed = _round(DeviceTrainer(CONFIG, device_id="fixed", folder=folder), server.address, 1, 0)
+    near = DeviceProfile("near", LinkProfile("near", 100.0, 100.0, rtt_s=0.002))
+    trainer = DeviceTrainer(AUTO, device_id="auto", folder=folder, profile=near)
+    first = _round(trainer, server.address, 1, 0)
+    # Lossless codecs only (the default): any plan gives the fixed plan's losses.
+    assert [s.loss for s in first.steps] == pytest.approx([s.loss for s in fixed.steps], rel=1e-5)
+    plan = first.plan
+    assert plan["why"].startswith("first plan") and plan["codec"] == "fp32"
+    assert BATCH % int(plan["microbatches"]) == 0 and float(plan["predicted_s"]) > 0
+    assert float(plan["measured_s"]) > 0 and "link_rtt_s" in plan
+    assert [s.microbatches for s in first.steps[1:]] == [plan["microbatches"]] * 2
+
+    same = _round(trainer, server.address, 2, 1)
+    assert same.plan["why"] == plan["why"], "no drift: the plan stays"
+    trainer.profile = DeviceProfile("far", LinkProfile("far", 100.0, 100.0, rtt_s=0.2))
+    far = _round(trainer, server.address, 3, 2)
+    assert far.plan["why"].startswith("re-planned: RTT"), far.plan["why"]

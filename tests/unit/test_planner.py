@@ -131,10 +131,15 @@ def test_the_cut_with_the_shorter_step_wins() -> None:
 
 
 def test_link_drift() -> None:
-    base = LinkFigures(0.05, 10.0, 25.0)
-    assert link_drift(base, LinkFigures(0.06, 10.0, 25.0), 0.25) is None
-    why = link_drift(base, LinkFigures(0.05, 5.0, 25.0), 0.25)
-    assert why is not None and "uplink" in why and "-50%" in why
+    base, mb = LinkFigures(0.05, 10.0, 25.0), 1_000_000  # 0.8 s up, 0.32 s down
+    assert link_drift(base, LinkFigures(0.06, 10.0, 25.0), 0.25, mb) is None
+    why = link_drift(base, LinkFigures(0.05, 5.0, 25.0), 0.25, mb)
+    assert why is not None and "uplink 800.0 -> 1600.0 ms (+100%)" in why
+    assert "RTT" not in why and "downlink" not in why
+    why = link_drift(base, LinkFigures(0.2, 10.0, 25.0), 0.25, mb)
+    assert why is not None and why.startswith("RTT 50.0 -> 200.0 ms (+300%)")
+    # A rate seen on tiny messages swings widely, but moves no time that matters.
+    assert link_drift(base, LinkFigures(0.05, 1000.0, 2.5), 0.25, 1000) is None
 
 
 def test_predict_step_is_the_bound_and_the_sequential_model() -> None:
