@@ -1,0 +1,132 @@
+"""``fedpipe bench plan``: the planner's predicted step time against the measured one, per link.
+
+For every link setting (the pipeline bench's reference links by default) a fresh device with
+``pipeline.plan = "auto"`` trains ``sessions`` sessions against a StageServer child process,
+pinned as the pipeline bench pins them (device and server on a core each, one torch thread).
+In its first session the device probes the link with ECHOs, runs one step with the configured
+settings, measures its ops and plans; the steps after it run the plan. Later sessions open with
+the plan's codecs (which may differ where ``--codecs`` allows lossy ones). Per session the
+entry holds the plan, its predicted step time, the median measured step time of the steps that
+ran the plan (after ``warmup`` of them) and the error ``predicted / measured - 1``.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+
+from fedpipe.bench.pipeline import _batches, _pin, _start_server
+from fedpipe.config import FedpipeConfig
+from fedpipe.device import DeviceTrainer, RoundReport
+from fedpipe.link import DeviceProfile, parse_link
+from fedpipe.transport.client import StageClient
+
+__all__ = ["run_plan_bench"]
+
+
+def _session_entry(report: RoundReport, first: bool, warmup: int) -> dict[str, Any]:
+    """The plan of one session and its error; the planning step (first session) left out."""
+    planned = report.steps[(1 if first else 0) + warmup :]
+    plan = dict(report.plan)
+    measured = statistics.median(s.wall_s for s in planned) if planned else float("nan")
+    predicted = float(plan.get("predicted_s", float("nan")))
+    return {
+        "plan": plan,
+        "predicted_s": round(predicted, 4),
+        "measured_s": round(measured, 4),
+        "error": round(predicted / measured - 1, 4) if measured == measured else None,
+        "steps_s": [round(s.wall_s, 4) for s in planned],
+        "microbatches_run": sorted({s.microbatches for s in planned}),
+    }
+
+
+def _bench_link(
+    config: FedpipeConfig,
+    address: str,
+    link_name: str,
+    batches: list[dict[str, torch.Tensor]],
+    *,
+    sessions: int,
+    warmup: int,
+) -> dict[str, Any]:
+    link = parse_link(link_name)
+    trainer = DeviceTrainer(
+        config, device_id=f"plan-{link.name}", profile=DeviceProfile(link.name, link)
+    )
+    entries = []
+    with StageClient(address) as client:
+        for session in range(sessions):
+            report = trainer.train_round(client, batches, round_=session)
+            entry = _session_entry(report, session == 0, warmup)
+            entries.append(entry)
+            print(
+                f"  {link.name:>18} session {session}: {entry['plan'].get('schedule')} "
+                f"M={entry['plan'].get('microbatches')} {entry['plan'].get('codec')}: predicted "
+                f"{entry['predicted_s']:.3f} s, measured {entry['measured_s']:.3f} s "
+                f"({entry['error']:+.1%})",
+                file=sys.stderr,
+            )
+    last = entries[-1]
+    return {
+        "link": link.name,
+        "plan": last["plan"],
+        "predicted_s": last["predicted_s"],
+        "measured_s": last["measured_s"],
+        "error": last["error"],
+        "within_15pct": last["error"] is not None and abs(last["error"]) <= 0.15,
+        "sessions": entries,
+    }
+
+
+def run_plan_bench(
+    config: FedpipeConfig,
+    *,
+    links: Sequence[str],
+    steps: int = 4,
+    warmup: int = 1,
+    sessions: int = 2,
+) -> dict[str, Any]:
+    """Plan, run and compare at every link; returns the JSON-ready report."""
+    for name in links:
+        parse_link(name)  # a typo fails now, not after the server started
+    cpus = sorted(os.sched_getaffinity(0))
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="fedpipe-bench-plan-") as tmp:
+        server, address = _start_server(config, Path(tmp), cpus)
+        pinning = _pin(cpus)
+        try:
+            probe = DeviceTrainer(config, device_id="plan-vocab")
+            embed = getattr(probe.head, "embed_tokens", None)
+            vocab = int(cast(torch.nn.Embedding, embed).num_embeddings) if embed else 256
+            n = 1 + warmup + steps  # the planning step, warm-up, measured steps
+            batches = _batches(min(vocab, 256), config.train.batch_size, config.train.seq_len, n)
+            entries = [
+                _bench_link(config, address, name, batches, sessions=sessions, warmup=warmup)
+                for name in links
+            ]
+        finally:
+            server.terminate()
+            server.wait(timeout=30)
+    return {
+        "model": config.model.name,
+        "split": f"{config.model.split}: head {config.model.head_layers}, "
+        f"tail {config.model.tail_layers}",
+        "batch": [config.train.batch_size, config.train.seq_len],
+        "configured_microbatches": config.pipeline.microbatches,
+        "codecs": list(config.pipeline.codec_choices),
+        "steps": steps,
+        "warmup": warmup,
+        "sessions": sessions,
+        "pinning": pinning,
+        "loadavg_before": [round(x, 2) for x in load_before],
+        "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+        "max_abs_error": max(abs(e["error"]) for e in entries if e["error"] is not None),
+        "links": entries,
+    }
