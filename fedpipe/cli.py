@@ -341,7 +341,7 @@ def cmd_bench_plan(args: argparse.Namespace) -> int:
     flags |= {"pipeline.microbatches": args.microbatches, "pipeline.plan": "auto"}
     flags |= {
         "pipeline.plan_codecs": args.codecs,
-        "train.local_steps": 1 + args.warmup + args.steps,
+        "train.local_steps": 2 + args.warmup + args.steps,
     }
     config = config_from_args(args, **flags)
     from fedpipe.bench.plan import run_plan_bench

@@ -3,8 +3,8 @@
 For every link setting (the pipeline bench's reference links by default) a fresh device with
 ``pipeline.plan = "auto"`` trains ``sessions`` sessions against a StageServer child process,
 pinned as the pipeline bench pins them (device and server on a core each, one torch thread).
-In its first session the device probes the link with ECHOs, runs one step with the configured
-settings, measures its ops and plans; the steps after it run the plan. Later sessions open with
+In its first session the device probes the link with ECHOs, runs two steps with the configured
+settings, measures its ops and plans; the steps after them run the plan. Later sessions open with
 the plan's codecs (which may differ where ``--codecs`` allows lossy ones). Per session the
 entry holds the plan, its predicted step time, the median measured step time of the steps that
 ran the plan (after ``warmup`` of them) and the error ``predicted / measured - 1``.
@@ -32,8 +32,8 @@ __all__ = ["run_plan_bench"]
 
 
 def _session_entry(report: RoundReport, first: bool, warmup: int) -> dict[str, Any]:
-    """The plan of one session and its error; the planning step (first session) left out."""
-    planned = report.steps[(1 if first else 0) + warmup :]
+    """The plan of one session and its error; the two planning steps (first session) left out."""
+    planned = report.steps[(2 if first else 0) + warmup :]
     plan = dict(report.plan)
     measured = statistics.median(s.wall_s for s in planned) if planned else float("nan")
     predicted = float(plan.get("predicted_s", float("nan")))
@@ -105,7 +105,7 @@ def run_plan_bench(
             probe = DeviceTrainer(config, device_id="plan-vocab")
             embed = getattr(probe.head, "embed_tokens", None)
             vocab = int(cast(torch.nn.Embedding, embed).num_embeddings) if embed else 256
-            n = 1 + warmup + steps  # the planning step, warm-up, measured steps
+            n = 2 + warmup + steps  # the planning steps, warm-up, measured steps
             batches = _batches(min(vocab, 256), config.train.batch_size, config.train.seq_len, n)
             entries = [
                 _bench_link(config, address, name, batches, sessions=sessions, warmup=warmup)

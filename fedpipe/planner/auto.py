@@ -1,13 +1,14 @@
 """``pipeline.plan = "auto"``: a device measures, plans, trains with its plan, and re-plans.
 
-At its first session the device probes the link on the session's stream, runs its first step
-with the configured settings (the server's compute comes from that step's replies), times its
-own ops per microbatch size, and plans. The plan's microbatches, schedule and in-flight cap
-apply from the next step. Codecs are fixed per session on the server's side (its downlink
-codec is agreed at OpenSession, and a token opens one session per round), so within a session
-the plan keeps the session's codecs, and a better codec pair takes effect from the next
-session. Each later session probes the link again (about ten ECHOs); when its RTT or a rate has
-moved by more than ``pipeline.replan_drift`` since the plan, the device re-plans and logs why.
+At its first session the device probes the link on the session's stream, runs its first two
+steps with the configured settings (the server's compute comes from the second step's replies:
+the first warms both sides), times its own ops per microbatch size, and plans. The plan's
+microbatches, schedule and in-flight cap apply from the next step. Codecs are fixed per
+session on the server's side (its downlink codec is agreed at OpenSession, and a token opens
+one session per round), so within a session the plan keeps the session's codecs, and a better
+codec pair takes effect from the next session. Each later session probes the link again (11
+ECHOs); when its RTT or the time a message takes either way has moved by more than
+``pipeline.replan_drift`` since the plan, the device re-plans and logs why.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from fedpipe.pipeline.device_runtime import DeviceRuntime, StepResult
+from fedpipe.pipeline.trace import Event, Tracer
 from fedpipe.planner.measure import probe_link, server_times, time_codecs, time_device_ops
 from fedpipe.planner.plan import (
     LinkFigures,
@@ -55,6 +57,7 @@ class DevicePlanner:
         self.link: LinkFigures | None = None  # this session's probe
         self.why = ""  # why the last plan was made
         self.walls: list[float] = []  # this session's steps under the plan
+        self._mark: int | None = None  # trace events before the step the plan reads
 
     # -- what a session is opened with ---------------------------------------------------------
     def session_codecs(self) -> tuple[str, str]:
@@ -93,12 +96,19 @@ class DevicePlanner:
         result: StepResult,
         batch: dict[str, torch.Tensor],
     ) -> None:
-        """Plan after the first session's first step; record later steps' times."""
+        """Plan after the first session's second step; record later steps' times.
+
+        The first step warms both sides (allocators, caches, the server's new adapter); its
+        server times run slow, so the plan reads the second step's replies only.
+        """
         if self.figures is not None:
             self.walls.append(result.wall_s)
             return
+        if self._mark is None:
+            self._mark = len(self.trainer.tracer.events)  # step 0 ends here
+            return
         rows = self.train.batch_size // result.microbatches
-        self.figures = self._measure(batch, rows)
+        self.figures = self._measure(batch, rows, self.trainer.tracer.events[self._mark :])
         self._make(session, "first plan, from this session's measurements")
         self._apply(runtime)
 
@@ -117,7 +127,7 @@ class DevicePlanner:
         return out
 
     # -- planning ------------------------------------------------------------------------------
-    def _measure(self, batch: dict[str, torch.Tensor], rows: int) -> Measured:
+    def _measure(self, batch: dict[str, torch.Tensor], rows: int, events: list[Event]) -> Measured:
         trainer, pipe = self.trainer, self.pipe
         sizes = [self.train.batch_size // m for m in divisors(self.train.batch_size)]
         throttle = trainer.throttle.run if trainer.throttle else None
@@ -125,7 +135,9 @@ class DevicePlanner:
         shape = (1, self.train.seq_len, trainer.split.hidden_size)
         nbytes, codec_s = time_codecs(shape, pipe.codec_choices, sizes)
         rows = min(device, key=lambda b: abs(b - rows))  # the step's size (or the nearest)
-        server, s_opt, c_opt = server_times(trainer.tracer, device, rows)
+        step = Tracer()
+        step.events = list(events)
+        server, s_opt, c_opt = server_times(step, device, rows)
         budget = 0
         if pipe.memory_cap_mb > 0:
             params = device_param_bytes(trainer.folder, trainer.plan)

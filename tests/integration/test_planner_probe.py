@@ -147,7 +147,7 @@ def test_auto_plans_keeps_the_loss_and_replans_when_the_link_drifts(
     assert plan["why"].startswith("first plan") and plan["codec"] == "fp32"
     assert BATCH % int(plan["microbatches"]) == 0 and float(plan["predicted_s"]) > 0
     assert float(plan["measured_s"]) > 0 and "link_rtt_s" in plan
-    assert [s.microbatches for s in first.steps[1:]] == [plan["microbatches"]] * 2
+    assert [s.microbatches for s in first.steps[2:]] == [plan["microbatches"]]
 
     same = _round(trainer, server.address, 2, 1)
     assert same.plan["why"] == plan["why"], "no drift: the plan stays"
