@@ -24,6 +24,7 @@ COMMANDS = [
     ["register-node"],
     ["bench", "pipeline"],
     ["bench", "memory"],
+    ["bench", "plan"],
 ]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from itertools import product
 
 import pytest
@@ -184,3 +185,20 @@ def test_the_planner_needs_no_torch() -> None:
 
     code = "import sys, fedpipe.planner; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_plan_settings_validate_and_keep_fp32() -> None:
+    from fedpipe.config import FedpipeConfig
+
+    base = FedpipeConfig()
+    assert base.pipeline.plan == "fixed" and base.pipeline.codec_choices == ("fp32",)
+    lossy = base.with_overrides({"pipeline.plan": "auto", "pipeline.plan_codecs": "int8,bf16"})
+    assert lossy.pipeline.codec_choices == ("fp32", "int8", "bf16")
+    for key, value, message in (
+        ("pipeline.plan", "best", "pipeline.plan must be fixed or auto"),
+        ("pipeline.plan_codecs", "fp32,fp8", "pipeline.plan_codecs 'fp32,fp8': unknown ['fp8']"),
+        ("pipeline.replan_drift", 0, "pipeline.replan_drift must be > 0"),
+        ("pipeline.memory_cap_mb", -1, "pipeline.memory_cap_mb must be >= 0"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            base.with_overrides({key: value})
