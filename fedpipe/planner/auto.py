@@ -22,7 +22,13 @@ import torch
 
 from fedpipe.pipeline.device_runtime import DeviceRuntime, StepResult
 from fedpipe.pipeline.trace import Event, Tracer
-from fedpipe.planner.measure import probe_link, server_times, time_codecs, time_device_ops
+from fedpipe.planner.measure import (
+    calibrate,
+    probe_link,
+    server_times,
+    time_codecs,
+    time_device_ops,
+)
 from fedpipe.planner.plan import (
     LinkFigures,
     Measured,
@@ -58,6 +64,7 @@ class DevicePlanner:
         self.why = ""  # why the last plan was made
         self.walls: list[float] = []  # this session's steps under the plan
         self._mark: int | None = None  # trace events before the step the plan reads
+        self._run_mark: int | None = None  # trace events before the plan's steps to learn from
 
     # -- what a session is opened with ---------------------------------------------------------
     def session_codecs(self) -> tuple[str, str]:
@@ -73,7 +80,7 @@ class DevicePlanner:
     # -- the session's life --------------------------------------------------------------------
     def begin(self, session: StageSession, runtime: DeviceRuntime) -> None:
         """Probe the link; re-plan if it drifted since the plan; apply the plan to ``runtime``."""
-        self.walls = []
+        self.walls, self._mark = [], None  # an unplanned device starts over each session
         shape = (self.declared_rows(), self.train.seq_len, self.trainer.split.hidden_size)
         self.link = probe_link(session, shape)  # the largest message the session may send
         log.info("[device %s] link probe: %s", self.trainer.device_id, self.link)
@@ -102,6 +109,8 @@ class DevicePlanner:
         server times run slow, so the plan reads the second step's replies only.
         """
         if self.figures is not None:
+            if not self.walls:  # the first step under the plan warms its sizes
+                self._run_mark = len(self.trainer.tracer.events)
             self.walls.append(result.wall_s)
             return
         if self._mark is None:
@@ -113,7 +122,10 @@ class DevicePlanner:
         self._apply(runtime)
 
     def report(self) -> dict[str, str | int | float]:
-        """The plan this session ran, its predicted and measured step time, the link probed."""
+        """The plan this session ran, its predicted and measured step time, the link probed.
+
+        Called once at the session's end (it also calibrates the figures for the next one).
+        """
         if self.plan is None:
             return {}
         out = self.plan.as_dict()
@@ -124,6 +136,7 @@ class DevicePlanner:
         if self.best is not None and self.best != self.plan:
             out["next"] = str(self.best)
         out["why"] = self.why
+        self._calibrate()  # the next session's plan uses what these steps took
         return out
 
     # -- planning ------------------------------------------------------------------------------
@@ -156,6 +169,23 @@ class DevicePlanner:
             s_opt=s_opt,
             split=trainer.plan.mode,
         )
+
+    def _calibrate(self) -> None:
+        """Rescale the compute figures to what the last session's planned steps took."""
+        if self.figures is None or self.plan is None or self._run_mark is None:
+            return
+        events = self.trainer.tracer.events[self._run_mark :]
+        self._run_mark = None
+        rows = self.train.batch_size // self.plan.microbatches
+        calibrated = calibrate(self.figures, events, rows)
+        if calibrated is not None:
+            self.figures = calibrated
+            log.info(
+                "[device %s] compute figures calibrated from %d trace events of the last "
+                "session's steps",
+                self.trainer.device_id,
+                len(events),
+            )
 
     def _options(self, pair: tuple[str, str] | None = None) -> Options:
         return Options(

@@ -22,16 +22,24 @@ import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import replace
 
 import torch
 from torch import nn
 
 from fedpipe.pipeline.messages import Kind, StageMsg
-from fedpipe.pipeline.trace import Tracer
-from fedpipe.planner.plan import LinkFigures, OpTimes
+from fedpipe.pipeline.trace import Event, Tracer
+from fedpipe.planner.plan import LinkFigures, Measured, OpTimes
 from fedpipe.transport.serde import msg_from_wire, msg_to_wire
 
-__all__ = ["CodecFigures", "probe_link", "server_times", "time_codecs", "time_device_ops"]
+__all__ = [
+    "CodecFigures",
+    "calibrate",
+    "probe_link",
+    "server_times",
+    "time_codecs",
+    "time_device_ops",
+]
 
 Throttle = Callable[[], AbstractContextManager[object]]
 CodecFigures = tuple[dict[tuple[str, int], int], dict[tuple[str, int], float]]
@@ -200,3 +208,49 @@ def server_times(
         g = ops.head_backward / base.head_backward if base.head_backward > 0 else b / rows
         out[b] = (s_f * f, s_b * g)
     return out, s_opt, c_opt
+
+
+def calibrate(figures: Measured, events: Sequence[Event], rows: int) -> Measured | None:
+    """``figures`` rescaled to the compute timed inside real steps of ``rows``-row microbatches.
+
+    A shared machine's speed drifts between planning and training (on the 2-core test machine
+    the plan's compute ran 20-40% slower than when it was measured, while the model fed with
+    the steps' own compute was within 3% of their time), so after each session the device
+    scales every size's op times by the ratio seen at the size it ran. None without samples.
+    """
+    step = Tracer()
+    step.events = list(events)
+    seen = {name: _median(step.durations(name, lane)) for name, lane in _SPANS}
+    if not seen["F"] or rows not in figures.device:
+        return None
+    ops, (s_f, s_b) = figures.device[rows], figures.server[rows]
+    ratio = {
+        "F": seen["F"] / ops.head_forward if ops.head_forward else 1.0,
+        "T": seen["T"] / ops.tail if ops.tail else 1.0,
+        "B": seen["B"] / ops.head_backward if ops.head_backward else 1.0,
+        "Sf": seen["Sf"] / s_f if s_f and seen["Sf"] else 1.0,
+        "Sb": seen["Sb"] / s_b if s_b and seen["Sb"] else 1.0,
+    }
+    device = {
+        b: OpTimes(o.head_forward * ratio["F"], o.tail * ratio["T"], o.head_backward * ratio["B"])
+        for b, o in figures.device.items()
+    }
+    server = {b: (f * ratio["Sf"], g * ratio["Sb"]) for b, (f, g) in figures.server.items()}
+    return replace(
+        figures,
+        device=device,
+        server=server,
+        c_opt=seen["O"] or figures.c_opt,
+        s_opt=seen["So"] or figures.s_opt,
+    )
+
+
+_SPANS = (
+    ("F", "device"),
+    ("T", "device"),
+    ("B", "device"),
+    ("O", "device"),
+    ("Sf", "server"),
+    ("Sb", "server"),
+    ("So", "server"),
+)
