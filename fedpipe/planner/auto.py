@@ -92,7 +92,8 @@ class DevicePlanner:
         why = link_drift(self.plan.link, self.link, self.pipe.replan_drift, nbytes)
         if why:
             self._make(session, f"re-planned: {why}")
-        else:
+        else:  # the same link: the same plan, priced with the calibrated figures
+            self.best = self._best(self.plan.link)
             self.plan = self._within(session, self.plan.link)
         self._apply(runtime)
 
@@ -133,8 +134,8 @@ class DevicePlanner:
             measured = statistics.median(self.walls)
             out["measured_s"] = round(measured, 4)
             out["error"] = round(self.plan.predicted_s / measured - 1, 4)
-        if self.best is not None and self.best != self.plan:
-            out["next"] = str(self.best)
+        if self.best is not None and self._codecs(self.best) != self._codecs(self.plan):
+            out["next"] = str(self.best)  # codecs change from the next session
         out["why"] = self.why
         self._calibrate()  # the next session's plan uses what these steps took
         return out
@@ -174,6 +175,8 @@ class DevicePlanner:
         """Rescale the compute figures to what the last session's planned steps took."""
         if self.figures is None or self.plan is None or self._run_mark is None:
             return
+        if len(self.walls) < 3:  # the first planned step is left out: at least two to learn from
+            return
         events = self.trainer.tracer.events[self._run_mark :]
         self._run_mark = None
         rows = self.train.batch_size // self.plan.microbatches
@@ -202,12 +205,22 @@ class DevicePlanner:
         figures = {self.cut: replace(self.figures, link=link)}
         return plan_step(figures, self._options(pair))
 
+    @staticmethod
+    def _codecs(plan: Plan) -> tuple[str, str]:
+        return plan.codec, plan.gradient_codec
+
+    def _best(self, link: LinkFigures) -> Plan:
+        """The best plan for ``link`` over every allowed codec pair."""
+        assert self.figures is not None
+        return plan_step({self.cut: replace(self.figures, link=link)}, self._options())
+
     def _make(self, session: StageSession, why: str) -> None:
         assert self.figures is not None and self.link is not None
-        self.best = plan_step({self.cut: replace(self.figures, link=self.link)}, self._options())
+        self.best = self._best(self.link)
         self.plan = self._within(session, self.link)
         self.why = why
-        later = "" if self.best == self.plan else f"; from the next session: {self.best}"
+        same = self._codecs(self.best) == self._codecs(self.plan)
+        later = "" if same else f"; from the next session: {self.best}"
         log.info(
             "[device %s] %s (%s): %s%s", self.trainer.device_id, why, self.link, self.plan, later
         )
