@@ -181,3 +181,22 @@ def test_calibration_rescales_every_size_by_what_the_run_took() -> None:
     assert out.server[4] == pytest.approx((0.2, 0.2))
     assert out.c_opt == pytest.approx(0.01)
     assert calibrate(figures, [], 2) is None, "no steps ran: nothing to learn"
+
+
+def test_auto_in_the_two_part_split_with_lossy_codecs_allowed(folder) -> None:  # type: ignore[no-untyped-def]
+    """The server computes the loss: no tail on the device; codecs change from session 2."""
+    cfg = AUTO.with_overrides(
+        {"model.split": "two", "model.tail_layers": 0, "pipeline.plan_codecs": "bf16,int8"}
+    )
+    stage_server = build_stage_server(cfg, port=0, folder=folder).start()
+    try:
+        trainer = DeviceTrainer(cfg, device_id="two", folder=folder)
+        reports = [_round(trainer, stage_server.address, seed, seed) for seed in (0, 1)]
+    finally:
+        stage_server.stop(grace=None)
+    first, second = (r.plan for r in reports)
+    assert first["cut"] == "two:1+0" and first["codec"] == "fp32", "the session opened fp32"
+    if "next" in first:  # a lossy pair was better: the second session opened with it
+        assert second["codec"] != "fp32" and f" {second['codec']}" in str(first["next"])
+    assert second["gradient_codec"] != "int8", "gradients keep 16 bits"
+    assert all(0 < s.loss < 10 for r in reports for s in r.steps)
