@@ -401,6 +401,48 @@ def cmd_bench_quality(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_plan(args: argparse.Namespace) -> int:
+    """`fedpipe bench plan`: the planner's predicted step time against the measured one."""
+    from fedpipe.preflight import check_links, check_model, default_split, model_layers
+
+    model = {"small": "small-llama", None: "small-llama"}.get(args.model, args.model)
+    flags: dict[str, Any] = {"model.name": model}
+    if not _split_given(args):  # as `bench pipeline`: 2 + 2 blocks where the model allows
+        side = default_split(model_layers(model)[0])
+        flags |= {"model.head_layers": side, "model.tail_layers": side}
+    flags |= {"train.batch_size": args.batch_size, "train.seq_len": args.seq_len}
+    flags |= {"pipeline.microbatches": args.microbatches, "pipeline.plan": "auto"}
+    flags |= {
+        "pipeline.plan_codecs": args.codecs,
+        "train.local_steps": 2 + args.warmup + args.steps,
+    }
+    config = config_from_args(args, **flags)
+    from fedpipe.bench.plan import run_plan_bench
+    from fedpipe.link import REFERENCE_LINKS, split_specs
+
+    links = split_specs(args.links) if args.links else list(REFERENCE_LINKS)
+    check_links(links)
+    check_model(config)
+    report = run_plan_bench(
+        config, links=links, steps=args.steps, warmup=args.warmup, sessions=args.sessions
+    )
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(
+        f"model {report['model']} ({report['split']}), batch {report['batch']}, {report['pinning']}"
+    )
+    print(f"{'link':>18} {'plan':>28} {'predicted s':>12} {'measured s':>11} {'error':>7}")
+    for e in report["links"]:
+        p = e["plan"]
+        text = f"{p.get('schedule')} M={p.get('microbatches')} {p.get('codec')}"
+        print(
+            f"{e['link']:>18} {text:>28} {e['predicted_s']:>12.3f} {e['measured_s']:>11.3f} "
+            f"{e['error']:>+7.1%}"
+        )
+    return 0
+
+
 def cmd_bench_memory(args: argparse.Namespace) -> int:
     """`fedpipe bench memory`: what the device side holds against the whole model."""
     from fedpipe.preflight import check_model

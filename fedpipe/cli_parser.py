@@ -294,6 +294,19 @@ def _add_bench(sub: Any) -> None:
         metavar="SECTION.KEY=VALUE",
         help="override one setting of every run (repeatable), e.g. federated.rounds=5",
     )
+    pl = _sub(
+        bsub, "plan", "fedpipe.cli:cmd_bench_plan", "the planner's predicted vs measured step"
+    )
+    _settings(pl, model_default="small-llama, split 2 + 2 (fewer for smaller models)")
+    pl.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    pl.add_argument("--links", help="comma-separated links (default: the reference links)")
+    pl.add_argument("--microbatches", type=int, default=8, help="microbatches of the first step")
+    pl.add_argument("--batch-size", type=int, default=16, help="sequences per step")
+    pl.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
+    pl.add_argument("--codecs", default="fp32", help="codecs the planner may pick (fp32 always)")
+    pl.add_argument("--steps", type=int, default=4, help="measured steps per session (median)")
+    pl.add_argument("--warmup", type=int, default=1, help="unmeasured steps after planning")
+    pl.add_argument("--sessions", type=int, default=2, help="sessions per link (rounds)")
     r = _sub(bsub, "memory", "fedpipe.cli:cmd_bench_memory", "device memory vs the whole model")
     _settings(r, model_default="default (SmolLM2-135M-Instruct)")
     _add_bench_server(bsub)

@@ -76,6 +76,14 @@ class PipelineConfig:
     # true: the head's forward keeps no graph; its backward recomputes it (device memory:
     # per microbatch in flight only the head's output is stashed, not its activations).
     recompute_head: bool = False
+    # fixed: the settings above; auto: each device measures its compute and link and picks its
+    # microbatches, schedule and codecs (fedpipe.planner), among plan_codecs (lossy only if
+    # listed), re-planning when the link's RTT or a rate moves by more than replan_drift;
+    # memory_cap_mb (0: none) bounds the device's parameters plus stashed activations.
+    plan: str = "fixed"
+    plan_codecs: str = "fp32"
+    replan_drift: float = 0.25
+    memory_cap_mb: float = 0.0
 
     def __post_init__(self) -> None:
         from fedpipe.pipeline.schedule import SCHEDULES
@@ -91,6 +99,26 @@ class PipelineConfig:
             value = getattr(self, name)
             ok = value in CODECS or (name == "gradient_codec" and value == "")
             _check(ok, f"pipeline.{name} {value!r} unknown; choose one of {CODECS}")
+        _check(
+            self.plan in ("fixed", "auto"),
+            f"pipeline.plan must be fixed or auto, got {self.plan!r}",
+        )
+        bad = [c for c in self.codec_choices if c not in CODECS]
+        _check(
+            bool(self.codec_choices) and not bad,
+            f"pipeline.plan_codecs {self.plan_codecs!r}: unknown {bad}; list some of {CODECS}",
+        )
+        _check(self.replan_drift > 0, f"pipeline.replan_drift must be > 0, got {self.replan_drift}")
+        _check(
+            self.memory_cap_mb >= 0,
+            f"pipeline.memory_cap_mb must be >= 0, got {self.memory_cap_mb}",
+        )
+
+    @property
+    def codec_choices(self) -> tuple[str, ...]:
+        """``plan_codecs`` as a tuple; fp32 (lossless) is always a choice."""
+        listed = [c.strip() for c in self.plan_codecs.split(",") if c.strip()]
+        return tuple(dict.fromkeys(["fp32", *listed]))
 
 
 @dataclass(frozen=True)

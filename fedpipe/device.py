@@ -22,6 +22,7 @@ from fedpipe.link import ComputeThrottle, DeviceProfile, LinkProfile, RealClock
 from fedpipe.models import load_config, model_family, model_fingerprint, resolve_model
 from fedpipe.pipeline.device_runtime import DeviceRuntime, StepResult
 from fedpipe.pipeline.trace import Tracer
+from fedpipe.planner.auto import DevicePlanner
 from fedpipe.split import (
     LoraSettings,
     SplitTerms,
@@ -106,6 +107,7 @@ class RoundReport:
     examples: int = 0
     wall_s: float = 0.0
     peak_rss_mb: float = 0.0  # the process's peak resident memory so far (ru_maxrss)
+    plan: dict[str, str | int | float] = field(default_factory=dict)  # pipeline.plan = auto
 
     @property
     def mean_loss(self) -> float:
@@ -166,6 +168,7 @@ class DeviceTrainer:
         self.tracer = Tracer()
         slowdown = profile.compute_slowdown if profile else 1.0
         self.throttle = ComputeThrottle(slowdown, RealClock()) if slowdown > 1.0 else None
+        self.planner = DevicePlanner(self) if config.pipeline.plan == "auto" else None
 
     def _freeze(self, config: FedpipeConfig) -> None:
         """Frozen-device mode trains nothing here; FFA-LoRA trains B only (A stays at init)."""
@@ -224,22 +227,28 @@ class DeviceTrainer:
         """
         cfg = self.config
         tracer = tracer or self.tracer
+        p = cfg.pipeline
+        up, down, grads = p.uplink_codec, p.downlink_codec, p.gradient_codec
+        rows = -(-cfg.train.batch_size // p.microbatches)
+        if self.planner is not None:  # the plan's codecs; any microbatch count fits
+            (up, grads), rows = self.planner.session_codecs(), self.planner.declared_rows()
+            down = up
         session = client.open_session(
             device_id=self.device_id,
             token=token,
             round_=round_,
             lr=cfg.train.lr,
             weight_decay=cfg.train.weight_decay,
-            uplink_codec=cfg.pipeline.uplink_codec,
-            downlink_codec=cfg.pipeline.downlink_codec,
-            gradient_codec=cfg.pipeline.gradient_codec,
+            uplink_codec=up,
+            downlink_codec=down,
+            gradient_codec=grads,
             link=link or (self.profile.link if self.profile else None),
             link_seed=f"{self.device_id}/{round_}",
             tracer=tracer,
             timeout_s=cfg.pipeline.timeout_s,
             split=self.split,
             # The largest tensors this device sends: the server refuses bigger ones.
-            microbatch_size=-(-cfg.train.batch_size // cfg.pipeline.microbatches),
+            microbatch_size=rows,
             seq_len=cfg.train.seq_len,
             frozen_head=self.frozen,
         )
@@ -288,6 +297,8 @@ class DeviceTrainer:
         start = time.perf_counter()
         session, runtime = self.connect(client, optimizer=optimizer, round_=round_, token=token)
         with session:
+            if self.planner is not None:
+                self.planner.begin(session, runtime)
             for step, batch in enumerate(batches):
                 if fail_after_steps is not None and step >= fail_after_steps:
                     session.abort()
@@ -295,6 +306,8 @@ class DeviceTrainer:
                         f"device {self.device_id} vanished in round {round_} (injected)"
                     )
                 result = runtime.train_step(batch, step=step)
+                if self.planner is not None:
+                    self.planner.after_step(session, runtime, result, batch)
                 report.steps.append(result)
                 report.examples += int(batch["input_ids"].shape[0])
                 log.info(
@@ -306,6 +319,7 @@ class DeviceTrainer:
                     result.wall_s,
                 )
             runtime.finish()  # the last step's server update, confirmed before reporting
+        report.plan = self.planner.report() if self.planner is not None else {}
         report.bytes_up, report.bytes_down = session.stats.bytes_up, session.stats.bytes_down
         report.wall_s = time.perf_counter() - start
         report.peak_rss_mb = peak_rss_mb()

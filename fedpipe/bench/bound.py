@@ -25,14 +25,17 @@ message), so a runtime that waits pays it as overhead against the bound.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 __all__ = [
     "Components",
+    "in_flight_cap",
     "link_occupancy",
     "pipeline_bound",
+    "predict_step",
     "relative_spread",
     "sequential_model",
 ]
@@ -133,6 +136,42 @@ def bound_terms(c: Components, m: int) -> dict[str, float]:
 def pipeline_bound(c: Components, m: int) -> tuple[float, str]:
     """``(T_bound, binding term)`` for ``m`` microbatches."""
     terms = bound_terms(c, m)
+    name = max(terms, key=terms.__getitem__)
+    return terms[name], name
+
+
+def in_flight_cap(schedule: str, m: int, max_in_flight: int | None = None) -> int:
+    """Most microbatches a schedule keeps live on the device (as ``fedpipe.pipeline.schedule``).
+
+    sequential 1; gpipe all ``m``; 1f1b ``min(m, max_in_flight or 4)``; greedy ``m`` or its cap.
+    """
+    if schedule == "sequential":
+        return 1
+    if schedule == "1f1b":
+        return min(m, max_in_flight or 4)
+    if schedule == "greedy" and max_in_flight:
+        return min(m, max_in_flight)
+    return m
+
+
+def predict_step(
+    c: Components, m: int, *, schedule: str = "greedy", max_in_flight: int | None = None
+) -> tuple[float, str]:
+    """``(predicted step time, what binds it)`` for ``m`` microbatches walked by ``schedule``.
+
+    The one model the benchmark and the per-device planner share. Stop-and-wait is its sum
+    (:func:`sequential_model`). A pipelined schedule is predicted by the lower bound, which the
+    tail-first greedy schedule came within 5-15% of in the benchmark (notes/pipeline-bound.md),
+    plus one term when at most ``k < m`` microbatches may be live: each of the ``k`` slots
+    carries its microbatches one after another, so ``T >= ceil(m / k)`` critical paths.
+    """
+    if schedule == "sequential":
+        return sequential_model(c, m), "sequential"
+    terms = bound_terms(c, m)
+    k = in_flight_cap(schedule, m, max_in_flight)
+    if k < m:
+        path = terms["critical-path"] - c.c_opt
+        terms["in-flight"] = math.ceil(m / k) * path + c.c_opt
     name = max(terms, key=terms.__getitem__)
     return terms[name], name
 

@@ -136,6 +136,8 @@ class _Rounds:
             node = reply.metadata.src_node_id
             metrics = _snake_case(dict(reply.content["metrics"].items()))
             metrics.pop("partition_id", None)  # in the device fields already
+            if "plan" in reply.content:  # pipeline.plan = auto: the device's plan and its times
+                metrics["plan"] = dict(cast(ConfigRecord, reply.content["plan"]))
             self.log({"event": "train", "round": round_, **self.devices.fields(node), **metrics})
         failed = len(self.grid.failures) if self.grid is not None else len(replies) - len(ok)
         self.failures_total += failed
@@ -458,4 +460,6 @@ def client_train(msg: Message, context: Context) -> Message:
     content = RecordDict(
         {"arrays": ArrayRecord(work.trainer.adapters()), "metrics": MetricRecord(metrics)}
     )
+    if report.plan:
+        content["plan"] = ConfigRecord(dict(report.plan))
     return Message(content=content, reply_to=msg)

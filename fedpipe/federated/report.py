@@ -13,7 +13,7 @@ import threading
 from pathlib import Path
 from typing import Any, TextIO
 
-__all__ = ["LiveReport", "format_record", "report_lines"]
+__all__ = ["LiveReport", "format_record", "plan_line", "report_lines"]
 
 
 def _mb(n: float) -> str:
@@ -53,9 +53,27 @@ def _waiting_line(rec: dict[str, Any]) -> str:
     )
 
 
+def plan_line(device: str, plan: dict[str, Any]) -> str:
+    """One device's plan, its predicted and measured step time (``pipeline.plan = "auto"``)."""
+    grads = plan.get("gradient_codec", plan.get("codec"))
+    codecs = plan.get("codec", "?") + (f"/{grads}" if grads != plan.get("codec") else "")
+    cap = f" <= {plan['max_in_flight']} live" if plan.get("max_in_flight") else ""
+    text = (
+        f"{device}: plan {plan.get('cut', '?')} M={plan.get('microbatches')} "
+        f"{plan.get('schedule')}{cap} {codecs}, predicted {float(plan['predicted_s']):.3f} s"
+    )
+    if "measured_s" in plan:
+        text += f", measured {float(plan['measured_s']):.3f} s ({float(plan['error']):+.0%})"
+    if str(plan.get("why", "")).startswith("re-planned"):
+        text += f"; {plan['why']}"
+    return text
+
+
 def format_record(rec: dict[str, Any], *, rounds: int) -> str | None:
     """The console line for one metrics record, or None for records not shown live."""
     event = rec.get("event")
+    if event == "train" and rec.get("plan"):
+        return f"round {rec.get('round')}: " + plan_line(str(rec.get("device")), rec["plan"])
     if event == "eval" and "eval_loss" in rec:
         return _round_line(rec, rounds)
     if event == "failure":
@@ -138,6 +156,9 @@ def report_lines(summary: dict[str, Any]) -> list[str]:
             f"held-out loss {summary['first_eval_loss']:.4f} -> {summary['last_eval_loss']:.4f} "
             f"({summary['eval_loss_drop_pct']:.1f}% lower)"
         )
+    names = summary.get("devices", {})
+    for device, plan in summary.get("plans", {}).items():
+        lines.append(plan_line(names.get(device, f"device {device}"), plan))
     if summary.get("failures"):
         lines.append(f"{len(summary['failures'])} device failures (summary.json: failures)")
     return lines

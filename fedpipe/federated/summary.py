@@ -5,7 +5,8 @@ Records (one JSON object per line, ``event`` says which):
 - ``start`` (``round``: the last complete round, ``resumed``): a ServerApp began; records of
   later rounds from an earlier attempt (a crash between commit and checkpoint) are dropped,
   so every round's bytes and losses are counted once;
-- ``train``: one device's reply (``partition``, ``profile``, ``train_loss``, ``bytes_up``...);
+- ``train``: one device's reply (``partition``, ``profile``, ``train_loss``, ``bytes_up``...,
+  and with ``pipeline.plan = "auto"`` its ``plan``: choices, predicted and measured step time);
 - ``failure``: one failed device (``device``, ``round``, ``reason``);
 - ``eval``: the round's record (held-out loss, device counts, ``wall_s`` of the round itself,
   ``elapsed_s`` since the start);
@@ -64,6 +65,8 @@ def _add_train(entry: dict[str, Any], rec: dict[str, Any], names: dict[str, str]
     device = str(int(_get(rec, "partition", _get(rec, "partition_id", -1))))
     names[device] = _device_name(rec)
     entry["step_times_s"][device] = _get(rec, "step_time_median_s")
+    if rec.get("plan"):  # pipeline.plan = auto: plan, predicted and measured step time
+        entry.setdefault("plans", {})[device] = rec["plan"]
     entry["_losses"].append(_get(rec, "train_loss"))
     entry["bytes_up"] = entry.get("bytes_up", 0) + int(_get(rec, "bytes_up", 0))
     entry["bytes_down"] = entry.get("bytes_down", 0) + int(_get(rec, "bytes_down", 0))
@@ -111,6 +114,9 @@ def build_summary(history: list[dict[str, Any]], *, config: dict[str, Any]) -> d
             entry["devices_failed"] += int(rec.get("devices", 0))
     out = [_close_round(entry) for _, entry in sorted(rounds.items())]
     summary |= {"rounds": out, "failures": failures, "devices": names, "config": config}
+    plans = {d: p for entry in out for d, p in entry.get("plans", {}).items()}  # the latest
+    if plans:
+        summary["plans"] = plans
     evals = [r["eval_loss"] for r in out if "eval_loss" in r]
     if evals:
         first, last = evals[0], evals[-1]

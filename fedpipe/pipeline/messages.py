@@ -24,6 +24,7 @@ class Kind(IntEnum):
     STEP_END = 5  # device -> server: apply the optimizer for this step
     STEP_DONE = 6  # server -> device: optimizer applied
     ERROR = 7  # server -> device: the message could not be processed
+    ECHO = 8  # both ways: a link probe answered by the server's transport (see stage.proto)
 
 
 @dataclass

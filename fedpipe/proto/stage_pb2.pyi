@@ -25,6 +25,7 @@ class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STEP_END: _ClassVar[Kind]
     STEP_DONE: _ClassVar[Kind]
     ERROR: _ClassVar[Kind]
+    ECHO: _ClassVar[Kind]
 CODEC_UNSPECIFIED: Codec
 FP32: Codec
 BF16: Codec
@@ -38,6 +39,7 @@ INPUT_GRAD: Kind
 STEP_END: Kind
 STEP_DONE: Kind
 ERROR: Kind
+ECHO: Kind
 
 class Tensor(_message.Message):
     __slots__ = ("codec", "shape", "data", "scales")

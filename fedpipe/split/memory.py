@@ -22,7 +22,7 @@ from fedpipe.models.weights import WeightFiles
 from fedpipe.split.plan import SplitPlan
 from fedpipe.split.stages import HeadStage, TailStage
 
-__all__ = ["device_memory_report"]
+__all__ = ["device_memory_report", "device_param_bytes"]
 
 _PROBE = r"""
 import gc, json, resource, sys
@@ -57,7 +57,7 @@ print(json.dumps({"rss_growth": after - before, "peak_growth": max(0, peak - bef
 def device_memory_report(folder: Path, plan: SplitPlan) -> dict[str, Any]:
     """Device-side vs whole-model memory: fp32 parameter bytes and measured RSS growth."""
     folder = Path(folder)
-    device_bytes = _device_param_bytes(folder, plan)
+    device_bytes = device_param_bytes(folder, plan)
     model_bytes = _file_param_bytes(folder)
     device = _measure(folder, plan, "device")
     whole = _measure(folder, plan, "model")
@@ -74,7 +74,7 @@ def device_memory_report(folder: Path, plan: SplitPlan) -> dict[str, Any]:
     }
 
 
-def _device_param_bytes(folder: Path, plan: SplitPlan) -> int:
+def device_param_bytes(folder: Path, plan: SplitPlan) -> int:
     """fp32 bytes of the device's head (+ tail) parameters, a tied embedding counted once."""
     config = load_config(folder)
     with torch.device("meta"):

@@ -58,6 +58,7 @@ _TRANSFER_NAMES = {
     Kind.STEP_END: "end",
     Kind.STEP_DONE: "done",
     Kind.ERROR: "error",
+    Kind.ECHO: "echo",
 }
 _END = object()
 

@@ -35,7 +35,7 @@ __all__ = [
 ]
 
 _KINDS = {int(k) for k in Kind}
-_DEVICE_KINDS = (Kind.ACTIVATION, Kind.OUTPUT_GRAD, Kind.STEP_END)
+_DEVICE_KINDS = (Kind.ACTIVATION, Kind.OUTPUT_GRAD, Kind.STEP_END, Kind.ECHO)
 IGNORE_INDEX = -100  # labels that do not count in the loss (torch's cross-entropy default)
 # Ids, kind, scalars, shapes and field tags of a message: a generous bound, not an exact count.
 _HEADER_BYTES = 96
@@ -162,10 +162,16 @@ def _check_bounds(raw: pb.StageMessage, kind: Kind, bounds: MessageBounds) -> No
     where = f"{kind.name} (step {raw.step}, microbatch {raw.microbatch})"
     if kind not in _DEVICE_KINDS:
         raise InvalidRequestError(
-            f"{where} is not a device-to-server message; send ACTIVATION, OUTPUT_GRAD or STEP_END"
+            f"{where} is not a device-to-server message; send ACTIVATION, OUTPUT_GRAD, "
+            "STEP_END or ECHO"
         )
-    if kind is not Kind.STEP_END and not raw.HasField("tensor"):
+    if kind not in (Kind.STEP_END, Kind.ECHO) and not raw.HasField("tensor"):
         raise InvalidRequestError(f"{where} carries no tensor")
+    if kind is Kind.ECHO and not 0 <= raw.tokens <= bounds.max_batch:
+        raise InvalidRequestError(
+            f"{where} asks for {raw.tokens} sequences back; an ECHO may ask for 0 to "
+            f"{bounds.max_batch} (the session's microbatch size)"
+        )
     if raw.HasField("tensor"):
         name = f"{kind.name} tensor (step {raw.step}, microbatch {raw.microbatch})"
         _check_shape(tuple(raw.tensor.shape), bounds, name)

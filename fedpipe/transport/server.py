@@ -17,12 +17,13 @@ from concurrent import futures
 from dataclasses import dataclass
 
 import grpc
+import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from fedpipe.errors import AuthError
-from fedpipe.pipeline.messages import StageMsg
+from fedpipe.errors import AuthError, InvalidRequestError
+from fedpipe.pipeline.messages import Kind, StageMsg
 from fedpipe.pipeline.server_runtime import END, StageRuntime, StreamHandle
 from fedpipe.proto import stage_pb2 as pb
 from fedpipe.proto import stage_pb2_grpc as pb_grpc
@@ -42,6 +43,7 @@ Authenticator = Callable[[str, int, str, str, float], None]
 ControlAuth = Callable[[str, bytes, Sequence[tuple[str, str | bytes]]], None]
 _POLL_S = 1.0  # how often a waiting reply loop checks that its RPC is still alive
 _UNARY_THREADS = 16  # gRPC threads kept free of streams: health, sessions and control
+MAX_ECHOES = 64  # link probes (ECHO) one stream may send: they bypass the pending limits
 
 
 @dataclass(frozen=True)
@@ -222,9 +224,14 @@ class _LinkServicer(pb_grpc.StageLinkServicer):
             handle.close()
 
     def _read(self, handle: StreamHandle, requests, bounds: MessageBounds) -> None:  # type: ignore[no-untyped-def]
+        echoes = 0
         try:
             for raw in requests:
                 msg = msg_from_wire(raw, bounds=bounds, max_elements=self.max_message_bytes)
+                if msg.kind is Kind.ECHO:
+                    echoes += 1
+                    _echo(handle, msg, bounds, echoes)
+                    continue
                 handle.submit(msg)
         except grpc.RpcError:
             return  # the device went away; the stream's end cleans up
@@ -232,6 +239,23 @@ class _LinkServicer(pb_grpc.StageLinkServicer):
             handle.fail(exc)
             return
         handle.finish()  # half-closed: end the replies after those to what it sent
+
+
+def _echo(handle: StreamHandle, msg: StageMsg, bounds: MessageBounds, count: int) -> None:
+    """Answer a link probe at once, beside the worker's replies (stage.proto: ECHO).
+
+    The reply skips the compute queue, so a probe times the link, not the server's backlog;
+    it holds no pending slot, so the count per stream is capped instead.
+    """
+    if count > MAX_ECHOES:
+        raise InvalidRequestError(
+            f"ECHO number {count} on one stream; a stream may probe the link {MAX_ECHOES} "
+            "times (a planner needs about 10)"
+        )
+    reply = StageMsg(Kind.ECHO, msg.step, msg.microbatch)
+    if msg.tokens > 0:
+        reply.tensor = torch.zeros(msg.tokens, bounds.max_tokens, bounds.hidden_size)
+    handle._end(reply)  # StreamHandle's queue of replies; nbytes -1: no pending slot
 
 
 def _add_link_servicer(servicer: pb_grpc.StageLinkServicer, server: grpc.Server) -> None:

@@ -25,6 +25,7 @@ COMMANDS = [
     ["bench", "pipeline"],
     ["bench", "memory"],
     ["bench", "server"],
+    ["bench", "plan"],
 ]
 
 

@@ -192,3 +192,38 @@ def test_quiet_live_report_prints_only_failures_and_stops(tmp_path: Path) -> Non
     run.log_metrics({"event": "failure", "round": 1, "device": "partition 0", "reason": "x"})
     live.poll()
     assert out.getvalue() == "fedpipe: device partition 0 failed in round 1: x\n"
+
+
+def test_plans_reach_the_summary_and_the_console() -> None:
+    plan = {
+        "cut": "u:1+1",
+        "microbatches": 4,
+        "schedule": "greedy",
+        "codec": "fp32",
+        "gradient_codec": "fp32",
+        "max_in_flight": 0,
+        "predicted_s": 0.3,
+        "measured_s": 0.32,
+        "error": -0.0625,
+        "why": "first plan, from this session's measurements",
+    }
+    replanned = {**plan, "microbatches": 8, "why": "re-planned: RTT 5.0 -> 100.0 ms (+1900%)"}
+    history = [
+        _eval(0, 4.0),
+        {**_train(1, 0, 3.9, 1, 1), "plan": plan},
+        _eval(1, 3.8),
+        {**_train(2, 0, 3.7, 1, 1), "plan": replanned},
+        _eval(2, 3.6),
+    ]
+    summary = build_summary(history, config={})
+    assert summary["rounds"][1]["plans"] == {"0": plan}
+    assert summary["plans"] == {"0": replanned}, "the latest plan per device"
+    assert report_lines(summary)[-1] == (
+        "partition 0 (loopback): plan u:1+1 M=8 greedy fp32, predicted 0.300 s, measured "
+        "0.320 s (-6%); re-planned: RTT 5.0 -> 100.0 ms (+1900%)"
+    )
+    live = format_record(history[1], rounds=2)
+    assert live == (
+        "round 1: partition 0 (loopback): plan u:1+1 M=4 greedy fp32, predicted 0.300 s, "
+        "measured 0.320 s (-6%)"
+    )
