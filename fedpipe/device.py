@@ -21,6 +21,7 @@ from fedpipe.link import ComputeThrottle, DeviceProfile, LinkProfile, RealClock
 from fedpipe.models import load_config, model_family, model_fingerprint, resolve_model
 from fedpipe.pipeline.device_runtime import DeviceRuntime, StepResult
 from fedpipe.pipeline.trace import Tracer
+from fedpipe.privacy import LinkDefence
 from fedpipe.split import (
     LoraSettings,
     SplitTerms,
@@ -90,6 +91,7 @@ class RoundReport:
     bytes_down: int = 0
     examples: int = 0
     wall_s: float = 0.0
+    privacy: dict[str, float] = field(default_factory=dict)  # LinkAccountant.report(), if noised
 
     @property
     def mean_loss(self) -> float:
@@ -107,6 +109,7 @@ class RoundReport:
             "bytes-down": self.bytes_down,
             "steps": len(self.steps),
             "wall-s": self.wall_s,
+            **self.privacy,
         }
 
 
@@ -144,6 +147,8 @@ class DeviceTrainer:
         self.head = apply_lora(head, settings, self.family)
         self.tail = apply_lora(tail, settings, self.family) if tail is not None else None
         self.tracer = Tracer()
+        # Clipping and noise on what goes up the stage link; None (the default) sends as is.
+        self.defence = LinkDefence.from_config(config.privacy)
         slowdown = profile.compute_slowdown if profile else 1.0
         self.throttle = ComputeThrottle(slowdown, RealClock()) if slowdown > 1.0 else None
 
@@ -214,6 +219,7 @@ class DeviceTrainer:
             max_in_flight=cfg.pipeline.max_in_flight or None,
             throttle=self.throttle,
             tracer=tracer,
+            transform_up=self.defence,
         )
         return session, runtime
 

@@ -68,6 +68,9 @@ def _add_train(entry: dict[str, Any], rec: dict[str, Any], names: dict[str, str]
     entry["bytes_up"] = entry.get("bytes_up", 0) + int(_get(rec, "bytes_up", 0))
     entry["bytes_down"] = entry.get("bytes_down", 0) + int(_get(rec, "bytes_down", 0))
     entry["devices_trained"] += 1
+    privacy = {k: v for k, v in rec.items() if k.startswith("privacy_")}
+    if privacy:  # the stage link's (epsilon, delta) so far, per device (fedpipe.privacy)
+        entry.setdefault("privacy", {})[device] = privacy
 
 
 def _close_round(entry: dict[str, Any]) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -126,6 +126,7 @@ class DeviceRuntime:
         throttle: Throttle | None = None,
         tracer: Tracer | None = None,
         wait_step_done: bool = False,
+        transform_up: Callable[[Kind, torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         self.head = head
         self.tail = tail
@@ -138,6 +139,9 @@ class DeviceRuntime:
         self.tracer = tracer or Tracer()
         self.wait_step_done = wait_step_done  # True: every step waits for its STEP_DONE
         self._unconfirmed: int | None = None  # a step whose STEP_DONE is not collected yet
+        # Privacy defences (fedpipe.privacy): applied to ACTIVATION and OUTPUT_GRAD tensors of
+        # training steps just before sending; training continues from what was sent.
+        self.transform_up = transform_up
         make_schedule(schedule, microbatches, has_tail=tail is not None)  # validate early
 
     def train_step(self, batch: dict[str, torch.Tensor], *, step: int) -> StepResult:
@@ -258,6 +262,8 @@ class DeviceRuntime:
         data = state.microbatches[mb]
         with self._compute(f"F{mb}", "device"):
             h = self.head(data["input_ids"])  # (b, T, C)
+            if self.transform_up is not None:  # in the graph: head backward sees what was sent
+                h = self.transform_up(Kind.ACTIVATION, h)
         state.heads[mb] = h
         msg = StageMsg(Kind.ACTIVATION, state.step, mb, tensor=h.detach())
         if self.tail is None:  # two-part split: the server computes the loss
@@ -276,7 +282,10 @@ class DeviceRuntime:
             loss_sum, _ = self.tail(x, state.microbatches[mb]["labels"])
             (loss_sum / max(state.total_tokens, 1)).backward()
         state.loss_sums.append(float(loss_sum.detach()))
-        self.channel.send(StageMsg(Kind.OUTPUT_GRAD, state.step, mb, tensor=x.grad))
+        grad = x.grad
+        if self.transform_up is not None and grad is not None:
+            grad = self.transform_up(Kind.OUTPUT_GRAD, grad)
+        self.channel.send(StageMsg(Kind.OUTPUT_GRAD, state.step, mb, tensor=grad))
 
     def _backward(self, mb: int, state: _StepState) -> None:
         self._confirm(state)
