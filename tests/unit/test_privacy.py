@@ -25,6 +25,7 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from fedpipe.bench.privacy_traffic import record_training
 from fedpipe.config import FedpipeConfig, PrivacyConfig, load_config
+from fedpipe.federated.report import report_lines
 from fedpipe.federated.summary import build_summary
 from fedpipe.models import resolve_model
 from fedpipe.pipeline.messages import Kind
@@ -151,6 +152,16 @@ def test_summary_keeps_privacy_per_device_and_round() -> None:
     assert summary["rounds"][0]["privacy"] == {
         "0": {"privacy_epsilon": 7.5, "privacy_releases": 2.0}
     }
+
+
+def test_final_report_names_the_rounds_epsilon() -> None:
+    rec = {"event": "train", "round": 1, "partition": 0, "train_loss": 3.0}
+    one = {**rec, "privacy_epsilon": 7.5, "privacy_delta": 1e-5}
+    two = {**rec, "partition": 1, "privacy_epsilon": 9.25, "privacy_delta": 1e-5}
+    summary = build_summary([one, two, {"event": "eval", "round": 1, "eval_loss": 3.1}], config={})
+    assert report_lines(summary)[0].endswith("stage link epsilon 9.25 per sample (delta 1e-05)")
+    plain = build_summary([rec, {"event": "eval", "round": 1, "eval_loss": 3.1}], config={})
+    assert "epsilon" not in report_lines(plain)[0]
 
 
 # -- Flower's DP on the adapters ---------------------------------------------------------------
