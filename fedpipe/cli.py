@@ -465,6 +465,28 @@ def cmd_bench_memory(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_privacy(args: argparse.Namespace) -> int:
+    """`fedpipe bench privacy`: an honest-but-curious server's attacks against each defence."""
+    from fedpipe.bench.privacy import DEFAULT, QUICK, run_privacy_bench
+
+    logging.getLogger("fedpipe.bench.privacy").setLevel(logging.INFO)  # progress on stderr
+    report = run_privacy_bench(QUICK if args.quick else DEFAULT)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"{'head':>4} {'defence':>8} {'strength':>8} {'recon':>6} {'label':>6} "
+          f"{'eval loss':>9} {'cost %':>7} {'epsilon':>9}")  # fmt: skip
+    for row in report["rows"]:
+        eps = "-" if row["epsilon"] is None else f"{row['epsilon']:.3g}"
+        name = "none" if row["defence"] == "none" else "noise"
+        print(
+            f"{row['head_layers']:>4} {name:>8} {row['strength']:>8.3g} "
+            f"{row['reconstruction_acc']:>6.3f} {row['label_acc']:>6.3f} {row['eval_loss']:>9.4f} "
+            f"{row['eval_loss_cost_pct']:>7.2f} {eps:>9}"
+        )
+    return 0
+
+
 # -- main ---------------------------------------------------------------------------------------
 def _command(ref: str) -> Any:
     module, _, name = ref.partition(":")

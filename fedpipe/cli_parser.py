@@ -309,6 +309,11 @@ def _add_bench(sub: Any) -> None:
     pl.add_argument("--sessions", type=int, default=2, help="sessions per link (rounds)")
     r = _sub(bsub, "memory", "fedpipe.cli:cmd_bench_memory", "device memory vs the whole model")
     _settings(r, model_default="default (SmolLM2-135M-Instruct)")
+    v = _sub(
+        bsub, "privacy", "fedpipe.cli:cmd_bench_privacy", "attacks on the stage link vs defences"
+    )
+    v.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    v.add_argument("--quick", action="store_true", help="tiny model, one cut, one defence (CI)")
     _add_bench_server(bsub)
 
 

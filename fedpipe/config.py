@@ -22,6 +22,7 @@ __all__ = [
     "FederatedConfig",
     "ModelConfig",
     "PipelineConfig",
+    "PrivacyConfig",
     "ServerConfig",
     "TrainConfig",
     "load_config",
@@ -311,6 +312,48 @@ class FederatedConfig:
 
 
 @dataclass(frozen=True)
+class PrivacyConfig:
+    """Defences on what a device sends (fedpipe.privacy); all off by default.
+
+    Stage link: each token's vector of the activations (and of the output gradients) a device
+    sends up is clipped to L2 norm ``*_clip``, then Gaussian noise of standard deviation
+    ``*_noise * *_clip`` is added to every coordinate. The (epsilon, delta) guarantee is per
+    sample (one training sequence) and is reported per device and round. Adapters: Flower's
+    fixed-clipping DP wrappers (``adapter_dp`` = server | client) with ``adapter_noise`` and
+    ``adapter_clip``.
+    """
+
+    activation_clip: float = 0.0  # per-token L2 norm bound of activations sent up; 0 = off
+    activation_noise: float = 0.0  # noise multiplier: std = activation_noise * activation_clip
+    gradient_clip: float = 0.0  # per-token L2 norm bound of output gradients sent up; 0 = off
+    gradient_noise: float = 0.0  # noise multiplier: std = gradient_noise * gradient_clip
+    delta: float = 1e-5  # the delta of the reported (epsilon, delta)
+    adapter_dp: str = "off"  # off | server | client: Flower's fixed-clipping DP on adapters
+    adapter_noise: float = 1.0  # Flower's noise_multiplier (with adapter_dp)
+    adapter_clip: float = 1.0  # Flower's clipping_norm of a device's adapter update
+
+    def __post_init__(self) -> None:
+        for name in ("activation", "gradient"):
+            clip, noise = getattr(self, f"{name}_clip"), getattr(self, f"{name}_noise")
+            _check(clip >= 0, f"privacy.{name}_clip must be >= 0 (0 = off), got {clip}")
+            _check(noise >= 0, f"privacy.{name}_noise must be >= 0, got {noise}")
+            _check(
+                noise == 0 or clip > 0,
+                f"privacy.{name}_noise = {noise} needs privacy.{name}_clip > 0: the noise is "
+                "calibrated to the clipping norm",
+            )
+        _check(0 < self.delta < 1, f"privacy.delta must be in (0, 1), got {self.delta}")
+        _check(
+            self.adapter_dp in ("off", "server", "client"),
+            f"privacy.adapter_dp must be off, server or client, got {self.adapter_dp!r}",
+        )
+        _check(
+            self.adapter_noise >= 0, f"privacy.adapter_noise must be >= 0, got {self.adapter_noise}"
+        )
+        _check(self.adapter_clip > 0, f"privacy.adapter_clip must be > 0, got {self.adapter_clip}")
+
+
+@dataclass(frozen=True)
 class FedpipeConfig:
     """All settings of a run."""
 
@@ -319,6 +362,7 @@ class FedpipeConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     federated: FederatedConfig = field(default_factory=FederatedConfig)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)  # defences, all off by default
 
     def __post_init__(self) -> None:
         _check(
@@ -328,6 +372,12 @@ class FedpipeConfig:
         )
         if self.model.split == "two":
             _check(self.model.tail_layers == 0, "model.split='two' needs model.tail_layers=0")
+        _check(
+            not (self.pipeline.recompute_head and self.privacy.activation_clip > 0),
+            "pipeline.recompute_head = true cannot be combined with privacy.activation_clip > 0: "
+            "the recomputed head would not see the clipping and noise that were sent; "
+            "turn one of them off",
+        )
 
     def to_flat(self) -> dict[str, Any]:
         """``{"section.key": value}`` for every setting (Flower run config, summaries)."""

@@ -23,6 +23,7 @@ from fedpipe.models import load_config, model_family, model_fingerprint, resolve
 from fedpipe.pipeline.device_runtime import DeviceRuntime, StepResult
 from fedpipe.pipeline.trace import Tracer
 from fedpipe.planner.auto import DevicePlanner
+from fedpipe.privacy import LinkDefence
 from fedpipe.split import (
     LoraSettings,
     SplitTerms,
@@ -108,6 +109,7 @@ class RoundReport:
     wall_s: float = 0.0
     peak_rss_mb: float = 0.0  # the process's peak resident memory so far (ru_maxrss)
     plan: dict[str, str | int | float] = field(default_factory=dict)  # pipeline.plan = auto
+    privacy: dict[str, float] = field(default_factory=dict)  # LinkAccountant.report(), if noised
 
     @property
     def mean_loss(self) -> float:
@@ -127,6 +129,7 @@ class RoundReport:
             "wall-s": self.wall_s,
             "peak-rss-mb": self.peak_rss_mb,
             "stash-peak": max((s.stash_peak for s in self.steps), default=0),
+            **self.privacy,
         }
 
 
@@ -166,6 +169,8 @@ class DeviceTrainer:
         self._freeze(config)
         self.fold = BaseFold(self.head, self.tail)  # base deltas of `exact` / `stack`
         self.tracer = Tracer()
+        # Clipping and noise on what goes up the stage link; None (the default) sends as is.
+        self.defence = LinkDefence.from_config(config.privacy)
         slowdown = profile.compute_slowdown if profile else 1.0
         self.throttle = ComputeThrottle(slowdown, RealClock()) if slowdown > 1.0 else None
         self.planner = DevicePlanner(self) if config.pipeline.plan == "auto" else None
@@ -264,6 +269,7 @@ class DeviceTrainer:
             tracer=tracer,
             frozen_head=self.frozen,
             recompute_head=cfg.pipeline.recompute_head,
+            transform_up=self.defence,
         )
         return session, runtime
 

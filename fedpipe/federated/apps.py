@@ -36,6 +36,7 @@ from fedpipe.federated.runfolder import RunFolder
 from fedpipe.federated.strategies import make_strategy
 from fedpipe.federated.tensorboard import Board
 from fedpipe.federated.tokens import issue_token
+from fedpipe.privacy.adapters import adapter_clipping_mod, with_adapter_dp
 from fedpipe.split.aggregation import DELTA_SUFFIX, aggregate_adapters, split_deltas
 
 __all__ = ["client_app", "server_app"]
@@ -43,7 +44,7 @@ __all__ = ["client_app", "server_app"]
 log = logging.getLogger(__name__)
 
 server_app = ServerApp()
-client_app = ClientApp()
+client_app = ClientApp(mods=[adapter_clipping_mod])  # clips adapters only if the round asks
 
 
 # -- ServerApp --------------------------------------------------------------------------------
@@ -143,6 +144,7 @@ class _Rounds:
         self.failures_total += failed
         self.stats = _round_stats(ok, failed)
         log.info("round %d: %d devices merged, %d failed", round_, len(ok), failed)
+        _log_privacy(round_, ok)
         self._apply_stop_policy(round_, len(ok), failed)
 
     def _fail(self, node: int, reason: str) -> None:
@@ -173,6 +175,18 @@ class _Rounds:
                 f"round {round_}: {self.failures_total} device failures so far, more than "
                 f"federated.max_failures={limit}"
             )
+
+
+def _log_privacy(round_: int, ok: list[Message]) -> None:
+    """The stage link's worst (largest) epsilon over the round's devices, when one is noised."""
+    worst: dict[str, float] = {}
+    for reply in ok:
+        for key, value in reply.content["metrics"].items():
+            if key.startswith("privacy-epsilon"):
+                worst[key] = max(worst.get(key, 0.0), float(cast(float, value)))
+    if worst:
+        text = ", ".join(f"{k.removeprefix('privacy-')} {v:.4g}" for k, v in sorted(worst.items()))
+        log.info("round %d: stage link privacy (max over devices, per sample): %s", round_, text)
 
 
 def _non_finite(reply: Message) -> list[str]:
@@ -306,7 +320,8 @@ def _strategy(cfg: FedpipeConfig, rounds: _Rounds):  # type: ignore[no-untyped-d
         if fed.strategy in ("fedadam", "fedyogi", "fedadagrad", "fedavgm")
         else None,
     )
-    return _wrap_strategy(strategy, rounds)
+    sampled = max(1, int(fed.num_devices * fed.fraction_train))
+    return _wrap_strategy(with_adapter_dp(strategy, cfg.privacy, sampled_devices=sampled), rounds)
 
 
 @server_app.main()

@@ -29,6 +29,7 @@ from fedpipe.federated.tokens import issue_token
 from fedpipe.link import DeviceProfile, parse_device_profile, split_specs
 from fedpipe.models import load_tokenizer
 from fedpipe.pipeline.device_runtime import DeviceRuntime
+from fedpipe.privacy import LinkAccountant, releases_so_far
 from fedpipe.transport.client import StageClient
 
 __all__ = ["DeviceWork", "RunSettings", "evaluate_split", "run_settings"]
@@ -192,10 +193,25 @@ class DeviceWork:
                 proximal_mu=proximal_mu,
                 fail_after_steps=fail_after_steps,
             )
+        report.privacy = self._privacy(sampler, (round_ + 1) * steps)
         if trace_dir is not None and trace_dir.parent.is_dir():  # only where the run folder is
             path = trace_dir / f"device-{self.partition}-round-{round_}.json"
             self.trainer.tracer.write(path, pid=f"device {self.partition}")
         return report
+
+    def _privacy(self, sampler: BlockSampler, steps: int) -> dict[str, float]:
+        """The stage link's (epsilon, delta) so far, assuming this device trained every round."""
+        cfg = self.cfg
+        privacy = cfg.privacy
+        if cfg.model.split != "u":  # labels go up in clear: no gradient channel to noise
+            privacy = replace(privacy, gradient_clip=0.0, gradient_noise=0.0)
+        accountant = LinkAccountant.from_config(privacy, seq_len=cfg.train.seq_len)
+        if accountant is None:
+            return {}
+        releases = releases_so_far([sampler.indices(i) for i in range(steps)])
+        out = accountant.report(releases)
+        log.info("[device %s] stage link privacy so far: %s", self.partition, out)
+        return out
 
     def _client(self, address: str) -> StageClient:
         """A stage-link client with this device's TLS files (its CA; cert and key for mTLS)."""

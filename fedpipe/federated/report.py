@@ -139,6 +139,23 @@ class LiveReport:
         self.poll()
 
 
+_EPSILONS = (
+    ("privacy_epsilon", "stage link epsilon"),
+    ("privacy_epsilon_activations", "stage link epsilon (activations only)"),
+    ("privacy_epsilon_gradients", "stage link epsilon (gradients only)"),
+)
+
+
+def _privacy_text(per_device: dict[str, dict[str, float]]) -> str:
+    """The round's largest per-sample epsilon over devices (fedpipe.privacy), if noised."""
+    for key, label in _EPSILONS:
+        values = [d[key] for d in per_device.values() if key in d]
+        if values:
+            delta = max(d.get("privacy_delta", 0.0) for d in per_device.values())
+            return f", {label} {max(values):.3g} per sample (delta {delta:g})"
+    return ""
+
+
 def report_lines(summary: dict[str, Any]) -> list[str]:
     """The final report: one line per round (losses, devices trained of sampled), then totals."""
     lines = []
@@ -150,6 +167,7 @@ def report_lines(summary: dict[str, Any]) -> list[str]:
         if entry["round"] > 0:
             trained, failed = entry.get("devices_trained", 0), entry.get("devices_failed", 0)
             text += f", {trained}/{trained + failed} devices trained"
+        text += _privacy_text(entry.get("privacy") or {})
         lines.append(text)
     if "eval_loss_drop_pct" in summary:
         lines.append(

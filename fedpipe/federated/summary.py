@@ -73,6 +73,9 @@ def _add_train(entry: dict[str, Any], rec: dict[str, Any], names: dict[str, str]
     entry["devices_trained"] += 1
     if _get(rec, "peak_rss_mb") is not None:  # each device's peak resident memory (agg branch)
         entry.setdefault("peak_rss_mb", {})[device] = _get(rec, "peak_rss_mb")
+    privacy = {k: v for k, v in rec.items() if k.startswith("privacy_")}
+    if privacy:  # the stage link's (epsilon, delta) so far, per device (fedpipe.privacy)
+        entry.setdefault("privacy", {})[device] = privacy
 
 
 def _close_round(entry: dict[str, Any]) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -130,6 +130,7 @@ class DeviceRuntime:
         wait_step_done: bool = False,
         frozen_head: bool = False,
         recompute_head: bool = False,
+        transform_up: Callable[[Kind, torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         self.head = head
         self.tail = tail
@@ -146,6 +147,9 @@ class DeviceRuntime:
         self.frozen_head = frozen_head
         # Recompute: the forward keeps no graph; the backward runs the head again with one.
         self.recompute_head = recompute_head
+        # Privacy defences (fedpipe.privacy): applied to ACTIVATION and OUTPUT_GRAD tensors of
+        # training steps just before sending; training continues from what was sent.
+        self.transform_up = transform_up
         make_schedule(schedule, microbatches, has_tail=tail is not None)  # validate early
 
     def train_step(self, batch: dict[str, torch.Tensor], *, step: int) -> StepResult:
@@ -267,6 +271,8 @@ class DeviceRuntime:
         keep_graph = not (self.frozen_head or self.recompute_head)
         with self._compute(f"F{mb}", "device"), torch.set_grad_enabled(keep_graph):
             h = self.head(data["input_ids"])  # (b, T, C); frozen or recompute: no graph kept
+            if self.transform_up is not None:  # in the graph: head backward sees what was sent
+                h = self.transform_up(Kind.ACTIVATION, h)
         state.heads[mb] = h
         state.stash_peak = max(state.stash_peak, len(state.heads))
         msg = StageMsg(Kind.ACTIVATION, state.step, mb, tensor=h.detach())
@@ -286,7 +292,10 @@ class DeviceRuntime:
             loss_sum, _ = self.tail(x, state.microbatches[mb]["labels"])
             (loss_sum / max(state.total_tokens, 1)).backward()
         state.loss_sums.append(float(loss_sum.detach()))
-        self.channel.send(StageMsg(Kind.OUTPUT_GRAD, state.step, mb, tensor=x.grad))
+        grad = x.grad
+        if self.transform_up is not None and grad is not None:
+            grad = self.transform_up(Kind.OUTPUT_GRAD, grad)
+        self.channel.send(StageMsg(Kind.OUTPUT_GRAD, state.step, mb, tensor=grad))
 
     def _backward(self, mb: int, state: _StepState) -> None:
         self._confirm(state)

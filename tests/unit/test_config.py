@@ -112,7 +112,7 @@ def test_wrongly_typed_values_are_refused(key: str, value: object, message: str)
         ("pipelines.microbatches", "did you mean 'pipeline.microbatches'?"),
         ("train.l", "did you mean 'train.lr'?"),
         ("train.zzz", "known here: train.batch_size, train.seq_len, "),
-        ("lr", "known here: federated, model, pipeline, server, train"),
+        ("lr", "known here: federated, model, pipeline, privacy, server, train"),
     ],
 )
 def test_unknown_key_names_the_close_match_or_the_choices(key: str, hint: str) -> None:
@@ -184,3 +184,10 @@ def test_to_flat_round_trips_through_with_overrides() -> None:
 def test_parse_overrides_needs_an_equals_sign() -> None:
     with pytest.raises(ValueError, match="--set expects section.key=value, got 'train.lr'"):
         parse_overrides(["train.lr"])
+
+
+def test_recompute_and_activation_clipping_are_refused_together() -> None:
+    with pytest.raises(ValueError, match="recompute_head.*activation_clip"):
+        FedpipeConfig().with_overrides(
+            {"pipeline.recompute_head": True, "privacy.activation_clip": 1.0}
+        )
