@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, get_type_hints
 
 from fedpipe.link.spec import parse_device_profiles
+from fedpipe.transport.codec_names import check_codec, codec_help
 
 __all__ = [
     "FedpipeConfig",
@@ -28,9 +29,16 @@ __all__ = [
     "parse_overrides",
 ]
 
-CODECS = ("fp32", "bf16", "fp16", "int8")
 _BOOLS = {"1": True, "true": True, "yes": True, "on": True}
 _BOOLS |= {"0": False, "false": False, "no": False, "off": False}
+
+
+def _is_codec(name: str) -> bool:
+    try:
+        check_codec(name)
+    except ValueError:
+        return False
+    return True
 
 
 def _check(ok: bool, message: str) -> None:
@@ -82,8 +90,10 @@ class PipelineConfig:
         )
         for name in ("uplink_codec", "downlink_codec", "gradient_codec"):
             value = getattr(self, name)
-            ok = value in CODECS or (name == "gradient_codec" and value == "")
-            _check(ok, f"pipeline.{name} {value!r} unknown; choose one of {CODECS}")
+            _check(
+                _is_codec(value) or (name == "gradient_codec" and value == ""),
+                f"pipeline.{name} {value!r} unknown; choose one of {codec_help()}",
+            )
 
 
 @dataclass(frozen=True)
