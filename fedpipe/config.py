@@ -76,6 +76,9 @@ class PipelineConfig:
     uplink_codec: str = "fp32"
     downlink_codec: str = "fp32"
     gradient_codec: str = ""  # "" = each direction's codec; e.g. int8 activations, bf16 grads
+    error_feedback: bool = False  # gradients: each side adds what its last send lost to the next
+    delta: bool = False  # activations: send the change since the sample's last send (AQ-SGD)
+    delta_cache_mb: float = 64.0  # with delta: decoded samples kept per session, on both sides
     timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
@@ -94,6 +97,11 @@ class PipelineConfig:
                 _is_codec(value) or (name == "gradient_codec" and value == ""),
                 f"pipeline.{name} {value!r} unknown; choose one of {codec_help()}",
             )
+        _check(
+            self.delta_cache_mb > 0,
+            f"pipeline.delta_cache_mb must be > 0, got {self.delta_cache_mb}; to turn delta "
+            "coding off set pipeline.delta = false",
+        )
 
 
 @dataclass(frozen=True)
@@ -131,6 +139,7 @@ class ServerConfig:
     max_pending: int = 64
     max_pending_mb: float = 256.0
     max_streams: int = 64  # Exchange streams served at once (each holds a gRPC thread)
+    max_delta_cache_mb: float = 256.0  # per session: the largest delta cache a device may ask
     max_microbatch_size: int = 64  # rows of one tensor a session may declare and send
     max_seq_len: int = 0  # tokens of one tensor; 0 = the model's positions
     max_learning_rate: float = 1e-2  # bounds on the server-side optimizer a device may ask for
@@ -175,6 +184,11 @@ class ServerConfig:
         ):
             _check(getattr(self, name) > 0, f"server.{name} must be > 0, got {getattr(self, name)}")
         _check(self.max_weight_decay >= 0, "server.max_weight_decay must be >= 0")
+        _check(
+            self.max_delta_cache_mb >= 0,
+            f"server.max_delta_cache_mb must be >= 0 (0: no delta coding), "
+            f"got {self.max_delta_cache_mb}",
+        )
         _check(
             bool(self.tls_cert) == bool(self.tls_key),
             "server.tls_cert and server.tls_key go together: give both or neither",

@@ -259,7 +259,8 @@ class DeviceRuntime:
         with self._compute(f"F{mb}", "device"):
             h = self.head(data["input_ids"])  # (b, T, C)
         state.heads[mb] = h
-        msg = StageMsg(Kind.ACTIVATION, state.step, mb, tensor=h.detach())
+        # inputs: the device's transport keys delta coding by them (never sent)
+        msg = StageMsg(Kind.ACTIVATION, state.step, mb, tensor=h.detach(), inputs=data["input_ids"])
         if self.tail is None:  # two-part split: the server computes the loss
             msg.labels = data["labels"]
             msg.loss_scale = 1.0 / max(state.total_tokens, 1)
