@@ -44,18 +44,20 @@ STEP_DONE: Kind
 ERROR: Kind
 
 class Tensor(_message.Message):
-    __slots__ = ("codec", "shape", "data", "scales", "group_size")
+    __slots__ = ("codec", "shape", "data", "scales", "group_size", "token_groups")
     CODEC_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     SCALES_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_GROUPS_FIELD_NUMBER: _ClassVar[int]
     codec: Codec
     shape: _containers.RepeatedScalarFieldContainer[int]
     data: bytes
     scales: bytes
     group_size: int
-    def __init__(self, codec: _Optional[_Union[Codec, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., scales: _Optional[bytes] = ..., group_size: _Optional[int] = ...) -> None: ...
+    token_groups: bool
+    def __init__(self, codec: _Optional[_Union[Codec, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., scales: _Optional[bytes] = ..., group_size: _Optional[int] = ..., token_groups: _Optional[bool] = ...) -> None: ...
 
 class StageMessage(_message.Message):
     __slots__ = ("session_id", "step", "microbatch", "kind", "tensor", "labels", "loss_scale", "loss_sum", "tokens", "error", "compute_s", "forward_only", "sample_keys")

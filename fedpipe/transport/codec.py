@@ -17,7 +17,9 @@ value ``y`` against the sent value ``x`` (taken as fp32):
   of ``G`` values; ``G`` = 64 unless the name says otherwise, e.g. ``int4g128``): asymmetric
   group quantization, bit-packed; ``|y - x| <= s / 2`` with ``s = (max - min) / 15`` (int4)
   or ``/ 3`` (int2) over the value's group. See :mod:`fedpipe.transport.lowbit`. The group
-  size travels in the message's ``group_size``.
+  size travels in the message's ``group_size``. With ``t`` (``int4t``, ``int2tg32``) a group is
+  ``G`` consecutive tokens (rows) of one channel (last dimension) instead of ``G`` consecutive
+  values of a row: the message's ``token_groups`` is set and the payload is channel-major.
 
 Integer tensors (labels, token ids) are not compressed: ``labels_to_proto`` and
 ``labels_from_proto`` carry them as little-endian int64 with ``codec = CODEC_UNSPECIFIED`` (the
@@ -53,6 +55,7 @@ from fedpipe.transport.codec_names import (
     codec_base,
     codec_group,
     codec_name,
+    codec_token_groups,
 )
 
 __all__ = [
@@ -223,12 +226,20 @@ def tensor_to_wire(
         meta.scales = _to_bytes(scales)
         return q.contiguous().cpu()
     if base in LOW_BIT:
-        group = codec_group(codec)
-        packed, scales, offsets = lowbit.quantize(t, LOW_BIT[base], group, generator=generator)
+        group, by_token = codec_group(codec), codec_token_groups(codec)
+        values = _channel_major(t) if by_token else t
+        packed, scales, offsets = lowbit.quantize(values, LOW_BIT[base], group, generator=generator)
         meta.group_size = group
+        meta.token_groups = by_token
         meta.scales = _to_bytes(torch.cat([scales, offsets]))
         return packed.cpu()
     return t.to(_WIRE_DTYPE[base]).contiguous().cpu()
+
+
+def _channel_major(t: torch.Tensor) -> torch.Tensor:
+    """``t`` viewed as (rows, channels), transposed: (channels, rows), not yet contiguous."""
+    channels = t.shape[-1] if t.dim() > 0 else 1
+    return t.reshape(-1, channels).t() if channels > 0 else t
 
 
 def decode_wire(meta: pb.Tensor, wire: torch.Tensor) -> torch.Tensor:
@@ -317,9 +328,10 @@ def tensor_from_proto(
         data = msg.data
     if codec in LOW_BIT:
         return _check_finite(_decode_low_bit(msg, data, scales, shape, dtype, name), name)
-    if msg.group_size:
+    if msg.group_size or msg.token_groups:
         raise TensorFormatError(
-            f"{name}: codec {codec.upper()} has no groups, got group_size {msg.group_size}"
+            f"{name}: codec {codec.upper()} has no groups, got group_size {msg.group_size} "
+            f"and token_groups {msg.token_groups}"
         )
     _check_nbytes(name, "data", len(data), numel * _WIRE_DTYPE[codec].itemsize, shape, codec)
     if codec == "int8":
@@ -458,7 +470,8 @@ def _decode_low_bit(
             f"{name}: {base.upper()} group_size {group} is not one of "
             f"{', '.join(map(str, GROUP_SIZES))}"
         )
-    codec, bits, numel = codec_name(base, group), LOW_BIT[base], math.prod(shape)
+    codec = codec_name(base, group, msg.token_groups)
+    bits, numel = LOW_BIT[base], math.prod(shape)
     groups = lowbit.num_groups(numel, group)
     _check_nbytes(name, "data", len(data), lowbit.packed_nbytes(numel, bits), shape, codec)
     _check_nbytes(name, "scales", len(scales), groups * _GROUP_META_BYTES, shape, codec)
@@ -467,4 +480,7 @@ def _decode_low_bit(
     packed = _from_bytes(data, torch.uint8, (len(data),))
     meta = _from_bytes(scales, torch.float32, (2 * groups,))  # scales, then offsets
     values = lowbit.dequantize(packed, meta[:groups], meta[groups:], bits, group, numel)
-    return values.reshape(shape).to(dtype)
+    if msg.token_groups:  # channel-major on the wire: back to (rows, channels)
+        channels = shape[-1] if shape else 1
+        values = values.view(channels, -1).t()
+    return values.reshape(shape).to(dtype).contiguous()

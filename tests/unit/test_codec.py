@@ -181,8 +181,9 @@ def test_codec_names() -> None:
     assert [codec_to_proto(c) for c in CODECS] == protos
     assert [codec_from_proto(codec_to_proto(c)) for c in CODECS] == list(CODECS)
     assert codec_to_proto("int4g128") == pb.INT4 and bytes_per_value("int2g16") == 0.25
-    for bad in ("int3", "int4g48", "int4g064", "int8g64", "INT4"):
-        with pytest.raises(ValueError, match=rf"unknown codec '{bad}'.*int4g<G>"):
+    assert codec_to_proto("int2tg16") == pb.INT2
+    for bad in ("int3", "int4g48", "int4g064", "int8g64", "INT4", "int8t", "int4gt16", "int4tg"):
+        with pytest.raises(ValueError, match=rf"unknown codec '{bad}'.*e.g. int4t, int4g128"):
             codec_to_proto(bad)
     for bad in (pb.CODEC_UNSPECIFIED, 99):
         with pytest.raises(TensorFormatError, match=rf"\({bad}\) is not a tensor codec"):
@@ -280,6 +281,7 @@ _dim = st.one_of(st.integers(-2, 6), st.integers(0, 2**40), _int64, st.just(2**6
 @given(
     codec=st.one_of(st.sampled_from([0, 1, 2, 3, 4, 5, 6]), st.integers(-(2**31), 2**31 - 1)),
     group_size=st.sampled_from([0, 16, 64, 3]),
+    token_groups=st.booleans(),
     shape=st.lists(_dim, max_size=5) | st.lists(st.integers(0, 1), max_size=MAX_NDIM + 3),
     data=st.binary(max_size=200) | st.just(b""),
     scales=st.binary(max_size=40),
@@ -296,8 +298,16 @@ def test_fuzz_only_tensor_format_errors(
     max_elements: int | None,
     dtype: torch.dtype,
     group_size: int,
+    token_groups: bool,
 ) -> None:
-    msg = pb.Tensor(codec=codec, shape=shape, data=data, scales=scales, group_size=group_size)
+    msg = pb.Tensor(
+        codec=codec,
+        shape=shape,
+        data=data,
+        scales=scales,
+        group_size=group_size,
+        token_groups=token_groups,
+    )
     try:
         y = tensor_from_proto(
             msg, expect_shape=expect_shape, dtype=dtype, max_elements=max_elements

@@ -17,12 +17,19 @@ from fedpipe.transport.codec import (
     tensor_to_proto,
 )
 
-LOW_BIT = ["int4", "int2", "int4g16", "int2g16", "int4g128", "int2g1024"]
+LOW_BIT = ["int4", "int2", "int4g16", "int2g16", "int4g128", "int2g1024", "int4t", "int2tg16"]
 
 
 def _bits_group(codec: str) -> tuple[int, int]:
     bits = 4 if codec.startswith("int4") else 2
     return bits, int(codec.split("g")[1]) if "g" in codec else 64
+
+
+def _grouped(x: torch.Tensor, codec: str) -> torch.Tensor:
+    """``x``'s values in the order the codec groups them (channel-major for ``t`` codecs)."""
+    if codec[4:5] == "t":  # int4t, int2tg16
+        return x.reshape(-1, x.shape[-1]).t().reshape(-1)
+    return x.reshape(-1)
 
 
 @settings(max_examples=200, deadline=None)
@@ -61,7 +68,7 @@ def test_round_trip_within_half_a_step_per_group(codec: str, shape: tuple[int, .
     assert len(msg.data) + len(msg.scales) == encoded_nbytes(shape, codec) == payload_nbytes(msg)
     y = tensor_from_proto(msg)
     assert y.shape == x.shape and y.dtype == torch.float32
-    flat, err = x.reshape(-1), (y - x).reshape(-1).abs()
+    flat, err = _grouped(x, codec), _grouped(y - x, codec).abs()
     for start in range(0, flat.numel(), group):
         part = flat[start : start + group]
         step = float(part.max() - part.min()) / (2**bits - 1)
@@ -116,6 +123,7 @@ def _lowbit_msg(
         (_lowbit_msg(group_size=0), r"INT4 group_size 0 is not one of 16, 32, 64"),
         (_lowbit_msg(group_size=48), r"group_size 48 is not one of"),
         (_lowbit_msg("int8", group_size=64), r"codec INT8 has no groups, got group_size 64"),
+        (_lowbit_msg("fp16", token_groups=True), r"FP16 has no groups, .* token_groups True"),
         (
             pb.Tensor(codec=pb.INT2, shape=[2**40], group_size=64),
             r"data has 0 bytes, expected 274877906944",  # refused before any allocation
@@ -130,6 +138,7 @@ def _lowbit_msg(
         "no-group",
         "odd-group",
         "int8-group",
+        "fp16-tokens",
         "huge",
     ],
 )
@@ -145,3 +154,20 @@ def test_non_finite_scales_are_refused() -> None:
     msg.scales = meta.numpy().tobytes()
     with pytest.raises(TensorFormatError, match=r"64 of 128 values are NaN or Inf"):
         tensor_from_proto(msg)
+
+
+def test_token_groups_follow_a_channel_along_the_tokens() -> None:
+    x = torch.ones(64, 3)  # 64 tokens, 3 channels
+    x[:, 1] = torch.linspace(0, 15, 64)  # one channel spans a wide range ...
+    x[:, 2] = 1000.0  # ... another is large but constant
+    y = tensor_from_proto(tensor_to_proto(x, "int4t"))
+    assert torch.equal(y[:, 0], x[:, 0]) and torch.equal(y[:, 2], x[:, 2])  # exact: constant
+    assert (y[:, 1] - x[:, 1]).abs().max() <= 0.5 * (1 + 1e-6)  # step 1 over 0..15
+    row_groups = tensor_from_proto(tensor_to_proto(x, "int4"))  # rows mix 1, 0..15 and 1000
+    assert (row_groups - x).abs().max() > 10
+
+
+def test_token_group_names() -> None:
+    msg = tensor_to_proto(torch.randn(2, 8, 64), "int2tg32")
+    assert (msg.codec, msg.group_size, msg.token_groups) == (pb.INT2, 32, True)
+    assert not tensor_to_proto(torch.randn(2, 64), "int4").token_groups
