@@ -22,8 +22,6 @@ last group may be shorter). Each group keeps an fp32 offset ``m = min`` and scal
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 __all__ = [
@@ -112,11 +110,3 @@ def dequantize(
         q = torch.cat([q, q.new_zeros(pad)])
     y = q.view(groups, group).mul_(scales[:, None]).add_(offsets[:, None])  # (groups, G)
     return y.view(-1)[:n]
-
-
-def max_error(scales: torch.Tensor, *, stochastic: bool = False) -> float:
-    """The bound on ``|y - x|`` over all groups (without fp32 ulps): ``s / 2``, or ``s``."""
-    if scales.numel() == 0:
-        return 0.0
-    worst = float(scales.max())
-    return worst if stochastic else worst / 2 if math.isfinite(worst) else math.inf
