@@ -279,7 +279,7 @@ def _add_bench(sub: Any) -> None:
     q.add_argument("--microbatches", type=int, default=8, help="microbatches per step")
     q.add_argument("--batch-size", type=int, default=16, help="sequences per step")
     q.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
-    codecs = ["fp32", "bf16", "fp16", "int8"]
+    codecs = ["fp32", "bf16", "fp16", "int8", "int4", "int2"]
     q.add_argument("--codec", default="fp32", choices=codecs, help="activation codec")
     q.add_argument("--gradient-codec", choices=codecs, help="codec of gradients (default: --codec)")
     q.add_argument("--steps", type=int, default=4, help="measured steps per schedule (median)")

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, get_type_hints
 
 from fedpipe.link.spec import parse_device_profiles
+from fedpipe.transport.codec_names import check_codec, codec_help
 
 __all__ = [
     "FedpipeConfig",
@@ -29,10 +30,17 @@ __all__ = [
     "parse_overrides",
 ]
 
-CODECS = ("fp32", "bf16", "fp16", "int8")
 AGGREGATIONS = ("separate", "exact", "ffa", "stack")  # see fedpipe.split.aggregation
 _BOOLS = {"1": True, "true": True, "yes": True, "on": True}
 _BOOLS |= {"0": False, "false": False, "no": False, "off": False}
+
+
+def _is_codec(name: str) -> bool:
+    try:
+        check_codec(name)
+    except ValueError:
+        return False
+    return True
 
 
 def _check(ok: bool, message: str) -> None:
@@ -70,6 +78,9 @@ class PipelineConfig:
     uplink_codec: str = "fp32"
     downlink_codec: str = "fp32"
     gradient_codec: str = ""  # "" = each direction's codec; e.g. int8 activations, bf16 grads
+    error_feedback: bool = False  # gradients: each side adds what its last send lost to the next
+    delta: bool = False  # activations: send the change since the sample's last send (AQ-SGD)
+    delta_cache_mb: float = 64.0  # with delta: decoded samples kept per session, on both sides
     timeout_s: float = 120.0
     # false: frozen-device mode: the device's head and tail train nothing, the head runs
     # forward only and the server sends no input gradient down (LoRA trains on the server).
@@ -98,16 +109,24 @@ class PipelineConfig:
         )
         for name in ("uplink_codec", "downlink_codec", "gradient_codec"):
             value = getattr(self, name)
-            ok = value in CODECS or (name == "gradient_codec" and value == "")
-            _check(ok, f"pipeline.{name} {value!r} unknown; choose one of {CODECS}")
+            _check(
+                _is_codec(value) or (name == "gradient_codec" and value == ""),
+                f"pipeline.{name} {value!r} unknown; choose one of {codec_help()}",
+            )
+        _check(
+            self.delta_cache_mb > 0,
+            f"pipeline.delta_cache_mb must be > 0, got {self.delta_cache_mb}; to turn delta "
+            "coding off set pipeline.delta = false",
+        )
         _check(
             self.plan in ("fixed", "auto"),
             f"pipeline.plan must be fixed or auto, got {self.plan!r}",
         )
-        bad = [c for c in self.codec_choices if c not in CODECS]
+        bad = [c for c in self.codec_choices if not _is_codec(c)]
         _check(
             bool(self.codec_choices) and not bad,
-            f"pipeline.plan_codecs {self.plan_codecs!r}: unknown {bad}; list some of {CODECS}",
+            f"pipeline.plan_codecs {self.plan_codecs!r}: unknown {bad}; list some of "
+            f"{codec_help()}",
         )
         _check(self.replan_drift > 0, f"pipeline.replan_drift must be > 0, got {self.replan_drift}")
         _check(
@@ -157,6 +176,7 @@ class ServerConfig:
     max_pending: int = 64
     max_pending_mb: float = 256.0
     max_streams: int = 64  # Exchange streams served at once (each holds a gRPC thread)
+    max_delta_cache_mb: float = 256.0  # per session: the largest delta cache a device may ask
     max_microbatch_size: int = 64  # rows of one tensor a session may declare and send
     max_seq_len: int = 0  # tokens of one tensor; 0 = the model's positions
     max_learning_rate: float = 1e-2  # bounds on the server-side optimizer a device may ask for
@@ -210,6 +230,11 @@ class ServerConfig:
         ):
             _check(getattr(self, name) > 0, f"server.{name} must be > 0, got {getattr(self, name)}")
         _check(self.max_weight_decay >= 0, "server.max_weight_decay must be >= 0")
+        _check(
+            self.max_delta_cache_mb >= 0,
+            f"server.max_delta_cache_mb must be >= 0 (0: no delta coding), "
+            f"got {self.max_delta_cache_mb}",
+        )
         _check(
             bool(self.tls_cert) == bool(self.tls_key),
             "server.tls_cert and server.tls_key go together: give both or neither",

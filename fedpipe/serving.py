@@ -200,4 +200,5 @@ def build_stage_server(
         tls=tls,
         client_ca=client_ca,
         max_streams=config.server.max_streams,
+        max_delta_cache_bytes=int(config.server.max_delta_cache_mb * 2**20),
     )

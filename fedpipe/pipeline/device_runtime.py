@@ -275,7 +275,8 @@ class DeviceRuntime:
                 h = self.transform_up(Kind.ACTIVATION, h)
         state.heads[mb] = h
         state.stash_peak = max(state.stash_peak, len(state.heads))
-        msg = StageMsg(Kind.ACTIVATION, state.step, mb, tensor=h.detach())
+        # inputs: the device's transport keys delta coding by them (never sent)
+        msg = StageMsg(Kind.ACTIVATION, state.step, mb, tensor=h.detach(), inputs=data["input_ids"])
         if self.tail is None:  # two-part split: the server computes the loss
             msg.labels = data["labels"]
             msg.loss_scale = 1.0 / max(state.total_tokens, 1)

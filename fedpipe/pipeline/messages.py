@@ -43,6 +43,10 @@ class StageMsg:
     error: str = ""
     forward_only: bool = False  # evaluation: no graph kept, no gradient follows
     wire_bytes: int = field(default=0, compare=False)  # encoded size, filled by the transport
+    # Delta coding (ACTIVATION): one key per row, see fedpipe.transport.delta. ``inputs`` are
+    # the microbatch's token ids, which the device's transport hashes into keys; never sent.
+    sample_keys: tuple[int, ...] = ()
+    inputs: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     @property
     def key(self) -> tuple[int, int, int]:

@@ -14,6 +14,8 @@ class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     BF16: _ClassVar[Codec]
     FP16: _ClassVar[Codec]
     INT8: _ClassVar[Codec]
+    INT4: _ClassVar[Codec]
+    INT2: _ClassVar[Codec]
 
 class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -31,6 +33,8 @@ FP32: Codec
 BF16: Codec
 FP16: Codec
 INT8: Codec
+INT4: Codec
+INT2: Codec
 KIND_UNSPECIFIED: Kind
 ACTIVATION: Kind
 OUTPUT: Kind
@@ -42,19 +46,23 @@ ERROR: Kind
 ECHO: Kind
 
 class Tensor(_message.Message):
-    __slots__ = ("codec", "shape", "data", "scales")
+    __slots__ = ("codec", "shape", "data", "scales", "group_size", "token_groups")
     CODEC_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     SCALES_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_GROUPS_FIELD_NUMBER: _ClassVar[int]
     codec: Codec
     shape: _containers.RepeatedScalarFieldContainer[int]
     data: bytes
     scales: bytes
-    def __init__(self, codec: _Optional[_Union[Codec, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., scales: _Optional[bytes] = ...) -> None: ...
+    group_size: int
+    token_groups: bool
+    def __init__(self, codec: _Optional[_Union[Codec, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., scales: _Optional[bytes] = ..., group_size: _Optional[int] = ..., token_groups: _Optional[bool] = ...) -> None: ...
 
 class StageMessage(_message.Message):
-    __slots__ = ("session_id", "step", "microbatch", "kind", "tensor", "labels", "loss_scale", "loss_sum", "tokens", "error", "compute_s", "forward_only")
+    __slots__ = ("session_id", "step", "microbatch", "kind", "tensor", "labels", "loss_scale", "loss_sum", "tokens", "error", "compute_s", "forward_only", "sample_keys")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +75,7 @@ class StageMessage(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     FORWARD_ONLY_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_KEYS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     step: int
     microbatch: int
@@ -79,7 +88,8 @@ class StageMessage(_message.Message):
     error: str
     compute_s: float
     forward_only: bool
-    def __init__(self, session_id: _Optional[str] = ..., step: _Optional[int] = ..., microbatch: _Optional[int] = ..., kind: _Optional[_Union[Kind, str]] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ..., labels: _Optional[_Union[Tensor, _Mapping]] = ..., loss_scale: _Optional[float] = ..., loss_sum: _Optional[float] = ..., tokens: _Optional[int] = ..., error: _Optional[str] = ..., compute_s: _Optional[float] = ..., forward_only: _Optional[bool] = ...) -> None: ...
+    sample_keys: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., step: _Optional[int] = ..., microbatch: _Optional[int] = ..., kind: _Optional[_Union[Kind, str]] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ..., labels: _Optional[_Union[Tensor, _Mapping]] = ..., loss_scale: _Optional[float] = ..., loss_sum: _Optional[float] = ..., tokens: _Optional[int] = ..., error: _Optional[str] = ..., compute_s: _Optional[float] = ..., forward_only: _Optional[bool] = ..., sample_keys: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SplitSpec(_message.Message):
     __slots__ = ("model", "num_layers", "head_layers", "tail_layers", "mode", "hidden_size", "dtype", "fingerprint", "max_positions", "vocab_size")
@@ -106,7 +116,7 @@ class SplitSpec(_message.Message):
     def __init__(self, model: _Optional[str] = ..., num_layers: _Optional[int] = ..., head_layers: _Optional[int] = ..., tail_layers: _Optional[int] = ..., mode: _Optional[str] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., fingerprint: _Optional[str] = ..., max_positions: _Optional[int] = ..., vocab_size: _Optional[int] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("device_id", "token", "round", "uplink_codec", "downlink_codec", "microbatch_size", "seq_len", "learning_rate", "weight_decay", "gradient_codec", "split", "frozen_head")
+    __slots__ = ("device_id", "token", "round", "uplink_codec", "downlink_codec", "microbatch_size", "seq_len", "learning_rate", "weight_decay", "gradient_codec", "split", "frozen_head", "error_feedback", "delta_cache_bytes")
     DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +129,8 @@ class OpenSessionRequest(_message.Message):
     GRADIENT_CODEC_FIELD_NUMBER: _ClassVar[int]
     SPLIT_FIELD_NUMBER: _ClassVar[int]
     FROZEN_HEAD_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FEEDBACK_FIELD_NUMBER: _ClassVar[int]
+    DELTA_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     device_id: str
     token: str
     round: int
@@ -131,7 +143,9 @@ class OpenSessionRequest(_message.Message):
     gradient_codec: Codec
     split: SplitSpec
     frozen_head: bool
-    def __init__(self, device_id: _Optional[str] = ..., token: _Optional[str] = ..., round: _Optional[int] = ..., uplink_codec: _Optional[_Union[Codec, str]] = ..., downlink_codec: _Optional[_Union[Codec, str]] = ..., microbatch_size: _Optional[int] = ..., seq_len: _Optional[int] = ..., learning_rate: _Optional[float] = ..., weight_decay: _Optional[float] = ..., gradient_codec: _Optional[_Union[Codec, str]] = ..., split: _Optional[_Union[SplitSpec, _Mapping]] = ..., frozen_head: _Optional[bool] = ...) -> None: ...
+    error_feedback: bool
+    delta_cache_bytes: int
+    def __init__(self, device_id: _Optional[str] = ..., token: _Optional[str] = ..., round: _Optional[int] = ..., uplink_codec: _Optional[_Union[Codec, str]] = ..., downlink_codec: _Optional[_Union[Codec, str]] = ..., microbatch_size: _Optional[int] = ..., seq_len: _Optional[int] = ..., learning_rate: _Optional[float] = ..., weight_decay: _Optional[float] = ..., gradient_codec: _Optional[_Union[Codec, str]] = ..., split: _Optional[_Union[SplitSpec, _Mapping]] = ..., frozen_head: _Optional[bool] = ..., error_feedback: _Optional[bool] = ..., delta_cache_bytes: _Optional[int] = ...) -> None: ...
 
 class OpenSessionReply(_message.Message):
     __slots__ = ("session_id", "split", "max_message_bytes")

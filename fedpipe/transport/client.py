@@ -31,7 +31,8 @@ from fedpipe.proto import stage_pb2 as pb
 from fedpipe.proto import stage_pb2_grpc as pb_grpc
 from fedpipe.split.agreement import SplitLike
 from fedpipe.transport.codec import codec_to_proto
-from fedpipe.transport.serde import codec_for, msg_from_wire, msg_to_wire, wire_header
+from fedpipe.transport.serde import wire_header
+from fedpipe.transport.stream_codec import StreamCodecs, StreamDecoder, StreamEncoder
 
 __all__ = [
     "SessionStats",
@@ -176,6 +177,8 @@ class StageClient:
         uplink_codec: str = "fp32",
         downlink_codec: str = "fp32",
         gradient_codec: str = "",
+        error_feedback: bool = False,
+        delta_cache_bytes: int = 0,
         microbatch_size: int = 0,
         seq_len: int = 0,
         link: LinkProfile | str | None = None,
@@ -193,6 +196,11 @@ class StageClient:
         ``microbatch_size`` and ``seq_len`` declare the largest tensors the device will send
         (0: the server's bounds); the server refuses larger ones with INVALID_ARGUMENT.
         ``frozen_head``: the device trains nothing before the cut, so no input gradient comes back.
+
+        ``error_feedback`` keeps quantised gradients' residuals on both sides (the device for
+        its output gradients, the server for its input gradients); ``delta_cache_bytes`` > 0
+        delta-codes activations that carry their token ids against mirrored caches of that
+        size on both sides (see :mod:`fedpipe.transport.stream_codec`).
         """
         request = pb.OpenSessionRequest(
             split=split_to_proto(split),
@@ -202,6 +210,8 @@ class StageClient:
             uplink_codec=codec_to_proto(uplink_codec),
             downlink_codec=codec_to_proto(downlink_codec),
             gradient_codec=codec_to_proto(gradient_codec) if gradient_codec else None,
+            error_feedback=error_feedback,
+            delta_cache_bytes=delta_cache_bytes,
             learning_rate=lr,
             weight_decay=weight_decay,
             microbatch_size=microbatch_size,
@@ -218,8 +228,12 @@ class StageClient:
             self,
             reply,
             duplex,
-            codec=uplink_codec,
-            gradient_codec=gradient_codec,
+            codecs=StreamCodecs(
+                uplink_codec,
+                gradient_codec,
+                error_feedback=error_feedback,
+                delta_cache_bytes=delta_cache_bytes,
+            ),
             tracer=tracer,
             timeout_s=timeout_s,
         )
@@ -257,8 +271,7 @@ class StageSession:
         reply: pb.OpenSessionReply,
         link: DuplexLink,
         *,
-        codec: str,
-        gradient_codec: str = "",
+        codecs: StreamCodecs,
         tracer: Tracer | None,
         timeout_s: float,
     ) -> None:
@@ -266,8 +279,10 @@ class StageSession:
         self.session_id = reply.session_id
         self.split = reply.split
         self.link = link
-        self.codec = codec
-        self.gradient_codec = gradient_codec
+        self.codec = codecs.codec
+        self.gradient_codec = codecs.gradient_codec
+        self._encoder = StreamEncoder(codecs, session_id=self.session_id)
+        self._decoder = StreamDecoder(max_elements=client.max_message_bytes)
         self.timeout_s = timeout_s
         self.tracer = tracer
         self.stats = SessionStats()
@@ -365,8 +380,7 @@ class StageSession:
         while (item := self._outgoing.get()) is not _END:
             assert isinstance(item, StageMsg)
             try:
-                codec = codec_for(item.kind, self.codec, self.gradient_codec)
-                raw = msg_to_wire(item, session_id=self.session_id, codec=codec)
+                raw = self._encoder.encode(item)
             except Exception as exc:  # a bug or a bad tensor on our side
                 self._fail(StageLinkError(f"cannot encode {item}: {exc}"))
                 continue
@@ -407,7 +421,7 @@ class StageSession:
 
     def _file(self, raw: bytes) -> None:
         try:
-            msg = msg_from_wire(raw, max_elements=self.client.max_message_bytes)
+            msg = self._decoder.decode(raw)
         except Exception as exc:
             self._fail(StageLinkError(f"bad message from the server: {exc}"))
             return

@@ -13,6 +13,13 @@ value ``y`` against the sent value ``x`` (taken as fp32):
 - ``int8`` (1 byte/value + one fp32 scale per row, a row being the last dimension): symmetric
   per-row quantization with ``scale = max|row| / 127``, so ``|y - x| <= 0.5 * max|row| / 127``
   per element; an all-zero row decodes to zeros. Inputs must be finite.
+- ``int4`` / ``int2`` (0.5 / 0.25 bytes/value + two fp32 numbers, scale and offset, per group
+  of ``G`` values; ``G`` = 64 unless the name says otherwise, e.g. ``int4g128``): asymmetric
+  group quantization, bit-packed; ``|y - x| <= s / 2`` with ``s = (max - min) / 15`` (int4)
+  or ``/ 3`` (int2) over the value's group. See :mod:`fedpipe.transport.lowbit`. The group
+  size travels in the message's ``group_size``. With ``t`` (``int4t``, ``int2tg32``) a group is
+  ``G`` consecutive tokens (rows) of one channel (last dimension) instead of ``G`` consecutive
+  values of a row: the message's ``token_groups`` is set and the payload is channel-major.
 
 Integer tensors (labels, token ids) are not compressed: ``labels_to_proto`` and
 ``labels_from_proto`` carry them as little-endian int64 with ``codec = CODEC_UNSPECIFIED`` (the
@@ -39,6 +46,17 @@ import torch
 from google.protobuf.internal import api_implementation
 
 from fedpipe.proto import stage_pb2 as pb
+from fedpipe.transport import lowbit
+from fedpipe.transport.codec_names import (
+    CODECS,
+    GROUP_SIZES,
+    LOW_BIT,
+    check_codec,
+    codec_base,
+    codec_group,
+    codec_name,
+    codec_token_groups,
+)
 
 __all__ = [
     "CODECS",
@@ -46,6 +64,7 @@ __all__ = [
     "TensorFormatError",
     "bytes_per_value",
     "codec_from_proto",
+    "decode_wire",
     "codec_to_proto",
     "encoded_nbytes",
     "payload_nbytes",
@@ -60,7 +79,6 @@ __all__ = [
 if sys.byteorder != "little":  # the wire is little-endian and the codec reinterprets bytes in place
     raise ImportError("fedpipe.transport.codec supports little-endian hosts only")
 
-CODECS: tuple[str, ...] = ("fp32", "bf16", "fp16", "int8")
 MAX_NDIM = 64  # more dimensions than any real activation; bounds work spent on hostile shapes
 # Bound on the product of a shape's dims with zeros counted as ones: torch computes strides that
 # way even for empty tensors and overflows int64 on hostile shapes such as (2**62, 2**62, 0).
@@ -71,6 +89,8 @@ _TO_PROTO: dict[str, pb.Codec] = {
     "bf16": pb.BF16,
     "fp16": pb.FP16,
     "int8": pb.INT8,
+    "int4": pb.INT4,
+    "int2": pb.INT2,
 }
 _FROM_PROTO: dict[int, str] = {v: k for k, v in _TO_PROTO.items()}
 _WIRE_DTYPE: dict[str, torch.dtype] = {
@@ -78,9 +98,12 @@ _WIRE_DTYPE: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
     "fp16": torch.float16,
     "int8": torch.int8,
+    "int4": torch.uint8,  # packed: two values per byte
+    "int2": torch.uint8,  # packed: four values per byte
 }
 _LABEL_DTYPE = torch.int64
 _SCALE_BYTES = 4  # one fp32 scale per int8 row
+_GROUP_META_BYTES = 8  # low-bit codecs: one fp32 scale and one fp32 offset per group
 _INT8_MAX = 127.0
 # upb (protobuf >= 4.21's default) returns a new bytes object on every read of a bytes field, so
 # a decoded tensor may wrap it; the C++ and pure-Python runtimes return the message's own object.
@@ -95,18 +118,16 @@ class TensorFormatError(ValueError):
 
 
 def _check_codec(codec: str) -> str:
-    if codec not in _TO_PROTO:
-        raise ValueError(f"unknown codec {codec!r}; choose one of {', '.join(CODECS)}")
-    return codec
+    return check_codec(codec)
 
 
 def codec_to_proto(name: str) -> pb.Codec:
-    """The ``fedpipe.proto.Codec`` value of a codec name such as ``"bf16"``."""
-    return _TO_PROTO[_check_codec(name)]
+    """The ``fedpipe.proto.Codec`` value of a codec name such as ``"bf16"`` or ``"int4g128"``."""
+    return _TO_PROTO[codec_base(name)]
 
 
 def codec_from_proto(value: int) -> str:
-    """The codec name of a ``fedpipe.proto.Codec`` value received from a peer."""
+    """The base codec name (``int4``, not ``int4g128``) of a ``Codec`` value from a peer."""
     name = _FROM_PROTO.get(value)
     if name is None:
         raise TensorFormatError(
@@ -123,15 +144,22 @@ def _codec_label(value: int) -> str:
         return f"<unknown> ({value})"
 
 
-def bytes_per_value(codec: str) -> int:
-    """Payload bytes per tensor element under ``codec`` (int8's per-row scales not included)."""
-    return _WIRE_DTYPE[_check_codec(codec)].itemsize
+def bytes_per_value(codec: str) -> float:
+    """Payload bytes per tensor element under ``codec`` (scales and offsets not included)."""
+    base = codec_base(codec)
+    if base in LOW_BIT:
+        return LOW_BIT[base] / 8
+    return _WIRE_DTYPE[base].itemsize
 
 
 def encoded_nbytes(shape: Sequence[int], codec: str) -> int:
     """Payload bytes (``data`` plus ``scales``) of a tensor of ``shape`` encoded with ``codec``."""
-    nbytes = math.prod(shape) * bytes_per_value(codec)
-    if codec == "int8":
+    numel, base = math.prod(shape), codec_base(codec)
+    if base in LOW_BIT:
+        groups = lowbit.num_groups(numel, codec_group(codec))
+        return lowbit.packed_nbytes(numel, LOW_BIT[base]) + groups * _GROUP_META_BYTES
+    nbytes = numel * _WIRE_DTYPE[base].itemsize
+    if base == "int8":
         nbytes += _num_rows(shape) * _SCALE_BYTES
     return nbytes
 
@@ -146,6 +174,8 @@ def payload_nbytes(msg: pb.Tensor) -> int:
     if msg.codec == pb.CODEC_UNSPECIFIED:
         return math.prod(shape) * _LABEL_DTYPE.itemsize
     codec = _FROM_PROTO.get(msg.codec)
+    if codec in LOW_BIT and msg.group_size in GROUP_SIZES:
+        return encoded_nbytes(shape, codec_name(codec, msg.group_size))
     return encoded_nbytes(shape, codec) if codec else math.prod(shape) * 4
 
 
@@ -169,26 +199,57 @@ def tensor_to_proto(t: torch.Tensor, codec: str, *, out: pb.Tensor | None = None
     return msg
 
 
-def tensor_to_wire(t: torch.Tensor, codec: str, meta: pb.Tensor) -> torch.Tensor:
-    """Fill ``meta``'s codec, shape and (int8) scales; return the values ``data`` must hold.
+def tensor_to_wire(
+    t: torch.Tensor,
+    codec: str,
+    meta: pb.Tensor,
+    *,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Fill ``meta``'s codec, shape and scales; return the values ``data`` must hold.
 
     The returned tensor is contiguous, on the CPU, in the codec's wire dtype: its raw bytes
     (see :func:`wire_buffer`) are the ``data`` field, so a framer can copy them only once.
+    ``generator`` (on ``t``'s device) makes the low-bit codecs round stochastically.
     """
-    _check_codec(codec)
+    base = codec_base(codec)
     if not t.is_floating_point():
         raise TypeError(
             f"tensor_to_proto encodes float tensors, got {t.dtype}; "
             "send integer tensors (labels, token ids) with labels_to_proto"
         )
     t = t.detach()
-    meta.codec = _TO_PROTO[codec]
+    meta.codec = _TO_PROTO[base]
     meta.shape[:] = t.shape
-    if codec == "int8":
+    if base == "int8":
         q, scales = _quantize_int8(t)
         meta.scales = _to_bytes(scales)
         return q.contiguous().cpu()
-    return t.to(_WIRE_DTYPE[codec]).contiguous().cpu()
+    if base in LOW_BIT:
+        group, by_token = codec_group(codec), codec_token_groups(codec)
+        values = _channel_major(t) if by_token else t
+        packed, scales, offsets = lowbit.quantize(values, LOW_BIT[base], group, generator=generator)
+        meta.group_size = group
+        meta.token_groups = by_token
+        meta.scales = _to_bytes(torch.cat([scales, offsets]))
+        return packed.cpu()
+    return t.to(_WIRE_DTYPE[base]).contiguous().cpu()
+
+
+def _channel_major(t: torch.Tensor) -> torch.Tensor:
+    """``t`` viewed as (rows, channels), transposed: (channels, rows), not yet contiguous."""
+    channels = t.shape[-1] if t.dim() > 0 else 1
+    return t.reshape(-1, channels).t() if channels > 0 else t
+
+
+def decode_wire(meta: pb.Tensor, wire: torch.Tensor) -> torch.Tensor:
+    """What the receiver decodes from ``meta`` and ``wire`` (from :func:`tensor_to_wire`), fp32.
+
+    The sender's own copy of the receiver's view, bit for bit (the same code on the same
+    bytes): error feedback and delta coding keep their state from it. Never aliases ``wire``.
+    """
+    out = tensor_from_proto(meta, data=wire_buffer(wire), name="sent tensor")
+    return out.clone() if out.data_ptr() == wire.data_ptr() else out
 
 
 def wire_buffer(t: torch.Tensor) -> memoryview:
@@ -265,7 +326,14 @@ def tensor_from_proto(
     scales = msg.scales  # each read of a bytes field copies it: read once
     if data is None:
         data = msg.data
-    _check_nbytes(name, "data", len(data), numel * bytes_per_value(codec), shape, codec)
+    if codec in LOW_BIT:
+        return _check_finite(_decode_low_bit(msg, data, scales, shape, dtype, name), name)
+    if msg.group_size or msg.token_groups:
+        raise TensorFormatError(
+            f"{name}: codec {codec.upper()} has no groups, got group_size {msg.group_size} "
+            f"and token_groups {msg.token_groups}"
+        )
+    _check_nbytes(name, "data", len(data), numel * _WIRE_DTYPE[codec].itemsize, shape, codec)
     if codec == "int8":
         rows = _num_rows(shape)
         _check_nbytes(name, "scales", len(scales), rows * _SCALE_BYTES, shape, codec)
@@ -384,3 +452,35 @@ def _dequantize_int8(
     q = _from_bytes(data, torch.int8, shape).reshape(_num_rows(shape), -1)  # (rows, last)
     s = _from_bytes(scales, torch.float32, (_num_rows(shape),))  # (rows,)
     return q.to(torch.float32).mul_(s[:, None]).reshape(shape).to(dtype)
+
+
+def _decode_low_bit(
+    msg: pb.Tensor,
+    data: bytes | memoryview,
+    scales: bytes,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    name: str,
+) -> torch.Tensor:
+    """Check an int4/int2 message's group size and byte counts, then unpack and scale it."""
+    base = _FROM_PROTO[msg.codec]
+    group = msg.group_size
+    if group not in GROUP_SIZES:
+        raise TensorFormatError(
+            f"{name}: {base.upper()} group_size {group} is not one of "
+            f"{', '.join(map(str, GROUP_SIZES))}"
+        )
+    codec = codec_name(base, group, msg.token_groups)
+    bits, numel = LOW_BIT[base], math.prod(shape)
+    groups = lowbit.num_groups(numel, group)
+    _check_nbytes(name, "data", len(data), lowbit.packed_nbytes(numel, bits), shape, codec)
+    _check_nbytes(name, "scales", len(scales), groups * _GROUP_META_BYTES, shape, codec)
+    if numel == 0:
+        return torch.zeros(shape, dtype=dtype)
+    packed = _from_bytes(data, torch.uint8, (len(data),))
+    meta = _from_bytes(scales, torch.float32, (2 * groups,))  # scales, then offsets
+    values = lowbit.dequantize(packed, meta[:groups], meta[groups:], bits, group, numel)
+    if msg.token_groups:  # channel-major on the wire: back to (rows, channels)
+        channels = shape[-1] if shape else 1
+        values = values.view(channels, -1).t()
+    return values.reshape(shape).to(dtype).contiguous()

@@ -75,6 +75,7 @@ def msg_to_proto(msg: StageMsg, *, session_id: str, codec: str) -> pb.StageMessa
         error=msg.error,
         compute_s=msg.compute_s,
         forward_only=msg.forward_only,
+        sample_keys=msg.sample_keys,
     )
     if msg.tensor is not None:  # filled in place: CopyFrom would copy the payload again
         tensor_to_proto(msg.tensor, codec, out=out.tensor)
@@ -95,6 +96,8 @@ def wire_nbytes(raw: pb.StageMessage) -> int:
         size += payload_nbytes(raw.tensor)
     if raw.HasField("labels"):
         size += payload_nbytes(raw.labels)
+    if raw.sample_keys:  # packed fixed64: a tag, a length, 8 bytes a key
+        size += 3 + 8 * len(raw.sample_keys)
     return size
 
 
@@ -139,7 +142,10 @@ def msg_from_proto(
         compute_s=raw.compute_s,
         forward_only=raw.forward_only,
         wire_bytes=wire_bytes or wire_nbytes(raw),
+        sample_keys=tuple(raw.sample_keys),
     )
+    if raw.sample_keys:
+        _check_sample_keys(raw, kind)
     if raw.HasField("tensor"):
         msg.tensor = tensor_from_proto(
             raw.tensor,
@@ -155,6 +161,17 @@ def msg_from_proto(
         if bounds is not None and bounds.vocab_size > 0:
             _check_label_values(msg.labels, bounds.vocab_size, kind, raw)
     return msg
+
+
+def _check_sample_keys(raw: pb.StageMessage, kind: Kind) -> None:
+    """Delta coding's keys: only on an ACTIVATION, one per row of its tensor."""
+    rows = raw.tensor.shape[0] if raw.HasField("tensor") and raw.tensor.shape else None
+    if kind is not Kind.ACTIVATION or rows != len(raw.sample_keys):
+        raise TensorFormatError(
+            f"{kind.name} (step {raw.step}, microbatch {raw.microbatch}): "
+            f"{len(raw.sample_keys)} sample keys; they go only with an ACTIVATION, one per row "
+            f"of its tensor ({rows} rows here)"
+        )
 
 
 def _check_bounds(raw: pb.StageMessage, kind: Kind, bounds: MessageBounds) -> None:
@@ -274,14 +291,27 @@ def _fields(buf: memoryview, pos: int, end: int) -> list[tuple[int, int, int, in
     return out
 
 
-def msg_to_wire(msg: StageMsg, *, session_id: str, codec: str) -> bytes:
-    """``msg`` as the bytes of its StageMessage, the float tensor copied once, into the frame."""
+def msg_to_wire(
+    msg: StageMsg,
+    *,
+    session_id: str,
+    codec: str,
+    encoded: tuple[pb.Tensor, torch.Tensor] | None = None,
+) -> bytes:
+    """``msg`` as the bytes of its StageMessage, the float tensor copied once, into the frame.
+
+    ``encoded`` is the tensor already encoded (``tensor_to_wire``'s meta and wire values), for
+    senders that keep state from what they sent (error feedback, delta coding).
+    """
     tensor = msg.tensor
-    head = msg_to_proto(replace(msg, tensor=None), session_id=session_id, codec=codec)
+    head = msg_to_proto(replace(msg, tensor=None, inputs=None), session_id=session_id, codec=codec)
     if tensor is None:
         return head.SerializeToString()
-    meta = pb.Tensor()
-    view = wire_buffer(tensor_to_wire(tensor, codec, meta))  # meta: all fields but data
+    if encoded is None:
+        meta = pb.Tensor()
+        encoded = meta, tensor_to_wire(tensor, codec, meta)  # meta: all fields but data
+    meta, values = encoded
+    view = wire_buffer(values)
     meta_bytes = meta.SerializeToString()
     data_key = _varint(_DATA_FIELD << 3 | _LEN) + _varint(len(view))
     body_len = len(meta_bytes) + len(data_key) + len(view)

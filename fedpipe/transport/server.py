@@ -31,7 +31,8 @@ from fedpipe.split.agreement import check_agreement
 from fedpipe.transport.client import SESSION_HEADER, channel_options
 from fedpipe.transport.codec import codec_from_proto
 from fedpipe.transport.errors import status_for
-from fedpipe.transport.serde import MessageBounds, codec_for, msg_from_wire, msg_to_wire
+from fedpipe.transport.serde import MessageBounds
+from fedpipe.transport.stream_codec import StreamCodecs, StreamDecoder, StreamEncoder
 
 __all__ = ["SplitInfo", "StageServer"]
 
@@ -44,6 +45,7 @@ ControlAuth = Callable[[str, bytes, Sequence[tuple[str, str | bytes]]], None]
 _POLL_S = 1.0  # how often a waiting reply loop checks that its RPC is still alive
 _UNARY_THREADS = 16  # gRPC threads kept free of streams: health, sessions and control
 MAX_ECHOES = 64  # link probes (ECHO) one stream may send: they bypass the pending limits
+_MAX_STREAM_OPTIONS = 4096  # sessions whose stream options are kept (oldest dropped first)
 
 
 @dataclass(frozen=True)
@@ -116,13 +118,19 @@ class _LinkServicer(pb_grpc.StageLinkServicer):
         authenticate: Authenticator | None,
         max_message_bytes: int,
         max_streams: int,
+        max_delta_cache_bytes: int = 0,
     ) -> None:
         self.runtime = runtime
         self.split = split
         self.rounds = rounds
         self.authenticate = authenticate
         self.max_message_bytes = max_message_bytes
+        self.max_delta_cache_bytes = max_delta_cache_bytes
         self.slots = _StreamSlots(max_streams)
+        # session id -> (error feedback, delta cache bytes), as OpenSession asked: the
+        # transport's own per-session options, which the runtime need not know.
+        self._stream_options: dict[str, tuple[bool, int]] = {}
+        self._options_lock = threading.Lock()
 
     def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.ServicerContext):  # noqa: N802
         try:
@@ -148,6 +156,7 @@ class _LinkServicer(pb_grpc.StageLinkServicer):
             )
             codec = codec_from_proto(request.downlink_codec or pb.FP32)
             grad_codec = codec_from_proto(request.gradient_codec) if request.gradient_codec else ""
+            _check_delta_cache(request.delta_cache_bytes, self.max_delta_cache_bytes)
             session_id = self.runtime.open_session(
                 request.device_id,
                 request.round,
@@ -160,13 +169,26 @@ class _LinkServicer(pb_grpc.StageLinkServicer):
             )
         except Exception as exc:
             context.abort(status_for(exc), str(exc))
+        self._keep_options(session_id, request.error_feedback, request.delta_cache_bytes)
         return pb.OpenSessionReply(
             session_id=session_id,
             split=self.split.to_proto(),
             max_message_bytes=self.max_message_bytes,
         )
 
+    def _keep_options(self, session_id: str, error_feedback: bool, delta_bytes: int) -> None:
+        with self._options_lock:
+            self._stream_options[session_id] = (error_feedback, delta_bytes)
+            while len(self._stream_options) > _MAX_STREAM_OPTIONS:
+                del self._stream_options[next(iter(self._stream_options))]
+
+    def _options(self, session_id: str) -> tuple[bool, int]:
+        with self._options_lock:
+            return self._stream_options.get(session_id, (False, 0))
+
     def CloseSession(self, request: pb.CloseSessionRequest, context: grpc.ServicerContext):  # noqa: N802
+        with self._options_lock:
+            self._stream_options.pop(request.session_id, None)
         try:
             steps = self.runtime.close_session(request.session_id)
         except Exception as exc:
@@ -201,14 +223,22 @@ class _LinkServicer(pb_grpc.StageLinkServicer):
             max_tokens=info.seq_len,
             vocab_size=self.split.vocab_size if self.split.mode == "two" else 0,
         )
+        codec, grad_codec = info.codecs
+        error_feedback, delta_bytes = self._options(session_id)
+        # Per stream: the device's stream lives as long as its session, and so does this state.
+        encoder = StreamEncoder(
+            StreamCodecs(codec, grad_codec, error_feedback=error_feedback), session_id=session_id
+        )
+        decoder = StreamDecoder(
+            delta_cache_bytes=delta_bytes, bounds=bounds, max_elements=self.max_message_bytes
+        )
         reader = threading.Thread(
             target=self._read,
-            args=(handle, request_iterator, bounds),
+            args=(handle, request_iterator, decoder),
             name=f"stage-read-{session_id[:8]}",
             daemon=True,
         )
         reader.start()
-        codec, grad_codec = info.codecs
         try:
             while (item := handle.next_reply(timeout=_POLL_S)) is not END:
                 if isinstance(item, _Gone) or (item is None and not context.is_active()):
@@ -218,19 +248,19 @@ class _LinkServicer(pb_grpc.StageLinkServicer):
                 if isinstance(item, BaseException):
                     context.abort(status_for(item), str(item))
                 assert isinstance(item, StageMsg)
-                kind_codec = codec_for(item.kind, codec, grad_codec)
-                yield msg_to_wire(item, session_id=session_id, codec=kind_codec)
+                yield encoder.encode(item)
         finally:
             handle.close()
 
-    def _read(self, handle: StreamHandle, requests, bounds: MessageBounds) -> None:  # type: ignore[no-untyped-def]
+    def _read(self, handle: StreamHandle, requests, decoder: StreamDecoder) -> None:  # type: ignore[no-untyped-def]
         echoes = 0
         try:
             for raw in requests:
-                msg = msg_from_wire(raw, bounds=bounds, max_elements=self.max_message_bytes)
+                msg = decoder.decode(raw)
                 if msg.kind is Kind.ECHO:
                     echoes += 1
-                    _echo(handle, msg, bounds, echoes)
+                    assert decoder.bounds is not None  # Exchange always decodes with bounds
+                    _echo(handle, msg, decoder.bounds, echoes)
                     continue
                 handle.submit(msg)
         except grpc.RpcError:
@@ -256,6 +286,16 @@ def _echo(handle: StreamHandle, msg: StageMsg, bounds: MessageBounds, count: int
     if msg.tokens > 0:
         reply.tensor = torch.zeros(msg.tokens, bounds.max_tokens, bounds.hidden_size)
     handle._end(reply)  # StreamHandle's queue of replies; nbytes -1: no pending slot
+
+
+def _check_delta_cache(requested: int, limit: int) -> None:
+    """Refuse a delta cache this server will not hold for a session."""
+    if not 0 <= requested <= limit:
+        raise InvalidRequestError(
+            f"delta_cache_bytes {requested} is outside [0, {limit}] (this StageServer's "
+            "server.max_delta_cache_mb per session); set pipeline.delta_cache_mb lower, or "
+            "pipeline.delta = false"
+        )
 
 
 def _add_link_servicer(servicer: pb_grpc.StageLinkServicer, server: grpc.Server) -> None:
@@ -405,6 +445,7 @@ class StageServer:
         tls: tuple[bytes, bytes] | None = None,
         client_ca: bytes | None = None,
         max_streams: int = 64,
+        max_delta_cache_bytes: int = 256 * 2**20,
     ) -> None:
         self.runtime = runtime
         self.split = split
@@ -424,7 +465,13 @@ class StageServer:
             options=options,
         )
         self._link = _LinkServicer(
-            runtime, split, self.rounds, authenticate, max_message_bytes, max_streams
+            runtime,
+            split,
+            self.rounds,
+            authenticate,
+            max_message_bytes,
+            max_streams,
+            max_delta_cache_bytes,
         )
         _add_link_servicer(self._link, self._server)
         pb_grpc.add_StageControlServicer_to_server(

@@ -36,3 +36,18 @@ def test_codec_rows_on_a_real_head_output() -> None:
 def test_a_batch_larger_than_the_corpus_gives_a_clear_error() -> None:
     with pytest.raises(ValueError, match="lower --batch or --seq-len"):
         _bench().head_output("tiny-llama", 1, 10**6, 512)
+
+
+def test_output_gradient_and_step_rows_on_a_real_backward() -> None:
+    bench = _bench()
+    m = bench.load_split("tiny-llama", 1, 2, 16)
+    loss, grad = bench.output_gradient(m, m.ids)
+    assert grad.shape == (2, 16, 64) and loss > 0 and grad.abs().max() > 0
+    rows = {r["codec"]: r for r in bench.codec_rows(grad, 1, ("fp32", "int4", "int2"))}
+    assert rows["fp32"]["rms_err_rel"] == 0.0
+    assert 0 < rows["int4"]["rms_err_rel"] < rows["int2"]["rms_err_rel"] < 1
+    assert rows["int4"]["bytes_per_value"] == 0.625  # 4 bits + 64 bits of scale per 64 values
+    step = {r["codec"]: r for r in bench.step_rows(m, m.ids, ("fp32", "bf16", "int2"))}
+    assert step["fp32"]["loss_rel_diff"] == 0.0
+    assert abs(step["bf16"]["loss_rel_diff"]) < 1e-2 and step["bf16"]["input_grad_cos"] > 0.99
+    assert step["int2"]["input_grad_rel_err"] > step["bf16"]["input_grad_rel_err"]

@@ -21,6 +21,7 @@ from fedpipe.transport.codec import (
     encoded_nbytes,
     labels_from_proto,
     labels_to_proto,
+    payload_nbytes,
     tensor_from_proto,
     tensor_to_proto,
 )
@@ -48,11 +49,27 @@ def _assert_within_bound(x: torch.Tensor, y: torch.Tensor, codec: str) -> None:
         assert (err <= 2**-11 * x.abs() + 2**-25).all()  # + subnormal spacing below 6.1e-5
     elif x.numel() == 0:
         assert y.shape == x.shape
+    elif codec in ("int4", "int2"):
+        _assert_group_bound(x, y, bits=4 if codec == "int4" else 2, group=64)
     else:
         rows = x.reshape(-1, x.shape[-1] if x.dim() else 1)
         bound = 0.5 * rows.abs().amax(dim=1, keepdim=True) / 127
         # fp32 arithmetic in quantize and dequantize adds a few ulps on top of the bound.
         assert (err.reshape(rows.shape) <= bound * (1 + 1e-5) + 1e-30).all()
+
+
+def _assert_group_bound(
+    x: torch.Tensor, y: torch.Tensor, *, bits: int, group: int, stochastic: bool = False
+) -> None:
+    """|y - x| <= s / 2 (s < for stochastic rounding) per group of ``group`` row-major values."""
+    flat, err = x.reshape(-1).float(), (y - x).reshape(-1).abs()
+    for start in range(0, flat.numel(), group):
+        part = flat[start : start + group]
+        s = float(part.max() - part.min()) / (2**bits - 1)
+        bound = s if stochastic else s / 2
+        # fp32 arithmetic adds a few ulps of the group's magnitude on top of the bound.
+        slack = 4e-7 * float(part.abs().max()) + 1e-30
+        assert float(err[start : start + group].max()) <= bound * (1 + 1e-5) + slack
 
 
 @pytest.mark.parametrize("codec", CODECS)
@@ -147,7 +164,7 @@ def test_rejects_non_float_types() -> None:
         tensor_to_proto(torch.arange(4), "fp32")
     with pytest.raises(TypeError, match="float dtype"):
         tensor_from_proto(tensor_to_proto(torch.ones(1), "fp32"), dtype=torch.int64)
-    with pytest.raises(ValueError, match="choose one of fp32, bf16, fp16, int8"):
+    with pytest.raises(ValueError, match="choose one of fp32, bf16, fp16, int8, int4, int2"):
         tensor_to_proto(torch.ones(1), "fp8")
 
 
@@ -159,11 +176,15 @@ def test_encoded_nbytes_matches_payload(shape: tuple[int, ...], codec: str) -> N
 
 
 def test_codec_names() -> None:
-    assert [bytes_per_value(c) for c in CODECS] == [4, 2, 2, 1]
-    assert [codec_to_proto(c) for c in CODECS] == [pb.FP32, pb.BF16, pb.FP16, pb.INT8]
+    assert [bytes_per_value(c) for c in CODECS] == [4, 2, 2, 1, 0.5, 0.25]
+    protos = [pb.FP32, pb.BF16, pb.FP16, pb.INT8, pb.INT4, pb.INT2]
+    assert [codec_to_proto(c) for c in CODECS] == protos
     assert [codec_from_proto(codec_to_proto(c)) for c in CODECS] == list(CODECS)
-    with pytest.raises(ValueError, match="unknown codec 'int4'"):
-        codec_to_proto("int4")
+    assert codec_to_proto("int4g128") == pb.INT4 and bytes_per_value("int2g16") == 0.25
+    assert codec_to_proto("int2tg16") == pb.INT2
+    for bad in ("int3", "int4g48", "int4g064", "int8g64", "INT4", "int8t", "int4gt16", "int4tg"):
+        with pytest.raises(ValueError, match=rf"unknown codec '{bad}'.*e.g. int4t, int4g128"):
+            codec_to_proto(bad)
     for bad in (pb.CODEC_UNSPECIFIED, 99):
         with pytest.raises(TensorFormatError, match=rf"\({bad}\) is not a tensor codec"):
             codec_from_proto(bad)
@@ -258,7 +279,9 @@ _dim = st.one_of(st.integers(-2, 6), st.integers(0, 2**40), _int64, st.just(2**6
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    codec=st.one_of(st.sampled_from([0, 1, 2, 3, 4]), st.integers(-(2**31), 2**31 - 1)),
+    codec=st.one_of(st.sampled_from([0, 1, 2, 3, 4, 5, 6]), st.integers(-(2**31), 2**31 - 1)),
+    group_size=st.sampled_from([0, 16, 64, 3]),
+    token_groups=st.booleans(),
     shape=st.lists(_dim, max_size=5) | st.lists(st.integers(0, 1), max_size=MAX_NDIM + 3),
     data=st.binary(max_size=200) | st.just(b""),
     scales=st.binary(max_size=40),
@@ -274,8 +297,17 @@ def test_fuzz_only_tensor_format_errors(
     expect_shape: list[int | None] | None,
     max_elements: int | None,
     dtype: torch.dtype,
+    group_size: int,
+    token_groups: bool,
 ) -> None:
-    msg = pb.Tensor(codec=codec, shape=shape, data=data, scales=scales)
+    msg = pb.Tensor(
+        codec=codec,
+        shape=shape,
+        data=data,
+        scales=scales,
+        group_size=group_size,
+        token_groups=token_groups,
+    )
     try:
         y = tensor_from_proto(
             msg, expect_shape=expect_shape, dtype=dtype, max_elements=max_elements
@@ -283,7 +315,7 @@ def test_fuzz_only_tensor_format_errors(
     except TensorFormatError:
         return
     assert tuple(y.shape) == tuple(shape) and y.dtype == dtype and y.is_contiguous()
-    assert math.prod(shape) * bytes_per_value(codec_from_proto(codec)) == len(data)
+    assert payload_nbytes(msg) == len(data) + len(scales)
 
 
 @settings(max_examples=100, deadline=None)

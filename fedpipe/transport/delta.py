@@ -1,0 +1,191 @@
+"""Delta coding of activations against what was sent for the same sample last time (AQ-SGD).
+
+A device that trains on a sample again (a new epoch over its partition, or a sampler that
+draws a block twice) sends, for that row of an ``ACTIVATION``, the difference between the
+head's output now and the value the server decoded for the same sample last time. The head
+changes slowly, so the difference is small and its quantisation error is small: at the same
+bits per value the server sees the activation more precisely (Wang et al., "Fine-tuning
+language models over slow networks using activation compression with guarantees", 2022).
+
+- **Sample key.** One per row: a 63-bit BLAKE2b hash of the row's token ids, keyed with a
+  random salt that never leaves the device. Both sides agree on it because the device sends
+  it (``StageMessage.sample_keys``); the server learns only that two rows hold the same
+  sample, never the tokens, and a key from one session means nothing in another.
+- **Mirrored caches.** Sender and receiver each keep a :class:`DeltaCache` of the last
+  decoded value per key, with the same byte cap, and apply the same puts in the same order
+  (a session's stream delivers its messages in order), so they evict the same rows and hold
+  the same bases. A row is sent as a difference (its key's bit 63 set) only if the sender
+  holds a base for its key with the row's shape; otherwise it is sent whole. The receiver
+  refuses a difference whose base it lacks (``TensorFormatError``), so a broken mirror is
+  loud, never silent.
+- **Identical reconstruction.** Both sides rebuild the row as ``decoded + base`` with the same
+  code on the same bytes (the sender decodes its own message, see ``decode_wire``), so the
+  caches stay bit-identical and quantisation errors do not pile up from one epoch to the
+  next: each send corrects the base by the new difference.
+- **Lifetime.** One session: the caches start empty when the stream opens and are dropped
+  with it, so a device gains when it sees a sample again within a session (several local
+  epochs in a round). A new session (each round) starts with full sends.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from fedpipe.pipeline.messages import StageMsg
+from fedpipe.transport.codec import TensorFormatError
+
+__all__ = ["DELTA_BIT", "DeltaCache", "DeltaDecoder", "DeltaEncoder", "DeltaPlan"]
+
+DELTA_BIT = 1 << 63  # set in a sample key: the row is a difference from the key's base
+_KEY_MASK = DELTA_BIT - 1
+
+
+class DeltaCache:
+    """Last decoded row per sample key, at most ``max_bytes``; the oldest put goes first.
+
+    ``get`` has no side effect (no reordering), so the two mirrored caches need only see
+    the same ``put`` calls in the same order to stay identical.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        if max_bytes < 0:
+            raise ValueError(f"a delta cache holds >= 0 bytes, got {max_bytes}")
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self._rows: OrderedDict[int, torch.Tensor] = OrderedDict()
+
+    def get(self, key: int) -> torch.Tensor | None:
+        return self._rows.get(key)
+
+    def put(self, key: int, row: torch.Tensor) -> None:
+        """Store ``row`` (owned by the cache from now on) as ``key``'s newest value."""
+        old = self._rows.pop(key, None)
+        if old is not None:
+            self.nbytes -= _nbytes(old)
+        size = _nbytes(row)
+        if size > self.max_bytes:
+            return  # larger than the whole cache: never stored, on either side
+        self._rows[key] = row
+        self.nbytes += size
+        while self.nbytes > self.max_bytes:
+            _, evicted = self._rows.popitem(last=False)
+            self.nbytes -= _nbytes(evicted)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __contains__(self, key: int) -> bool:
+        return key in self._rows
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@dataclass
+class DeltaPlan:
+    """One message's rows: their keys, and the bases of the rows sent as differences."""
+
+    keys: list[int]
+    bases: dict[int, torch.Tensor] = field(default_factory=dict)  # row -> base
+
+    @property
+    def wire_keys(self) -> tuple[int, ...]:
+        return tuple(k | DELTA_BIT if i in self.bases else k for i, k in enumerate(self.keys))
+
+
+def _rebuild(decoded: torch.Tensor, plan: DeltaPlan, cache: DeltaCache) -> torch.Tensor:
+    """``decoded`` with each difference row's base added back, in place; stores every row."""
+    for row, base in plan.bases.items():
+        decoded[row].add_(base)
+    for row, key in enumerate(plan.keys):
+        cache.put(key, decoded[row].clone())  # a copy: the batch tensor is not pinned
+    return decoded
+
+
+class DeltaEncoder:
+    """The device's side: chooses differences, and mirrors the server's cache."""
+
+    def __init__(self, max_bytes: int, *, salt: bytes | None = None) -> None:
+        self.cache = DeltaCache(max_bytes)
+        self._salt = salt if salt is not None else os.urandom(16)
+        self.rows_delta = 0  # rows sent as differences (cache hits)
+        self.rows_whole = 0  # rows sent whole (misses)
+
+    def keys_for(self, inputs: torch.Tensor) -> list[int]:
+        """One salted 63-bit key per row of ``inputs`` (token ids, (b, T))."""
+        rows = inputs.detach().to(torch.int64).cpu().contiguous()
+        return [
+            int.from_bytes(
+                hashlib.blake2b(row.numpy().tobytes(), key=self._salt, digest_size=8).digest(),
+                "little",
+            )
+            & _KEY_MASK
+            for row in rows
+        ]
+
+    def prepare(self, x: torch.Tensor, inputs: torch.Tensor) -> tuple[torch.Tensor, DeltaPlan]:
+        """(what to encode, the plan): rows with a base become their difference from it."""
+        if inputs.shape[0] != x.shape[0]:
+            raise ValueError(
+                f"delta coding needs one row of token ids per activation row: got "
+                f"{inputs.shape[0]} rows of ids for an activation of shape {tuple(x.shape)}"
+            )
+        plan = DeltaPlan(self.keys_for(inputs))
+        x = x.detach().to(torch.float32).cpu()
+        for row, key in enumerate(plan.keys):
+            base = self.cache.get(key)
+            if base is not None and base.shape == x.shape[1:]:
+                plan.bases[row] = base
+        self.rows_delta += len(plan.bases)
+        self.rows_whole += len(plan.keys) - len(plan.bases)
+        if not plan.bases:
+            return x, plan
+        x = x.clone()
+        for row, base in plan.bases.items():
+            x[row].sub_(base)
+        return x, plan
+
+    def commit(self, plan: DeltaPlan, decoded: torch.Tensor) -> torch.Tensor:
+        """Store what the receiver rebuilds from ``decoded`` (the sender's decode of its send)."""
+        return _rebuild(decoded, plan, self.cache)
+
+
+class DeltaDecoder:
+    """The server's side: rebuilds rows sent as differences, and mirrors the device's cache."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.cache = DeltaCache(max_bytes)
+
+    def apply(self, msg: StageMsg) -> None:
+        """Replace ``msg.tensor`` by the rebuilt activation (a no-op without sample keys)."""
+        if not msg.sample_keys or msg.tensor is None:
+            return
+        t = msg.tensor
+        if len(msg.sample_keys) != t.shape[0]:
+            raise TensorFormatError(
+                f"{msg}: {len(msg.sample_keys)} sample keys for {t.shape[0]} rows; "
+                "send one key per row"
+            )
+        plan = DeltaPlan([k & _KEY_MASK for k in msg.sample_keys])
+        for row, wire_key in enumerate(msg.sample_keys):
+            if wire_key & DELTA_BIT:
+                plan.bases[row] = self._base(msg, row, plan.keys[row], tuple(t.shape[1:]))
+        msg.tensor = _rebuild(t.to(torch.float32), plan, self.cache)
+
+    def _base(self, msg: StageMsg, row: int, key: int, shape: tuple[int, ...]) -> torch.Tensor:
+        base = self.cache.get(key)
+        if base is None or tuple(base.shape) != shape:
+            held = "none" if base is None else f"one of shape {tuple(base.shape)}"
+            raise TensorFormatError(
+                f"{msg}: row {row} is a difference from sample {key:#x}, but this side holds "
+                f"{held} (cache of {self.cache.max_bytes} bytes, {len(self.cache)} samples): "
+                "the two sides' delta caches disagree; open the session with the same "
+                "delta_cache_bytes on both sides"
+            )
+        return base
