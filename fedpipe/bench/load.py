@@ -33,6 +33,7 @@ from typing import Any
 import grpc
 import torch
 
+from fedpipe.federated.processes import with_parent_death_signal
 from fedpipe.pipeline.messages import Kind, StageMsg
 from fedpipe.proto import stage_pb2 as pb
 from fedpipe.proto import stage_pb2_grpc as pb_grpc
@@ -125,8 +126,8 @@ class ServerProcess:
     ) -> None:
         spec = {"max_sessions": max_sessions, "overrides": overrides or {}, "cpus": cpus or []}
         code = f"from fedpipe.bench.load import _serve; _serve({json.dumps(spec)!r}, probe={probe})"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", code],
+        self.proc = subprocess.Popen(  # it dies with the bench, even one killed by SIGKILL
+            with_parent_death_signal([sys.executable, "-c", code]),
             stdout=subprocess.PIPE,
             stdin=subprocess.PIPE if probe else None,
             text=True,

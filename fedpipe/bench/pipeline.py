@@ -52,6 +52,7 @@ from fedpipe.bench.bound import (
 )
 from fedpipe.config import FedpipeConfig
 from fedpipe.device import DeviceTrainer
+from fedpipe.federated.processes import with_parent_death_signal
 from fedpipe.link import LinkProfile, parse_link
 from fedpipe.pipeline.device_runtime import DeviceRuntime, StageChannel
 from fedpipe.pipeline.messages import Kind, StageMsg
@@ -114,7 +115,10 @@ def _start_server(
     if len(cpus) >= 2:
         cmd += ["--cpu", str(cpus[1])]
     log_path = workdir / "server.log"
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log_path.open("wb"))
+    # The server dies with the bench, even one killed by SIGKILL or Ctrl-C mid-run.
+    proc = subprocess.Popen(
+        with_parent_death_signal(cmd), stdout=subprocess.DEVNULL, stderr=log_path.open("wb")
+    )
     deadline = time.monotonic() + 300
     while not port_file.exists():
         if proc.poll() is not None or time.monotonic() > deadline:

@@ -173,7 +173,7 @@ class ManagedProcess:
         self._health_context = health_context
         self._log = log_path.open("ab")
         self.popen = subprocess.Popen(  # noqa: S603 - fixed argv, no shell
-            _with_parent_death_signal(self.args),
+            with_parent_death_signal(self.args),
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=dict(env),
@@ -271,7 +271,7 @@ _PDEATHSIG_LAUNCHER = (
 )
 
 
-def _with_parent_death_signal(args: list[str]) -> list[str]:
+def with_parent_death_signal(args: list[str]) -> list[str]:
     """``args`` started so that the process gets SIGTERM when fedpipe dies, even by SIGKILL.
 
     Only from the main thread, which lives as long as the process (the signal follows the

@@ -121,3 +121,28 @@ def test_server_takes_its_superlink_down_on_sigkill(tmp_path: Path) -> None:
         if server.poll() is None:
             server.kill()
         _cleanup(tree)
+
+
+def test_a_bench_server_dies_with_a_bench_killed_by_sigkill(tmp_path: Path) -> None:
+    """A benchmark's StageServer child must not outlive a bench that was SIGKILLed."""
+    script = (
+        "import time\n"
+        "from fedpipe.bench.load import ServerProcess\n"
+        "server = ServerProcess()\n"
+        "print(server.proc.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    bench = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert bench.stdout is not None
+        server_pid = int(bench.stdout.readline())
+        assert psutil.pid_exists(server_pid)
+        bench.send_signal(signal.SIGKILL)
+        bench.wait(timeout=30)
+        deadline = time.monotonic() + GONE_WITHIN_S
+        while psutil.pid_exists(server_pid) and psutil.Process(server_pid).status() != "zombie":
+            assert time.monotonic() < deadline, f"bench server {server_pid} outlived its bench"
+            time.sleep(0.1)
+    finally:
+        bench.kill()
+        bench.wait(timeout=30)

@@ -65,3 +65,11 @@ def test_simulate_refuses_before_starting_anything(tmp_path: Path) -> None:
         simulate(asked, name="r", runs_dir=tmp_path, resume=True, explicit={"model.lora_r"})
     assert sorted(p.name for p in (tmp_path / "r").iterdir()) == ["checkpoints", "settings.json"]
     assert RunFolder.open(tmp_path, "r").load_settings() == SAVED  # unchanged
+
+
+def test_a_changed_stage_link_defence_is_refused() -> None:
+    """The accountant prices every round with one mechanism: the noise cannot change mid-run."""
+    saved = {**SAVED, "privacy.activation_clip": 1.0, "privacy.activation_noise": 0.5}
+    asked = load_config(None, {**saved, "privacy.activation_noise": 0.1})
+    with pytest.raises(ResumeRefused, match="privacy.activation_noise was 0.5, now 0.1"):
+        resume_settings(saved, asked, explicit={"privacy.activation_noise"})
