@@ -92,6 +92,23 @@ COMPRESSION: list[dict[str, Any]] = [
     {"name": "fp16", "pipeline.uplink_codec": "fp16", "pipeline.downlink_codec": "fp16"},
     {"name": "bf16", "pipeline.uplink_codec": "bf16", "pipeline.downlink_codec": "bf16"},
     {"name": "int8", "pipeline.uplink_codec": "int8", "pipeline.downlink_codec": "int8"},
+    # Gradients in 4 or 2 bits keep what quantisation dropped and send it next step (error
+    # feedback); activations and outputs in 4 bits are grouped along tokens (int4t): SmolLM2
+    # has a few huge channels that per-row groups would smear over every value.
+    {
+        "name": "int8-int4ef",
+        "pipeline.uplink_codec": "int8",
+        "pipeline.downlink_codec": "int8",
+        "pipeline.gradient_codec": "int4",
+        "pipeline.error_feedback": True,
+    },
+    {
+        "name": "int4t-int2ef",
+        "pipeline.uplink_codec": "int4t",
+        "pipeline.downlink_codec": "int4t",
+        "pipeline.gradient_codec": "int2",
+        "pipeline.error_feedback": True,
+    },
 ]
 _NONIID = {"federated.partition": "by-source"}
 RUNS: list[dict[str, Any]] = [

@@ -20,7 +20,11 @@ def test_every_run_is_a_valid_setting_and_codec_runs_are_named_by_codec() -> Non
     for run in RUNS:
         FedpipeConfig().with_overrides({k: v for k, v in run.items() if k != "name"})
     for run in COMPRESSION:
-        assert run["name"] == run["pipeline.uplink_codec"]
+        # the activation codec, then the gradient codec where it differs ("ef": error feedback)
+        grads = run.get("pipeline.gradient_codec")
+        ef = "ef" if run.get("pipeline.error_feedback") else ""
+        expected = run["pipeline.uplink_codec"] + (f"-{grads}{ef}" if grads else "")
+        assert run["name"] == expected
     names = run_names()
     assert names[:3] == ["centralized", "lossless", "noniid"] and "frozen" in names
 
