@@ -482,8 +482,9 @@ def run_pipeline_bench(
 
 
 BOUND_TEXT = (
-    "components measured alone in this invocation (stop-and-wait on an un-emulated loopback, same "
-    "pinning: one side computes while the other waits) plus the link model's occupancy "
+    "components measured alone and back to back in this invocation (GPipe in phases on an "
+    "un-emulated loopback, same pinning: one side computes a whole phase while the other "
+    "waits) plus the link model's occupancy "
     "(bytes/bandwidth) and latency; max over the device row (with its fill and drain), uplink, "
     "server, downlink, the server's steady state and one microbatch's critical path; "
     "4 transfers per microbatch U-shaped, 2 two-part; the device's optimizer step after its "
