@@ -71,7 +71,7 @@ def _add_train(entry: dict[str, Any], rec: dict[str, Any], names: dict[str, str]
     entry["bytes_up"] = entry.get("bytes_up", 0) + int(_get(rec, "bytes_up", 0))
     entry["bytes_down"] = entry.get("bytes_down", 0) + int(_get(rec, "bytes_down", 0))
     entry["devices_trained"] += 1
-    if _get(rec, "peak_rss_mb") is not None:  # each device's peak resident memory (agg branch)
+    if _get(rec, "peak_rss_mb") is not None:  # each device's peak resident memory
         entry.setdefault("peak_rss_mb", {})[device] = _get(rec, "peak_rss_mb")
     privacy = {k: v for k, v in rec.items() if k.startswith("privacy_")}
     if privacy:  # the stage link's (epsilon, delta) so far, per device (fedpipe.privacy)

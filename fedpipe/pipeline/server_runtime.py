@@ -130,7 +130,7 @@ class SessionInfo:
     dropped: bool = False  # gone from the runtime; late work is refused
     stream: StreamHandle | None = None  # the live Exchange stream, if any
     streams_opened: int = 0
-    frozen_head: bool = False  # frozen-device mode: no input gradient goes back (agg branch)
+    frozen_head: bool = False  # frozen-device mode: no input gradient goes back
 
 
 class StreamHandle:
@@ -279,7 +279,7 @@ class StageRuntime:
             with self._lock:
                 self._opening -= 1
         info = SessionInfo(session_id, device_id, round_, opt, rows, tokens, codecs)
-        info.frozen_head = frozen_head  # agg branch: frozen-device mode
+        info.frozen_head = frozen_head  # frozen-device mode
         with self._lock:
             for old in [s for s in self._sessions.values() if s.device_id == device_id]:
                 self._drop(old, reason="replaced by a newer session")  # a concurrent open
@@ -504,7 +504,7 @@ class StageRuntime:
         return CommitResult(len(merge), len(stale), dropped)
 
     def set_aggregation(self, mode: str) -> None:
-        """How commits aggregate from now on (agg branch: federated.aggregation)."""
+        """How commits aggregate from now on (federated.aggregation)."""
         with self._bank_lock:
             self.bank.set_aggregation(mode)
 

@@ -264,7 +264,7 @@ def _segments(work: Sequence[Work]) -> list[list[int]]:
 
 def _frozen_head(info: SessionInfo) -> bool:
     """Frozen-device sessions send activations that need no gradient back."""
-    return bool(getattr(info, "frozen_head", False))
+    return info.frozen_head
 
 
 def _input_grad(info: SessionInfo, x: torch.Tensor) -> torch.Tensor | None:

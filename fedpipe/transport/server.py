@@ -371,7 +371,7 @@ class _ControlServicer(pb_grpc.StageControlServicer):
     def BeginRound(self, request: pb.BeginRoundRequest, context: grpc.ServicerContext):  # noqa: N802
         self._check("BeginRound", request, context)
         self._require_run("BeginRound", context)
-        try:  # federated.aggregation: how this round's CommitRound merges (agg branch)
+        try:  # federated.aggregation: how this round's CommitRound merges
             self.runtime.set_aggregation(request.aggregation or "separate")
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
