@@ -109,6 +109,13 @@ COMPRESSION: list[dict[str, Any]] = [
         "pipeline.gradient_codec": "int2",
         "pipeline.error_feedback": True,
     },
+    {  # groups of 128: half the scale and offset bytes of the default 64
+        "name": "int4tg128-int2g128ef",
+        "pipeline.uplink_codec": "int4tg128",
+        "pipeline.downlink_codec": "int4tg128",
+        "pipeline.gradient_codec": "int2g128",
+        "pipeline.error_feedback": True,
+    },
 ]
 _NONIID = {"federated.partition": "by-source"}
 RUNS: list[dict[str, Any]] = [
