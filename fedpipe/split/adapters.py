@@ -29,12 +29,85 @@ from fedpipe.split.lora import (
 if TYPE_CHECKING:
     from fedpipe.split.multilora import Group
 
-__all__ = ["GLOBAL_ADAPTER", "AdapterBank"]
+__all__ = ["GLOBAL_ADAPTER", "AdapterBank", "SharedAggregation"]
 
 GLOBAL_ADAPTER = "global"
 
 
-class AdapterBank:
+class SharedAggregation:
+    """What every adapter bank does alike: the global state with its folded base deltas, and
+    merging finished adapters by ``federated.aggregation``.
+
+    A bank provides where its adapters live (``_global_adapter``, ``_load_global``,
+    ``state_dict``, ``remove``, ``_check``) and sets ``settings``, ``fold``, ``aggregation``
+    and ``_initial``.
+    """
+
+    settings: LoraSettings
+    fold: BaseFold
+    aggregation: str
+    _initial: dict[str, Tensor]
+
+    def _global_adapter(self) -> dict[str, Tensor]:
+        raise NotImplementedError
+
+    def _load_global(self, sd: dict[str, Tensor]) -> None:
+        raise NotImplementedError
+
+    def state_dict(self, name: str) -> dict[str, Tensor]:
+        raise NotImplementedError
+
+    def remove(self, name: str) -> None:
+        raise NotImplementedError
+
+    def _check(self, name: str, *, allow_global: bool) -> None:
+        raise NotImplementedError
+
+    def set_aggregation(self, mode: str) -> None:
+        """How merge() aggregates from now on (see :mod:`fedpipe.split.aggregation`)."""
+        self.aggregation = check_aggregation(mode)
+
+    def global_state(self) -> dict[str, Tensor]:
+        """The global adapter, plus the base deltas folded so far (``<layer>.base_delta``)."""
+        return {**self._global_adapter(), **self.fold.state()}
+
+    def set_global_state(self, sd: dict[str, Tensor]) -> None:
+        """Load a global state; base deltas absent from ``sd`` mean the original base."""
+        adapter, deltas = split_deltas(sd)
+        self._load_global(adapter)
+        self.fold.set(deltas)
+
+    def reset_global_state(self) -> None:
+        """Back to the adapter the bank started with (deterministic from the LoRA seed), and
+        the original base weights."""
+        self.set_global_state(self._initial)
+
+    def merge(self, weights: dict[str, float]) -> dict[str, Tensor]:
+        """Global <- the named adapters aggregated by ``self.aggregation``; remove them.
+
+        ``exact`` and ``stack`` also fold a change into the base weights (no link bytes).
+        """
+        if not weights:
+            raise ValueError("merge needs at least one adapter name with a weight")
+        for name in weights:
+            self._check(name, allow_global=False)
+        names = list(weights)
+        merged, deltas = aggregate_adapters(
+            [self.state_dict(n) for n in names],
+            [weights[n] for n in names],
+            self.aggregation,
+            scale=self.settings.alpha / self.settings.r,
+            initial=self._initial,
+        )
+        self._load_global(merged)
+        if deltas:
+            self.fold.add(deltas)
+        for name in names:
+            self.remove(name)
+        return merged
+
+
+class AdapterBank(SharedAggregation):
     """Named LoRA adapters over a MiddleStage or ServerLossStage (modified in place)."""
 
     def __init__(
@@ -84,10 +157,6 @@ class AdapterBank:
                 param.requires_grad_(False)
         set_active_adapter(self.stage, self._active)
 
-    def set_aggregation(self, mode: str) -> None:
-        """How merge() aggregates from now on (see :mod:`fedpipe.split.aggregation`)."""
-        self.aggregation = check_aggregation(mode)
-
     def activate(self, name: str) -> None:
         """Make the stage's forward use adapter ``name`` (or GLOBAL_ADAPTER)."""
         self._check(name, allow_global=True)
@@ -123,47 +192,11 @@ class AdapterBank:
         self._names.remove(name)
         set_active_adapter(self.stage, self._active)
 
-    def global_state(self) -> dict[str, Tensor]:
-        """The global adapter, plus the base deltas folded so far (``<layer>.base_delta``)."""
-        return {**self._global_adapter(), **self.fold.state()}
-
     def _global_adapter(self) -> dict[str, Tensor]:
         return lora_state_dict(self.stage, GLOBAL_ADAPTER)
 
-    def reset_global_state(self) -> None:
-        """Back to the adapter the bank started with (deterministic from the LoRA seed), and
-        the original base weights."""
-        self.set_global_state(self._initial)
-
-    def set_global_state(self, sd: dict[str, Tensor]) -> None:
-        """Load a global state; base deltas absent from ``sd`` mean the original base."""
-        adapter, deltas = split_deltas(sd)
-        load_lora_state_dict(self.stage, adapter, adapter=GLOBAL_ADAPTER)
-        self.fold.set(deltas)
-
-    def merge(self, weights: dict[str, float]) -> dict[str, Tensor]:
-        """Global <- the named adapters aggregated by ``self.aggregation``; remove them.
-
-        ``exact`` and ``stack`` also fold a change into the base weights (no link bytes).
-        """
-        if not weights:
-            raise ValueError("merge needs at least one adapter name with a weight")
-        for name in weights:
-            self._check(name, allow_global=False)
-        names = list(weights)
-        merged, deltas = aggregate_adapters(
-            [self.state_dict(n) for n in names],
-            [weights[n] for n in names],
-            self.aggregation,
-            scale=self.settings.alpha / self.settings.r,
-            initial=self._initial,
-        )
-        load_lora_state_dict(self.stage, merged, adapter=GLOBAL_ADAPTER)
-        if deltas:
-            self.fold.add(deltas)
-        for name in names:
-            self.remove(name)
-        return merged
+    def _load_global(self, sd: dict[str, Tensor]) -> None:
+        load_lora_state_dict(self.stage, sd, adapter=GLOBAL_ADAPTER)
 
     def run(self, groups: Sequence[Group]) -> list[Tensor]:
         """Each group through the stage with its own adapter, one group at a time.

@@ -30,8 +30,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fedpipe.split.adapters import GLOBAL_ADAPTER, AdapterBank
-from fedpipe.split.aggregation import BaseFold, aggregate_adapters, check_aggregation, split_deltas
+from fedpipe.split.adapters import GLOBAL_ADAPTER, AdapterBank, SharedAggregation
+from fedpipe.split.aggregation import BaseFold
 from fedpipe.split.batched_blocks import BlockRunner
 from fedpipe.split.lora import (
     Family,
@@ -96,7 +96,7 @@ def _targets(settings: LoraSettings) -> tuple[str, ...]:
     return settings.targets if settings.targets is not None else _LLAMA_DEFAULT
 
 
-class BatchedAdapterBank:
+class BatchedAdapterBank(SharedAggregation):
     """Named LoRA adapters over a MiddleStage or ServerLossStage, any of them in one call.
 
     The public API is :class:`~fedpipe.split.adapters.AdapterBank`'s (``add``, ``remove``,
@@ -144,10 +144,6 @@ class BatchedAdapterBank:
                 a.requires_grad_(False)
         self._adapters[name] = tensors
 
-    def set_aggregation(self, mode: str) -> None:
-        """How merge() aggregates from now on (see :mod:`fedpipe.split.aggregation`)."""
-        self.aggregation = check_aggregation(mode)
-
     def remove(self, name: str) -> None:
         """Drop adapter ``name`` (its tensors go with it)."""
         self._check(name, allow_global=False)
@@ -169,47 +165,11 @@ class BatchedAdapterBank:
     def state_dict(self, name: str) -> dict[str, Tensor]:
         return {k: p.detach().clone() for k, p in self.named_parameters(name).items()}
 
-    def global_state(self) -> dict[str, Tensor]:
-        """The global adapter, plus the base deltas folded so far (``<layer>.base_delta``)."""
-        return {**self._global_adapter(), **self.fold.state()}
-
     def _global_adapter(self) -> dict[str, Tensor]:
         return self.state_dict(GLOBAL_ADAPTER)
 
-    def set_global_state(self, sd: dict[str, Tensor]) -> None:
-        """Load a global state; base deltas absent from ``sd`` mean the original base."""
-        adapter, deltas = split_deltas(sd)
-        _load(self._adapters[GLOBAL_ADAPTER], adapter)
-        self.fold.set(deltas)
-
-    def reset_global_state(self) -> None:
-        """Back to the adapter the bank started with (deterministic from the LoRA seed), and
-        the original base weights."""
-        self.set_global_state(self._initial)
-
-    def merge(self, weights: dict[str, float]) -> dict[str, Tensor]:
-        """Global <- the named adapters aggregated by ``self.aggregation``; remove them.
-
-        ``exact`` and ``stack`` also fold a change into the base weights (no link bytes).
-        """
-        if not weights:
-            raise ValueError("merge needs at least one adapter name with a weight")
-        for name in weights:
-            self._check(name, allow_global=False)
-        names = list(weights)
-        merged, deltas = aggregate_adapters(
-            [self.state_dict(n) for n in names],
-            [weights[n] for n in names],
-            self.aggregation,
-            scale=self.scale,
-            initial=self._initial,
-        )
-        _load(self._adapters[GLOBAL_ADAPTER], merged)
-        if deltas:
-            self.fold.add(deltas)
-        for name in names:
-            self.remove(name)
-        return merged
+    def _load_global(self, sd: dict[str, Tensor]) -> None:
+        _load(self._adapters[GLOBAL_ADAPTER], sd)
 
     # -- batched compute ----------------------------------------------------------------------
     def run(self, groups: Sequence[Group]) -> list[Tensor]:
