@@ -207,8 +207,9 @@ def _start_servers(
         extra = _runtime_settings(column == "batched")[0]
         return ServerProcess(max_sessions=most, overrides=base | extra, cpus=cpus, probe=True)
 
-    with ThreadPoolExecutor(2) as pool:
-        started = dict(zip(COLUMNS, pool.map(start, COLUMNS), strict=True))
+    # From this (the main) thread, one after the other: a server started from another thread
+    # would not get the parent-death signal, and would outlive a bench killed by SIGKILL.
+    started = {column: start(column) for column in COLUMNS}
     return started, available
 
 

@@ -146,3 +146,29 @@ def test_a_bench_server_dies_with_a_bench_killed_by_sigkill(tmp_path: Path) -> N
     finally:
         bench.kill()
         bench.wait(timeout=30)
+
+
+def test_bench_server_leaves_no_server_behind_when_killed(tmp_path: Path) -> None:
+    """`fedpipe bench server` killed by SIGKILL mid-run: both of its StageServers go too."""
+    bench = subprocess.Popen(
+        [*FEDPIPE, "bench", "server", "--quick", "--json"],
+        stdout=subprocess.DEVNULL,
+        stderr=(tmp_path / "bench.log").open("wb"),
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while len(children := psutil.Process(bench.pid).children()) < 2:
+            assert bench.poll() is None, (tmp_path / "bench.log").read_text()[-2000:]
+            assert time.monotonic() < deadline, "the bench did not start its two servers"
+            time.sleep(0.2)
+        servers = [c.pid for c in children]
+        bench.send_signal(signal.SIGKILL)
+        bench.wait(timeout=30)
+        deadline = time.monotonic() + GONE_WITHIN_S
+        for pid in servers:
+            while psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie":
+                assert time.monotonic() < deadline, f"bench server {pid} outlived its bench"
+                time.sleep(0.1)
+    finally:
+        bench.kill()
+        bench.wait(timeout=30)
