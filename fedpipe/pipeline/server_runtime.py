@@ -57,6 +57,7 @@ from fedpipe.pipeline.batch_policy import (
     SessionView,
     plan_batch,
 )
+from fedpipe.pipeline.device_copies import DeviceCopies
 from fedpipe.pipeline.fair_queue import FairQueue, Snapshot
 from fedpipe.pipeline.messages import Kind, StageMsg
 from fedpipe.pipeline.stage_executor import StageExecutor
@@ -202,8 +203,12 @@ class StageRuntime:
         optimizer_factory: OptimizerFactory | None = None,
         policy: BatchPolicy | None = None,
         tracer: Tracer | None = None,
+        copies: DeviceCopies | None = None,
     ) -> None:
         self.bank = bank
+        # Uploads of decoded messages (started by the reader threads, so the next call's inputs
+        # cross while this one computes) and the replies' copies back; CPU: a pass-through.
+        self.copies = copies or DeviceCopies(device)
         # Which ready work runs together. A bank that cannot batch (GPT-2) still takes batches:
         # it computes their groups one after another, and the policy keeps the fairness.
         self.policy = policy or BatchPolicy()
@@ -224,6 +229,7 @@ class StageRuntime:
             device=device,
             dtype=dtype,
             max_in_flight=self.limits.max_in_flight,
+            copies=self.copies,
         )
         self.max_seq_len = _seq_bound(max_positions, self.limits.max_seq_len)
         # Called on the worker before each message is computed, batched or not (tests).
@@ -419,6 +425,9 @@ class StageRuntime:
     def _submit(self, handle: StreamHandle, msg: StageMsg) -> None:
         info, lim = handle.info, self.limits
         nbytes = _nbytes(msg)
+        if not info.dropped and not handle.broken:  # before the worker can take it
+            self.copies.prefetch(msg.tensor)  # a refused message frees its copy as it goes
+            self.copies.prefetch(msg.labels)
         with self._lock:
             if info.dropped:
                 raise UnknownSessionError(f"session {info.session_id} was dropped")

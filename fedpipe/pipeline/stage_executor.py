@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from fedpipe.errors import InvalidRequestError, SessionStateError, StageCapacityError
+from fedpipe.pipeline.device_copies import DeviceCopies
 from fedpipe.pipeline.messages import Kind, StageMsg
 from fedpipe.split import AdapterBank, BatchedAdapterBank, Group
 
@@ -58,8 +59,10 @@ class StageExecutor:
         device: torch.device,
         dtype: torch.dtype,
         max_in_flight: int,
+        copies: DeviceCopies | None = None,
     ) -> None:
         self.bank = bank
+        self.copies = copies or DeviceCopies(device)  # uploads and replies off the compute stream
         self.mode = mode
         self.hidden_size = hidden_size
         self.device = device
@@ -84,8 +87,7 @@ class StageExecutor:
             for i in segment:
                 if results[i] is None:
                     results[i] = self._one(*work[i])
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        self._replies_to_host(work, results)  # waits for this call's copies, not the device
         _share_time(work, results, time.perf_counter() - start)
         return [r if r is not None else RuntimeError("no reply computed") for r in results]
 
@@ -207,13 +209,28 @@ class StageExecutor:
                 f"{what} must be (batch <= {info.microbatch_size}, tokens <= {info.seq_len}, "
                 f"{self.hidden_size}), got {shape}"
             )
-        return tensor.to(self.device, self.dtype)
+        return self.copies.to_device(tensor, self.dtype)
+
+    def _replies_to_host(self, work: Sequence[Work], results: list[Result | None]) -> None:
+        """Reply tensors copied back in one go, and checked for NaN/Inf on the host copy."""
+        replies = [
+            (i, r)
+            for i, r in enumerate(results)
+            if isinstance(r, StageMsg) and r.tensor is not None
+        ]
+        hosts = self.copies.to_host([r.tensor for _, r in replies if r.tensor is not None])
+        for (i, reply), host in zip(replies, hosts, strict=True):
+            moved, reply.tensor = host is not reply.tensor, host
+            try:
+                results[i] = _finite(work[i][1], reply) if moved else reply
+            except Exception as exc:
+                results[i] = exc
 
     def _labels(self, msg: StageMsg, x: torch.Tensor) -> torch.Tensor:
         if msg.labels is None or tuple(msg.labels.shape) != tuple(x.shape[:2]):
             got = None if msg.labels is None else tuple(msg.labels.shape)
             raise InvalidRequestError(f"labels must have shape {tuple(x.shape[:2])}, got {got}")
-        return msg.labels.to(self.device)
+        return self.copies.to_device(msg.labels)
 
     # -- backward and step ---------------------------------------------------------------------
     def _backward(self, info: SessionInfo, msg: StageMsg) -> StageMsg:
@@ -276,7 +293,9 @@ def _input_grad(info: SessionInfo, x: torch.Tensor) -> torch.Tensor | None:
 
 
 def _finite(msg: StageMsg, reply: StageMsg) -> StageMsg:
-    if reply.tensor is not None and not _all_finite(reply.tensor):
+    """``reply``, unless it holds NaN or Inf; a device tensor is checked once on the host."""
+    t = reply.tensor
+    if t is not None and t.device.type == "cpu" and not _all_finite(t):
         raise InvalidRequestError(
             f"{msg}: the reply would hold NaN or Inf; the session's inputs made the "
             "computation overflow (send values of a sane magnitude)"
