@@ -1,6 +1,6 @@
 """The server stage on one GPU: tokens/s at 1, 8 and 32 devices, batched and unbatched.
 
-    python benchmarks/gpu_check.py [--devices 1,8,32] [--steps 3]
+    python benchmarks/gpu_check.py [--devices 1,8,32] [--steps 3] [--budget-s 240]
 
 (with fedpipe installed, or from the repo root with ``PYTHONPATH=.``). Prints one JSON object:
 ``results`` holds, per model, number of devices and column (``batched``/``unbatched``),
@@ -15,11 +15,14 @@ Llama-family model of about 1B parameters (hidden 2048, 16 blocks, 32 heads, 8 K
 init, nothing downloaded; 12 middle blocks). Both compute in bf16 (``server.dtype``).
 
 No gRPC: N sessions are opened on a real :class:`~fedpipe.pipeline.server_runtime.StageRuntime`
-and driven in-process with CUDA tensors, step by step: every session's activations, then every
-session's output gradients, then the step ends, so the runtime always holds N sessions' work
-(a saturated server: what batching can gain at most). Batching is switched with the runtime's
-``policy`` (``fedpipe.pipeline.batch_policy.BatchPolicy``); on a build without it both columns
-run unbatched and ``batching_available`` is false.
+built as ``fedpipe server`` builds it (batched: the batched adapter bank and policy; unbatched:
+peft's bank, one message per call) and driven in-process, step by step: every session's
+activations, then every session's output gradients, then the step ends, so the runtime always
+holds N sessions' work (a saturated server: what batching can gain at most). Each message
+carries a fresh fp32 CPU tensor, as the transport decodes it, so the runtime's copy path runs
+(``fedpipe.pipeline.device_copies``: pinned buffers, uploads on a side stream started at
+submit, replies copied back on it); ``copies`` counts what it did in the timed steps
+(``prefetch_hits``: uploads done ahead of the worker; ``uploads_on_worker``: the rest).
 """
 
 from __future__ import annotations
@@ -48,15 +51,6 @@ LLAMA_1B: dict[str, Any] = {
 COLUMNS = ("unbatched", "batched")
 
 log = logging.getLogger("gpu_check")
-
-
-def _policy(batched: bool) -> tuple[dict[str, Any], bool]:
-    """The runtime's keyword that turns batching on or off; and whether this build has it."""
-    try:
-        from fedpipe.pipeline.batch_policy import BatchPolicy  # type: ignore[import-not-found]
-    except ImportError:
-        return {}, False
-    return {"policy": BatchPolicy(enabled=batched)}, True
 
 
 Build = Callable[[torch.device, torch.dtype], tuple[torch.nn.Module, Any]]
@@ -104,19 +98,25 @@ MODELS: dict[str, Build] = {
 GPU_MODELS = ("SmolLM2-135M", "llama-1b-random")
 
 
-def _runtime(build: Build, batched: bool, device: torch.device) -> tuple[Any, Any, bool]:
-    """A StageRuntime over the built stage, its compute probe, and whether batching exists."""
+def _runtime(build: Build, batched: bool, device: torch.device) -> tuple[Any, Any]:
+    """A StageRuntime over the built stage as ``fedpipe server`` builds it, and its probe.
+
+    Batched: the batched adapter bank and the batching policy on; unbatched: peft's bank, one
+    message per call (``server.batching = false``). Both copy through the runtime's
+    :class:`~fedpipe.pipeline.device_copies.DeviceCopies` (pinned buffers, side stream).
+    """
     from fedpipe.bench.server_probe import ComputeProbe
     from fedpipe.config import load_config
     from fedpipe.device import lora_settings
     from fedpipe.models.loading import model_family
+    from fedpipe.pipeline.batch_policy import BatchPolicy
     from fedpipe.pipeline.server_runtime import RuntimeLimits, StageRuntime
-    from fedpipe.split import AdapterBank
+    from fedpipe.split import adapter_bank
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     stage, config = build(device, dtype)
-    bank = AdapterBank(stage, lora_settings(load_config(None, {})), family=model_family(config))
-    policy, available = _policy(batched)
+    settings = lora_settings(load_config(None, {}))
+    bank = adapter_bank(stage, settings, family=model_family(config), batched=batched)
     runtime = StageRuntime(
         bank,
         mode="u",
@@ -125,10 +125,10 @@ def _runtime(build: Build, batched: bool, device: torch.device) -> tuple[Any, An
         dtype=dtype,
         limits=RuntimeLimits(max_sessions=80, max_microbatch_size=ROWS),
         max_positions=int(config.max_position_embeddings),
-        **policy,
+        policy=BatchPolicy(enabled=batched),
     )
     probe = ComputeProbe(runtime, cuda_events=device.type == "cuda").install()
-    return runtime, probe, available
+    return runtime, probe
 
 
 def _take(handle: Any, kind: Any) -> None:
@@ -139,16 +139,32 @@ def _take(handle: Any, kind: Any) -> None:
         raise RuntimeError(f"expected {kind.name}, the runtime answered {reply!r}")
 
 
-def _step(handles: list[Any], step: int, x: torch.Tensor, grad: torch.Tensor) -> None:
+Inputs = list[tuple[list[torch.Tensor], list[torch.Tensor]]]  # per session: (xs, grads)
+
+
+def _inputs(n: int, hidden: int) -> Inputs:
+    """Each session's microbatches as the transport decodes them: fresh fp32 CPU tensors."""
+    gen = torch.Generator().manual_seed(n)
+    shape = (ROWS, TOKENS, hidden)
+    return [
+        (
+            [torch.randn(shape, generator=gen) for _ in range(MICROBATCHES)],
+            [torch.randn(shape, generator=gen) * 1e-3 for _ in range(MICROBATCHES)],
+        )
+        for _ in range(n)
+    ]
+
+
+def _step(handles: list[Any], step: int, inputs: Inputs) -> None:
     """One step of every session: all activations, then all gradients, then the step end."""
     from fedpipe.pipeline.messages import Kind, StageMsg
 
-    for kind, reply, tensor in (
-        (Kind.ACTIVATION, Kind.OUTPUT, x),
-        (Kind.OUTPUT_GRAD, Kind.INPUT_GRAD, grad),
+    for kind, reply, part in (
+        (Kind.ACTIVATION, Kind.OUTPUT, 0),
+        (Kind.OUTPUT_GRAD, Kind.INPUT_GRAD, 1),
     ):
-        for h in handles:
-            for mb in range(MICROBATCHES):
+        for h, tensors in zip(handles, inputs, strict=True):
+            for mb, tensor in enumerate(tensors[part]):
                 h.submit(StageMsg(kind, step, mb, tensor=tensor))
         for h in handles:
             for _ in range(MICROBATCHES):
@@ -157,6 +173,16 @@ def _step(handles: list[Any], step: int, x: torch.Tensor, grad: torch.Tensor) ->
         h.submit(StageMsg(Kind.STEP_END, step))
     for h in handles:
         _take(h, Kind.STEP_DONE)
+
+
+def _copy_counts(runtime: Any) -> dict[str, int]:
+    stats = runtime.copies.stats
+    return {
+        "prefetch_hits": stats.prefetch_hits,
+        "uploads_on_worker": stats.uploads_on_worker,
+        "downloads": stats.downloads,
+        "pool_waits": stats.pool_waits,
+    }
 
 
 def measure(runtime: Any, probe: Any, n: int, round_: int, steps: int) -> dict[str, Any]:
@@ -168,23 +194,24 @@ def measure(runtime: Any, probe: Any, n: int, round_: int, steps: int) -> dict[s
     for i in range(n):
         sid = runtime.open_session(f"d{i}", round_, microbatch_size=ROWS, seq_len=TOKENS)
         handles.append(runtime.attach(sid))
-    x = torch.randn(ROWS, TOKENS, runtime.hidden_size, device=runtime.device)
-    grad = torch.randn_like(x) * 1e-3
+    inputs = _inputs(n, runtime.hidden_size)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    _step(handles, 0, x, grad)
+    _step(handles, 0, inputs)
     probe.snapshot()  # forget the warm-up's records ...
     if cuda:
         probe.gpu_busy_s()  # ... and its GPU time
+    copies_before = _copy_counts(runtime)
     start = time.monotonic()
     for step in range(1, steps + 1):
-        _step(handles, step, x, grad)
+        _step(handles, step, inputs)
     if cuda:
         torch.cuda.synchronize()
     end = time.monotonic()
     wall = end - start
     gpu = probe.gpu_busy_s() if cuda else 0.0
     server = window_stats(probe.snapshot()["calls"], start, end)
+    copies = {k: v - copies_before[k] for k, v in _copy_counts(runtime).items()}
     runtime.commit_round(round_, {})  # drops the sessions
     tokens = n * steps * MICROBATCHES * ROWS * TOKENS
     peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else 0.0
@@ -195,6 +222,7 @@ def measure(runtime: Any, probe: Any, n: int, round_: int, steps: int) -> dict[s
         "idle": round(max(0.0, 1.0 - gpu / wall), 3) if cuda else None,
         "busy_host": round(server["busy"], 3),
         "mean_batch": round(server["mean_batch"], 2),
+        "copies": copies,
     }
 
 
@@ -204,11 +232,16 @@ def run(
     *,
     models: tuple[str, ...] = GPU_MODELS,
     device: torch.device | None = None,
+    budget_s: float = 0.0,
 ) -> dict[str, Any]:
-    """Every model at every N, both columns interleaved per N; the JSON-ready report."""
+    """Every model at every N, both columns interleaved per N; the JSON-ready report.
+
+    ``budget_s`` > 0: a row not started by then is reported as skipped, so a slow GPU still
+    prints its report in time (the rows already measured are kept).
+    """
     device = device or torch.device("cuda")
+    began = time.monotonic()
     results: list[dict[str, Any]] = []
-    available = False
     rounds = iter(range(1, 10_000))
     for name in models:
         try:
@@ -216,17 +249,19 @@ def run(
         except Exception as exc:  # e.g. SmolLM2's wheel missing on this machine
             results.append({"model": name, "error": f"{type(exc).__name__}: {exc}"})
             continue
-        available = built["batched"][2]
         try:
             for n in devices:
                 row: dict[str, Any] = {"model": name, "devices": n}
+                if budget_s and time.monotonic() - began > budget_s:
+                    results.append({**row, "skipped": f"past the time budget ({budget_s:g} s)"})
+                    continue
                 for column in COLUMNS:  # interleaved per N, so drift hits both
-                    runtime, probe, _ = built[column]
+                    runtime, probe = built[column]
                     row[column] = measure(runtime, probe, n, next(rounds), steps)
                     print(f"{name} N={n} {column}: {row[column]}", file=sys.stderr)
                 results.append(row)
         finally:
-            for runtime, _, _ in built.values():
+            for runtime, _ in built.values():
                 runtime.stop()
             del built
             if device.type == "cuda":
@@ -237,7 +272,7 @@ def run(
         "microbatch": [ROWS, TOKENS],
         "microbatches": MICROBATCHES,
         "steps": steps,
-        "batching_available": available,
+        "batching_available": True,  # kept for readers of older reports
         "results": results,
     }
 
@@ -246,13 +281,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--devices", default="1,8,32", help="comma-separated N")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per measurement")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=240.0,
+        help="start no new row after this many seconds (0: no limit); keeps it under 5 minutes",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     if not torch.cuda.is_available():
         print(json.dumps({"skipped": "no CUDA device"}))
         return 0
     devices = [int(n) for n in args.devices.split(",") if n.strip()]
-    print(json.dumps(run(devices, args.steps), indent=2))
+    print(json.dumps(run(devices, args.steps, budget_s=args.budget_s), indent=2))
     return 0
 
 

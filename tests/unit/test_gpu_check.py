@@ -42,7 +42,16 @@ def test_the_loop_measures_both_columns_at_every_n_on_a_cpu() -> None:
             assert figures["tokens_per_s"] > 0 and figures["mean_batch"] >= 1.0
             assert 0 < figures["busy_host"] <= 1.0
             assert figures["peak_gpu_mb"] is None and figures["idle"] is None  # no GPU here
+            assert figures["copies"]["downloads"] == 0  # a CPU stage: no copies at all
     assert isinstance(report["batching_available"], bool)
+
+
+def test_rows_past_the_time_budget_are_reported_as_skipped() -> None:
+    report = _gpu_check().run(
+        [1, 2], 1, models=("tiny-llama",), device=torch.device("cpu"), budget_s=1e-9
+    )
+    assert [r["devices"] for r in report["results"]] == [1, 2]
+    assert all("time budget" in r["skipped"] for r in report["results"])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -52,3 +61,6 @@ def test_on_a_gpu_memory_and_idle_fraction_are_measured() -> None:
         for column in ("batched", "unbatched"):
             figures = row[column]
             assert figures["peak_gpu_mb"] > 0 and 0.0 <= figures["idle"] <= 1.0
+            uploads = figures["copies"]["prefetch_hits"] + figures["copies"]["uploads_on_worker"]
+            messages = row["devices"] * 2 * 2  # 1 step x 2 microbatches x (forward, backward)
+            assert uploads == messages and figures["copies"]["downloads"] == messages
