@@ -14,8 +14,8 @@ calls. :class:`DeviceCopies` moves them aside:
 - **Use.** :meth:`to_device` on the worker makes the compute stream wait for that event (not
   the host, not the device) and records the tensor's use on the compute stream, so the caching
   allocator does not hand its memory to the side stream while compute still reads it.
-- **Download.** :meth:`to_host` copies a call's replies into pinned host tensors on the side
-  stream after the compute stream's work, and waits on that one event: the host copies are
+- **Download.** :meth:`to_host` copies a call's replies into pinned host tensors on a second
+  side stream after the compute stream's work, and waits on that one event: the host copies are
   then complete, and any check that needs values (NaN/Inf refusal) reads them there instead of
   synchronising the device.
 
@@ -179,7 +179,10 @@ class DeviceCopies:
         self.max_staged_bytes = max_staged_bytes
         self.pool = PinnedPool(pool_bytes, self._allocate)
         self.stats = self.pool.stats
-        self._side = torch.cuda.Stream(device) if self.cuda else None
+        # Two side streams: a download waits for the compute stream, and an upload queued
+        # behind it on the same stream would wait too (and lose its overlap with compute).
+        self._up = torch.cuda.Stream(device) if self.cuda else None
+        self._down = torch.cuda.Stream(device) if self.cuda else None
         self._staged: dict[int, _Staged] = {}  # id(source tensor) -> its upload
         self._staged_bytes = 0
         self._lock = threading.RLock()  # weakref callbacks may fire inside a locked region
@@ -267,12 +270,12 @@ class DeviceCopies:
         if not self.cuda:
             self.pool.release(buffer, _Done())
             return host.clone(), _Done()
-        assert self._side is not None
-        with torch.cuda.stream(self._side):
+        assert self._up is not None
+        with torch.cuda.stream(self._up):
             copy = torch.empty_like(source, device=self.device)  # allocated on the side stream
             copy.copy_(host, non_blocking=True)
             event = torch.cuda.Event()
-            event.record(self._side)
+            event.record(self._up)
         self.pool.release(buffer, event)  # reusable once the copy has read it
         return copy, event
 
@@ -298,18 +301,20 @@ class DeviceCopies:
             hosts = [t.clone() for t in tensors] if self.staged else list(tensors)
             self.stats.downloads += len(hosts) if self.staged else 0
             return hosts
-        assert self._side is not None
+        if not tensors:
+            return []
+        assert self._down is not None
         compute = torch.cuda.current_stream(self.device)
-        self._side.wait_stream(compute)
+        self._down.wait_stream(compute)  # after the work that computes the replies
         hosts = []
-        with torch.cuda.stream(self._side):
+        with torch.cuda.stream(self._down):
             for t in tensors:
                 host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
                 host.copy_(t, non_blocking=True)
-                t.record_stream(self._side)  # freed by compute, still read by this copy
+                t.record_stream(self._down)  # freed by compute, still read by this copy
                 hosts.append(host)
             done = torch.cuda.Event()
-            done.record(self._side)
+            done.record(self._down)
         done.synchronize()  # this call's copies only: not the device, not other streams
         self.stats.downloads += len(hosts)
         return hosts
