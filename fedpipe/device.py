@@ -36,7 +36,14 @@ from fedpipe.split import (
 from fedpipe.split.aggregation import BaseFold, split_deltas
 from fedpipe.transport.client import StageClient, StageSession
 
-__all__ = ["DeviceFailure", "DeviceTrainer", "RoundReport", "lora_settings", "split_terms"]
+__all__ = [
+    "DeviceFailure",
+    "DeviceTrainer",
+    "RoundReport",
+    "initial_device_adapters",
+    "lora_settings",
+    "split_terms",
+]
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +71,30 @@ def split_terms(config: FedpipeConfig, folder: Path) -> SplitTerms:
     return SplitTerms.of(
         plan, fingerprint=model_fingerprint(folder), hidden_size=int(hf_config.hidden_size)
     )
+
+
+def initial_device_adapters(config: FedpipeConfig, folder: Path) -> dict[str, torch.Tensor]:
+    """The seeded device adapters of every cut the server offers (``model.cuts``), together.
+
+    The ServerApp's global device state holds them all, so that a device of any offered cut
+    finds its blocks; each cut's stages are built once, here, to read their adapters.
+    """
+    hf_config = load_config(folder)
+    family = model_family(hf_config)
+    settings = lora_settings(config)
+    out: dict[str, torch.Tensor] = {}
+    for head_layers, tail_layers in config.model.offered_cuts:
+        plan = plan_split(
+            hf_config,
+            head_layers=head_layers,
+            tail_layers=tail_layers,
+            mode=config.model.split,  # type: ignore[arg-type]
+        )
+        for stage in build_device_stages(folder, plan):
+            if stage is not None:
+                state = lora_state_dict(apply_lora(stage, settings, family))
+                out |= {k: v.detach().clone() for k, v in state.items() if k not in out}
+    return out
 
 
 def peak_rss_mb() -> float:
@@ -201,11 +232,12 @@ class DeviceTrainer:
         """Load the global adapters, and the base deltas (``*.base_delta``) that come with them
         under ``exact`` and ``stack`` aggregation (none: the original base weights)."""
         state, deltas = split_deltas(state)
-        self.fold.set(deltas)
-        head_keys = set(lora_state_dict(self.head))
-        load_lora_state_dict(self.head, {k: v for k, v in state.items() if k in head_keys})
-        if self.tail is not None:
-            load_lora_state_dict(self.tail, {k: v for k, v in state.items() if k not in head_keys})
+        # A run whose devices use different cuts carries every cut's blocks: take this one's.
+        self.fold.set({k: v for k, v in deltas.items() if self.fold.owns(k)})
+        for stage in (self.head, self.tail):
+            if stage is not None:
+                keys = set(lora_state_dict(stage))
+                load_lora_state_dict(stage, {k: v for k, v in state.items() if k in keys})
 
     def parameters(self) -> list[torch.nn.Parameter]:
         params = [p for p in self.head.parameters() if p.requires_grad]

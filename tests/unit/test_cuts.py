@@ -9,9 +9,12 @@ over the sessions that ran it, the weights renormalised per block.
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
+from flwr.app import ArrayRecord, MetricRecord, RecordDict
 
 from fedpipe.config import FedpipeConfig, ModelConfig, parse_cuts
 from fedpipe.errors import SplitMismatchError
@@ -255,3 +258,65 @@ def test_the_server_accepts_offered_cuts_and_names_them_when_it_refuses() -> Non
     assert "head=1 tail=2" in text and "offers 1+1, 2+1" in text and "\n" not in text
     with pytest.raises(SplitMismatchError, match="server holds head=1 tail=1"):
         check_agreement(_terms(2, 1), server)  # no offer: today's message
+
+
+def _flower_reply(state: dict[str, torch.Tensor], examples: int) -> Any:
+    """What a device's reply looks like to a strategy: its adapters and its metrics."""
+    content = RecordDict(
+        {"arrays": ArrayRecord(state), "metrics": MetricRecord({"num-examples": examples})}
+    )
+    return SimpleNamespace(content=content, has_error=lambda: False, metadata=SimpleNamespace())
+
+
+def _layer(block: int) -> str:
+    return f"model.layers.{block}.self_attn.q_proj"
+
+
+def test_device_adapters_of_different_cuts_average_per_block(tmp_path: Path) -> None:
+    """Flower's FedAvg over the padded replies, and fedpipe's exact, average each block over
+    the devices whose cut holds it; a block no device holds keeps its global value."""
+    from flwr.serverapp.strategy import FedAvg
+
+    from fedpipe.config import FederatedConfig
+    from fedpipe.federated.apps import _aggregate_exactly, _held, _pad_to_union, _Rounds
+    from fedpipe.federated.local import RunSettings
+    from fedpipe.federated.runfolder import RunFolder
+
+    gen = torch.Generator().manual_seed(0)
+
+    def layer_state(block: int) -> dict[str, torch.Tensor]:
+        return {
+            f"{_layer(block)}.lora_A.weight": torch.randn(2, 6, generator=gen),
+            f"{_layer(block)}.lora_B.weight": torch.randn(5, 2, generator=gen),
+        }
+
+    global_state = {k: v for b in range(5) for k, v in layer_state(b).items()}
+    device_a = {k: v for b in (0, 1, 3) for k, v in layer_state(b).items()}  # cut 2+1
+    device_b = {k: v for b in (0, 2, 3) for k, v in layer_state(b).items()}  # cut 1+2
+    for mode in ("separate", "exact"):
+        replies = [_flower_reply(device_a, 1), _flower_reply(device_b, 3)]
+        held = _held(replies)  # type: ignore[arg-type]
+        _pad_to_union(replies, held, global_state)  # type: ignore[arg-type]
+        arrays, _ = FedAvg().aggregate_train(1, replies)  # type: ignore[arg-type]
+        rounds = _Rounds(None, RunFolder.open(tmp_path, mode), RunSettings(), 0)  # type: ignore[arg-type]
+        rounds.policy = FederatedConfig(aggregation=mode)
+        rounds.device_global, rounds.lora_scale = global_state, 2.0
+        rounds.device_initial = global_state
+        arrays, _ = _aggregate_exactly(rounds, held, (arrays, None))
+        got = arrays.to_torch_state_dict()  # type: ignore[union-attr]
+        for key, value in global_state.items():
+            block = adapter_block(key)
+            if block == 4:  # nobody holds it
+                want = value
+            elif block in (1, 2):  # one holder: its own values, whatever the other weighs
+                want = (device_a if block == 1 else device_b)[key]
+            else:  # both: weights 1 and 3, renormalised over the holders
+                want = 0.25 * device_a[key] + 0.75 * device_b[key]
+            torch.testing.assert_close(got[key], want, atol=1e-6, rtol=1e-6, msg=key)
+        deltas = {k for k in got if k.endswith(".base_delta")}
+        if mode == "exact":  # the residual of each layer held; zero where one device held it
+            assert deltas == {f"{_layer(b)}.base_delta" for b in range(4)}
+            for b in (1, 2):
+                assert float(got[f"{_layer(b)}.base_delta"].abs().max()) < 1e-6
+        else:
+            assert not deltas
