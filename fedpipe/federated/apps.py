@@ -521,5 +521,5 @@ def client_train(msg: Message, context: Context) -> Message:
     )
     if report.plan:
         content["plan"] = ConfigRecord(dict(report.plan))
-    content["device"] = ConfigRecord({"cut": format_cut(work.cut)})
+    content["device"] = ConfigRecord({"cut": format_cut(work.trainer.cut)})
     return Message(content=content, reply_to=msg)
