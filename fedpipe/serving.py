@@ -79,7 +79,10 @@ def build_runtime(
     family = model_family(hf_config)
     offered = config.model.offered_cuts
     for head, tail in offered:  # each offered cut must leave the server a block
-        plan_split(hf_config, head_layers=head, tail_layers=tail, mode=config.model.split)  # type: ignore[arg-type]
+        try:
+            plan_split(hf_config, head_layers=head, tail_layers=tail, mode=config.model.split)  # type: ignore[arg-type]
+        except ValueError as exc:
+            raise ValueError(f"model.cuts: cut {head}+{tail} does not fit: {exc}") from None
     # The stage holds the union of the blocks every offered cut leaves to the server.
     plan = plan_split(
         hf_config,

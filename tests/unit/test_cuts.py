@@ -320,3 +320,26 @@ def test_device_adapters_of_different_cuts_average_per_block(tmp_path: Path) -> 
                 assert float(got[f"{_layer(b)}.base_delta"].abs().max()) < 1e-6
         else:
             assert not deltas
+
+
+def test_fedpipe_client_cut_flag_reaches_the_node_config_and_is_checked() -> None:
+    from fedpipe.cli_parser import build_parser
+    from fedpipe.federated.commands import _client_plan, _node_config
+    from fedpipe.preflight import SettingsError, check_client
+
+    args = build_parser().parse_args(["client", "--superlink", "127.0.0.1:9", "--cut", "2+1"])
+    assert _node_config(_client_plan(args))["cut"] == "2+1"
+    args = build_parser().parse_args(["client", "--superlink", "127.0.0.1:9", "--cut", "1+1,2+1"])
+    with pytest.raises(SettingsError, match="--cut '1\\+1,2\\+1': a device runs one cut"):
+        check_client(_client_plan(args))
+    args = build_parser().parse_args(["client", "--superlink", "127.0.0.1:9", "--cut", "two"])
+    with pytest.raises(SettingsError, match="--cut: 'two' is not a cut"):
+        check_client(_client_plan(args))
+
+
+def test_the_server_refuses_an_offered_cut_that_leaves_it_no_block(folder: Path) -> None:
+    from fedpipe.serving import build_runtime
+
+    config = FedpipeConfig().with_overrides({"model.cuts": "3+1"})
+    with pytest.raises(ValueError, match="model.cuts: cut 3\\+1 does not fit: .* leave 0 of 4"):
+        build_runtime(config, folder=folder)
