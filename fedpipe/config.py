@@ -455,6 +455,12 @@ class FedpipeConfig:
                 f"model.cuts {tails} keep tail blocks, but model.split='two' runs everything "
                 "after the head on the server: write each cut as head+0",
             )
+        _check(
+            len(offered) == 1 or self.privacy.adapter_dp == "off",
+            f"model.cuts {self.model.cuts!r} lets devices hold different blocks, which "
+            f"privacy.adapter_dp = {self.privacy.adapter_dp!r} does not account for (a device's "
+            "update would reach the blocks others lack); offer one cut or set adapter_dp = off",
+        )
         wanted = parse_cuts(self.federated.device_cuts, "federated.device_cuts")
         missing = [format_cut(c) for c in wanted if c not in offered]
         _check(

@@ -238,6 +238,8 @@ def test_cut_settings_are_validated_with_the_key_named() -> None:
     cfg = FedpipeConfig().with_overrides({"model.cuts": "2+1", "federated.device_cuts": "1+1,2+1"})
     assert [cfg.device_cut(p) for p in (-1, 0, 1, 2)] == [(1, 1), (1, 1), (2, 1), (1, 1)]
     assert cfg.with_cut((2, 1)).model.head_layers == 2
+    with pytest.raises(ValueError, match="privacy.adapter_dp = 'server' does not account"):
+        FedpipeConfig().with_overrides({"model.cuts": "2+1", "privacy.adapter_dp": "server"})
     with pytest.raises(ValueError, match="model.cuts \\['2\\+1'\\] keep tail blocks"):
         FedpipeConfig().with_overrides(
             {"model.split": "two", "model.tail_layers": 0, "model.cuts": "2+1"}
