@@ -381,7 +381,11 @@ def server_main(grid: Grid, context: Context) -> None:
         cfg, device_id="evaluator", partition=-1, num_partitions=cfg.federated.num_devices
     )
     # The seeded adapters of every offered cut, before any checkpoint is loaded.
-    arrays, offset = initial_device_adapters(cfg, work.trainer.folder), 0
+    several = len(cfg.model.offered_cuts) > 1
+    arrays = (
+        initial_device_adapters(cfg, work.trainer.folder) if several else work.trainer.adapters()
+    )
+    offset = 0
     initial = dict(arrays)
     checkpoint = folder.latest_checkpoint() if run.resume else None
     if checkpoint is not None:
