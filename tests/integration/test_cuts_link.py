@@ -51,9 +51,15 @@ class RecordingAdamW(torch.optim.AdamW):
         return super().step(closure)
 
 
-def _config(head: int = 1, tail: int = 1) -> FedpipeConfig:
+CUTS = {"u": "2+1,1+2", "two": "2+0,3+0"}  # offered besides 1+1 (u) or 1+0 (two)
+
+
+def _config(head: int = 1, tail: int = 1, split: str = "u") -> FedpipeConfig:
+    model = ModelConfig(
+        name="tiny-llama", head_layers=head, tail_layers=tail, cuts=CUTS[split], split=split
+    )
     return FedpipeConfig(
-        model=ModelConfig(name="tiny-llama", head_layers=head, tail_layers=tail, cuts="2+1,1+2"),
+        model=model,
         pipeline=PipelineConfig(microbatches=2, schedule="gpipe"),
         train=TrainConfig(batch_size=BATCH, seq_len=SEQ, lr=LR),
     )
@@ -72,8 +78,18 @@ def _batches(vocab: int, seed: int, n: int = 2) -> list[dict[str, torch.Tensor]]
 
 @pytest.fixture(scope="module")
 def served() -> Any:
+    yield from _serve("u")
+
+
+@pytest.fixture(scope="module")
+def served_two() -> Any:
+    yield from _serve("two")
+
+
+def _serve(split: str) -> Any:
+    """A StageServer on port 0 offering ``CUTS[split]``, and the unsplit reference model."""
     folder = resolve_model("tiny-llama")
-    config = _config()
+    config = _config(1, 1 if split == "u" else 0, split)
     runtime, info = build_runtime(config, folder=folder)
     opts: dict[int, RecordingAdamW] = {}
 
@@ -99,6 +115,7 @@ def served() -> Any:
             "opts": opts,
             "reference": reference,
             "adapter": adapter,
+            "split": split,
         }
     finally:
         server.stop(grace=None)
@@ -124,11 +141,13 @@ def _reference(served: Any, batches: list[dict[str, torch.Tensor]]) -> tuple[lis
 
 
 def _device_run(served: Any, cut: tuple[int, int], batches, out: dict) -> None:  # type: ignore[no-untyped-def,type-arg]
-    config = _config(*cut)
+    config = _config(*cut, served["split"])
     name = f"dev-{cut[0]}+{cut[1]}"
     trainer = DeviceTrainer(config, device_id=name, folder=served["folder"])
     trainer.load_adapters(served["adapter"])  # the whole model's: it takes its own blocks
-    params = lora_parameters(trainer.head) | lora_parameters(trainer.tail)  # type: ignore[arg-type]
+    params = lora_parameters(trainer.head)
+    if trainer.tail is not None:
+        params |= lora_parameters(trainer.tail)
     opt = RecordingAdamW(list(params.values()), lr=LR, weight_decay=0.0)
     with StageClient(served["server"].address) as client:
         session, runtime = trainer.connect(client, optimizer=opt)
@@ -139,8 +158,20 @@ def _device_run(served: Any, cut: tuple[int, int], batches, out: dict) -> None: 
 
 
 def test_two_devices_of_different_cuts_each_equal_the_unsplit_model(served: Any) -> None:
+    _check_devices(served, [(2, 1), (1, 2)])
+
+
+def test_two_part_split_devices_of_different_heads_equal_the_unsplit_model(
+    served_two: Any,
+) -> None:
+    """The server computes the loss: heads of 2 and 3 blocks, the server runs the rest."""
+    _check_devices(served_two, [(2, 0), (3, 0)])
+
+
+def _check_devices(served: Any, cuts: list[tuple[int, int]]) -> None:
+    """Devices of ``cuts`` train at once; each equals the unsplit model on its batches."""
     vocab = int(served["reference"].get_input_embeddings().num_embeddings)
-    runs = {(2, 1): _batches(vocab, seed=1), (1, 2): _batches(vocab, seed=2)}
+    runs = {cut: _batches(vocab, seed=i + 1) for i, cut in enumerate(cuts)}
     out: dict[str, Any] = {}
     errors: list[BaseException] = []
 
