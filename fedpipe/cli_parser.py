@@ -180,6 +180,13 @@ def _add_client(sub: Any) -> None:
         "--data", help="this device's own text (default: partition ID of the run's data)"
     )
     p.add_argument(
+        "--cut",
+        metavar="H+T",
+        default="",
+        help="this device's head+tail blocks, one the StageServer offers (model.cuts) "
+        "(default: the run's model.head_layers+model.tail_layers)",
+    )
+    p.add_argument(
         "--supernode-port", type=int, help="this SuperNode's own port (default: a free one)"
     )
     _deprecated(p, "--port", "--supernode-port PORT", dest="supernode_port", type=int)

@@ -26,7 +26,9 @@ __all__ = [
     "PrivacyConfig",
     "ServerConfig",
     "TrainConfig",
+    "format_cut",
     "load_config",
+    "parse_cuts",
     "parse_overrides",
 ]
 
@@ -48,6 +50,32 @@ def _check(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
+def parse_cuts(text: str, key: str) -> tuple[tuple[int, int], ...]:
+    """``"1+1, 2+2"`` -> ((1, 1), (2, 2)); a bare ``"2"`` means no tail blocks (mode "two")."""
+    out: list[tuple[int, int]] = []
+    for item in (c.strip() for c in text.split(",")):
+        if not item:
+            continue
+        head, _, tail = item.partition("+")
+        try:
+            cut = (int(head), int(tail or 0))
+        except ValueError:
+            raise ValueError(
+                f"{key}: {item!r} is not a cut; write head+tail block counts such as 2+1"
+            ) from None
+        _check(
+            cut[0] >= 1 and cut[1] >= 0,
+            f"{key}: cut {item!r} needs head >= 1 and tail >= 0 blocks",
+        )
+        out.append(cut)
+    return tuple(out)
+
+
+def format_cut(cut: tuple[int, int]) -> str:
+    """(2, 1) -> ``"2+1"``, the form ``model.cuts`` and ``federated.device_cuts`` take."""
+    return f"{cut[0]}+{cut[1]}"
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Which model, where it is cut, and the LoRA adapters trained on it."""
@@ -56,6 +84,9 @@ class ModelConfig:
     head_layers: int = 1
     tail_layers: int = 1
     split: str = "u"  # "u": labels stay on the device; "two": the server computes the loss
+    # Cuts the StageServer offers besides head_layers+tail_layers: "H+T" pairs, comma-separated
+    # (e.g. "1+1,2+2"); the server holds every block they need, each device picks one.
+    cuts: str = ""
     lora_r: int = 8
     lora_alpha: int = 16
     lora_targets: str = ""  # comma-separated module names; "" = the family's default
@@ -66,6 +97,13 @@ class ModelConfig:
         _check(self.head_layers >= 1, f"model.head_layers must be >= 1, got {self.head_layers}")
         _check(self.tail_layers >= 0, f"model.tail_layers must be >= 0, got {self.tail_layers}")
         _check(self.lora_r >= 1, f"model.lora_r must be >= 1, got {self.lora_r}")
+        parse_cuts(self.cuts, "model.cuts")
+
+    @property
+    def offered_cuts(self) -> tuple[tuple[int, int], ...]:
+        """(head, tail) pairs the server offers: head_layers+tail_layers first, then ``cuts``."""
+        listed = parse_cuts(self.cuts, "model.cuts")
+        return tuple(dict.fromkeys(((self.head_layers, self.tail_layers), *listed)))
 
 
 @dataclass(frozen=True)
@@ -277,6 +315,7 @@ class FederatedConfig:
     fraction_train: float = 1.0
     num_devices: int = 4
     profiles: str = "jetson-ethernet,rpi-wifi,phone-lte,laptop-wifi"  # cycled over devices
+    device_cuts: str = ""  # "H+T" cuts cycled over simulated devices; "" = the model's own cut
     data: str = ""  # "" = the bundled public-domain corpus; else a file or folder
     partition: str = "by-source"  # iid | by-source | dirichlet
     dirichlet_alpha: float = 0.5
@@ -330,6 +369,7 @@ class FederatedConfig:
             f"federated.aggregation = {self.aggregation!r} averages the devices' models itself; "
             f"it needs federated.strategy fedavg or fedprox, got {self.strategy!r}",
         )
+        parse_cuts(self.device_cuts, "federated.device_cuts")
         try:  # names and inline specs, checked here so a typo fails before any process starts
             parse_device_profiles(self.profiles)
         except ValueError as exc:
@@ -397,12 +437,52 @@ class FedpipeConfig:
         )
         if self.model.split == "two":
             _check(self.model.tail_layers == 0, "model.split='two' needs model.tail_layers=0")
+        self._check_cuts()
         _check(
             not (self.pipeline.recompute_head and self.privacy.activation_clip > 0),
             "pipeline.recompute_head = true cannot be combined with privacy.activation_clip > 0: "
             "the recomputed head would not see the clipping and noise that were sent; "
             "turn one of them off",
         )
+
+    def _check_cuts(self) -> None:
+        """Mode "two" varies only the head; every simulated device's cut must be offered."""
+        offered = self.model.offered_cuts
+        if self.model.split == "two":
+            tails = [format_cut(c) for c in offered if c[1] != 0]
+            _check(
+                not tails,
+                f"model.cuts {tails} keep tail blocks, but model.split='two' runs everything "
+                "after the head on the server: write each cut as head+0",
+            )
+        _check(
+            len(offered) == 1 or self.privacy.adapter_dp == "off",
+            f"model.cuts {self.model.cuts!r} lets devices hold different blocks, which "
+            f"privacy.adapter_dp = {self.privacy.adapter_dp!r} does not account for (a device's "
+            "update would reach the blocks others lack); offer one cut or set adapter_dp = off",
+        )
+        wanted = parse_cuts(self.federated.device_cuts, "federated.device_cuts")
+        missing = [format_cut(c) for c in wanted if c not in offered]
+        _check(
+            not missing,
+            f"federated.device_cuts names {missing}, which the server does not offer "
+            f"({', '.join(format_cut(c) for c in offered)}): add them to model.cuts",
+        )
+
+    def device_cut(self, partition: int) -> tuple[int, int]:
+        """The cut simulated device ``partition`` uses: ``federated.device_cuts`` cycled."""
+        cuts = parse_cuts(self.federated.device_cuts, "federated.device_cuts")
+        if partition < 0 or not cuts:
+            return (self.model.head_layers, self.model.tail_layers)
+        return cuts[partition % len(cuts)]
+
+    def with_cut(self, cut: tuple[int, int]) -> FedpipeConfig:
+        """A copy whose device side is built with ``cut`` (the server's offer is unchanged)."""
+        if cut == (self.model.head_layers, self.model.tail_layers):
+            return self
+        offered = ",".join(format_cut(c) for c in self.model.offered_cuts)
+        model = replace(self.model, head_layers=cut[0], tail_layers=cut[1], cuts=offered)
+        return replace(self, model=model)
 
     def to_flat(self) -> dict[str, Any]:
         """``{"section.key": value}`` for every setting (Flower run config, summaries)."""

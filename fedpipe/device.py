@@ -36,7 +36,14 @@ from fedpipe.split import (
 from fedpipe.split.aggregation import BaseFold, split_deltas
 from fedpipe.transport.client import StageClient, StageSession
 
-__all__ = ["DeviceFailure", "DeviceTrainer", "RoundReport", "lora_settings", "split_terms"]
+__all__ = [
+    "DeviceFailure",
+    "DeviceTrainer",
+    "RoundReport",
+    "initial_device_adapters",
+    "lora_settings",
+    "split_terms",
+]
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +71,30 @@ def split_terms(config: FedpipeConfig, folder: Path) -> SplitTerms:
     return SplitTerms.of(
         plan, fingerprint=model_fingerprint(folder), hidden_size=int(hf_config.hidden_size)
     )
+
+
+def initial_device_adapters(config: FedpipeConfig, folder: Path) -> dict[str, torch.Tensor]:
+    """The seeded device adapters of every cut the server offers (``model.cuts``), together.
+
+    The ServerApp's global device state holds them all, so that a device of any offered cut
+    finds its blocks; each cut's stages are built once, here, to read their adapters.
+    """
+    hf_config = load_config(folder)
+    family = model_family(hf_config)
+    settings = lora_settings(config)
+    out: dict[str, torch.Tensor] = {}
+    for head_layers, tail_layers in config.model.offered_cuts:
+        plan = plan_split(
+            hf_config,
+            head_layers=head_layers,
+            tail_layers=tail_layers,
+            mode=config.model.split,  # type: ignore[arg-type]
+        )
+        for stage in build_device_stages(folder, plan):
+            if stage is not None:
+                state = lora_state_dict(apply_lora(stage, settings, family))
+                out |= {k: v.detach().clone() for k, v in state.items() if k not in out}
+    return out
 
 
 def peak_rss_mb() -> float:
@@ -148,12 +179,23 @@ class DeviceTrainer:
         self.device_id = device_id
         self.profile = profile
         self.folder = folder or resolve_model(config.model.name)
+        self._build((config.model.head_layers, config.model.tail_layers))
+        self.tracer = Tracer()
+        # Clipping and noise on what goes up the stage link; None (the default) sends as is.
+        self.defence = LinkDefence.from_config(config.privacy)
+        slowdown = profile.compute_slowdown if profile else 1.0
+        self.throttle = ComputeThrottle(slowdown, RealClock()) if slowdown > 1.0 else None
+        self.planner = DevicePlanner(self) if config.pipeline.plan == "auto" else None
+
+    def _build(self, cut: tuple[int, int]) -> None:
+        """This device's stages for ``cut`` (head, tail blocks), with fresh adapters."""
+        config = self.config
         hf_config = load_config(self.folder)
         self.family = model_family(hf_config)
         self.plan = plan_split(
             hf_config,
-            head_layers=config.model.head_layers,
-            tail_layers=config.model.tail_layers,
+            head_layers=cut[0],
+            tail_layers=cut[1],
             mode=config.model.split,  # type: ignore[arg-type]
         )
         # What the StageServer checks on OpenSession: the same weights, the same cut.
@@ -168,12 +210,11 @@ class DeviceTrainer:
         self.tail = apply_lora(tail, settings, self.family) if tail is not None else None
         self._freeze(config)
         self.fold = BaseFold(self.head, self.tail)  # base deltas of `exact` / `stack`
-        self.tracer = Tracer()
-        # Clipping and noise on what goes up the stage link; None (the default) sends as is.
-        self.defence = LinkDefence.from_config(config.privacy)
-        slowdown = profile.compute_slowdown if profile else 1.0
-        self.throttle = ComputeThrottle(slowdown, RealClock()) if slowdown > 1.0 else None
-        self.planner = DevicePlanner(self) if config.pipeline.plan == "auto" else None
+
+    @property
+    def cut(self) -> tuple[int, int]:
+        """(head, tail) blocks this device runs now."""
+        return self.plan.head_layers, self.plan.tail_layers
 
     def _freeze(self, config: FedpipeConfig) -> None:
         """Frozen-device mode trains nothing here; FFA-LoRA trains B only (A stays at init)."""
@@ -200,12 +241,17 @@ class DeviceTrainer:
     def load_adapters(self, state: dict[str, torch.Tensor]) -> None:
         """Load the global adapters, and the base deltas (``*.base_delta``) that come with them
         under ``exact`` and ``stack`` aggregation (none: the original base weights)."""
+        if self.planner is not None and self.planner.next_cut is not None:
+            cut = self.planner.take_cut()  # chosen last round: the new round's adapters fit it
+            log.info("[device %s] switching to cut %d+%d", self.device_id, *cut)
+            self._build(cut)
         state, deltas = split_deltas(state)
-        self.fold.set(deltas)
-        head_keys = set(lora_state_dict(self.head))
-        load_lora_state_dict(self.head, {k: v for k, v in state.items() if k in head_keys})
-        if self.tail is not None:
-            load_lora_state_dict(self.tail, {k: v for k, v in state.items() if k not in head_keys})
+        # A run whose devices use different cuts carries every cut's blocks: take this one's.
+        self.fold.set({k: v for k, v in deltas.items() if self.fold.owns(k)})
+        for stage in (self.head, self.tail):
+            if stage is not None:
+                keys = set(lora_state_dict(stage))
+                load_lora_state_dict(stage, {k: v for k, v in state.items() if k in keys})
 
     def parameters(self) -> list[torch.nn.Parameter]:
         params = [p for p in self.head.parameters() if p.requires_grad]

@@ -430,6 +430,17 @@ class ClientPlan:
     auth_key: str | None
     stage_cert: str | None = None  # mutual TLS on the stage link: this device's certificate
     stage_key: str | None = None
+    cut: str = ""  # this device's head+tail blocks ("" = the run's)
+
+
+def _check_cut(cut: str) -> None:
+    from fedpipe.config import parse_cuts
+
+    try:
+        if len(parse_cuts(cut, "--cut")) > 1:
+            raise ValueError(f"--cut {cut!r}: a device runs one cut, such as 2+1")
+    except ValueError as exc:
+        raise SettingsError(str(exc)) from None
 
 
 def check_client(plan: ClientPlan) -> None:
@@ -440,6 +451,7 @@ def check_client(plan: ClientPlan) -> None:
             f"(--num-partitions {plan.num_partitions})"
         )
     check_profiles([plan.profile], "--profile")
+    _check_cut(plan.cut)
     if plan.data:
         check_data(plan.data, "--data")
     for ca in (plan.superlink_ca, plan.stage_ca):

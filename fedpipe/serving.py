@@ -77,10 +77,17 @@ def build_runtime(
     folder = folder or resolve_model(config.model.name)
     hf_config = load_config(folder)
     family = model_family(hf_config)
+    offered = config.model.offered_cuts
+    for head, tail in offered:  # each offered cut must leave the server a block
+        try:
+            plan_split(hf_config, head_layers=head, tail_layers=tail, mode=config.model.split)  # type: ignore[arg-type]
+        except ValueError as exc:
+            raise ValueError(f"model.cuts: cut {head}+{tail} does not fit: {exc}") from None
+    # The stage holds the union of the blocks every offered cut leaves to the server.
     plan = plan_split(
         hf_config,
-        head_layers=config.model.head_layers,
-        tail_layers=config.model.tail_layers,
+        head_layers=min(h for h, _ in offered),
+        tail_layers=min(t for _, t in offered),
         mode=config.model.split,  # type: ignore[arg-type]
     )
     device, dtype = pick_device(config.server.device, config.server.dtype)
@@ -105,16 +112,19 @@ def build_runtime(
     split = SplitInfo(
         model=config.model.name,
         num_layers=plan.num_layers,
-        head_layers=plan.head_layers,
-        tail_layers=plan.tail_layers,
+        head_layers=config.model.head_layers,
+        tail_layers=config.model.tail_layers,
         mode=plan.mode,
         hidden_size=int(hf_config.hidden_size),
         dtype=str(dtype).removeprefix("torch."),
         fingerprint=model_fingerprint(folder),
         max_positions=max_positions,
         vocab_size=int(hf_config.vocab_size),
+        cuts=offered if len(offered) > 1 else (),
     )
     log.info("server stage: %s on %s (%s)", plan, device, split.dtype)
+    if len(offered) > 1:
+        log.info("server offers cuts %s (head+tail)", ", ".join(f"{h}+{t}" for h, t in offered))
     return runtime, split
 
 

@@ -22,7 +22,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
-from fedpipe.config import FederatedConfig, FedpipeConfig
+from fedpipe.config import FederatedConfig, FedpipeConfig, format_cut
+from fedpipe.device import initial_device_adapters
 from fedpipe.federated.control import StageControlClient
 from fedpipe.federated.local import (
     DeviceWork,
@@ -37,7 +38,7 @@ from fedpipe.federated.strategies import make_strategy
 from fedpipe.federated.tensorboard import Board
 from fedpipe.federated.tokens import issue_token
 from fedpipe.privacy.adapters import adapter_clipping_mod, with_adapter_dp
-from fedpipe.split.aggregation import DELTA_SUFFIX, aggregate_adapters, split_deltas
+from fedpipe.split.aggregation import DELTA_SUFFIX, aggregate_held, split_deltas
 
 __all__ = ["client_app", "server_app"]
 
@@ -75,6 +76,7 @@ class _Rounds:
         self.device_initial: dict[str, torch.Tensor] = {}  # the seeded adapters (`stack`)
         self.lora_scale = 1.0  # alpha / r of the device adapters
         self.device_deltas: dict[str, torch.Tensor] = {}  # folded so far (`exact`, `stack`)
+        self.device_global: dict[str, torch.Tensor] = {}  # the adapters sent out this round
 
     def log(self, record: dict[str, object]) -> None:
         """One metrics record: metrics.jsonl (read live by the CLI) and TensorBoard."""
@@ -139,6 +141,9 @@ class _Rounds:
             metrics.pop("partition_id", None)  # in the device fields already
             if "plan" in reply.content:  # pipeline.plan = auto: the device's plan and its times
                 metrics["plan"] = dict(cast(ConfigRecord, reply.content["plan"]))
+            record = cast(ConfigRecord, reply.content.get("device", ConfigRecord()))
+            if "cut" in record:  # head+tail blocks the device ran (model.cuts)
+                metrics["cut"] = str(record["cut"])
             self.log({"event": "train", "round": round_, **self.devices.fields(node), **metrics})
         failed = len(self.grid.failures) if self.grid is not None else len(replies) - len(ok)
         self.failures_total += failed
@@ -219,23 +224,57 @@ def _round_stats(ok: list[Message], failed: int) -> dict[str, float | int]:
     return stats
 
 
+def _held(replies: list[Message]) -> tuple[list[dict[str, torch.Tensor]], list[float]]:
+    """Each finished device's adapters as it sent them (its cut's blocks) and its weight."""
+    ok = [r for r in replies if not r.has_error()]
+    states = [dict(cast(ArrayRecord, r.content["arrays"]).to_torch_state_dict()) for r in ok]
+    return states, [float(cast(int, r.content["metrics"]["num-examples"])) for r in ok]
+
+
+def _pad_to_union(
+    replies: list[Message],
+    held: tuple[list[dict[str, torch.Tensor]], list[float]],
+    global_state: dict[str, torch.Tensor],
+) -> None:
+    """Devices of different cuts hold different blocks: fill each reply's missing keys.
+
+    A key a device lacks gets the weighted mean over the devices that hold it (a key nobody
+    holds: its global value). Any strategy that averages the replies by ``num-examples``
+    then gets, per key, the mean over its holders with their weights renormalised, and a
+    block no device ran keeps its global value. Replies of one cut are left as they are.
+    """
+    states, weights = held
+    union = dict.fromkeys([*global_state, *(k for s in states for k in s)])
+    if all(set(s) == set(union) for s in states):
+        return
+    merged, _ = aggregate_held(states, weights, "separate", scale=1.0, initial={})
+    fill = {**global_state, **merged}
+    ok = [r for r in replies if not r.has_error()]
+    for reply, state in zip(ok, states, strict=True):
+        full = {k: state[k] if k in state else fill[k] for k in union}
+        reply.content["arrays"] = ArrayRecord({k: v.contiguous() for k, v in full.items()})
+
+
 def _aggregate_exactly(
-    rounds: _Rounds, replies: list[Message], result: tuple[ArrayRecord | None, object]
+    rounds: _Rounds,
+    held: tuple[list[dict[str, torch.Tensor]], list[float]],
+    result: tuple[ArrayRecord | None, object],
 ) -> tuple[ArrayRecord | None, object]:
     """``exact`` / ``stack``: the device adapters aggregated by fedpipe, base deltas folded.
 
-    The global arrays then carry the cumulative deltas (``*.base_delta``) down to every device
-    each round (dense: out x in values per adapted layer) and into the checkpoints.
+    Each layer over the devices that hold it (their cut's blocks); a layer nobody ran keeps
+    its global value. The global arrays then carry the cumulative deltas (``*.base_delta``)
+    down to every device each round (dense: out x in values per adapted layer) and into the
+    checkpoints.
     """
     mode = rounds.policy.aggregation
-    ok = [r for r in replies if not r.has_error()]
-    if mode not in ("exact", "stack") or not ok or result[0] is None:
+    states, weights = held
+    if mode not in ("exact", "stack") or not states or result[0] is None:
         return result
-    states = [dict(cast(ArrayRecord, r.content["arrays"]).to_torch_state_dict()) for r in ok]
-    weights = [float(cast(int, r.content["metrics"]["num-examples"])) for r in ok]
-    merged, deltas = aggregate_adapters(
+    merged, deltas = aggregate_held(
         states, weights, mode, scale=rounds.lora_scale, initial=rounds.device_initial
     )
+    merged = {**rounds.device_global, **merged}
     total = dict(rounds.device_deltas)
     for name, delta in deltas.items():
         total[name] = total[name] + delta if name in total else delta
@@ -250,15 +289,17 @@ def _wrap_strategy(strategy, rounds: _Rounds):  # type: ignore[no-untyped-def]
     class FedpipeStrategy(base):  # type: ignore[misc, valid-type]
         def configure_train(self, server_round, arrays, config, grid):  # type: ignore[no-untyped-def]
             rounds.begin(server_round, grid)
-            _, rounds.device_deltas = split_deltas(arrays.to_torch_state_dict())
+            rounds.device_global, rounds.device_deltas = split_deltas(arrays.to_torch_state_dict())
             return rounds.configure(
                 server_round, super().configure_train(server_round, arrays, config, grid)
             )
 
         def aggregate_train(self, server_round, replies):  # type: ignore[no-untyped-def]
             replies = rounds.finite_replies(list(replies))
+            held = _held(replies)
+            _pad_to_union(replies, held, rounds.device_global)
             result = _aggregate_exactly(
-                rounds, replies, super().aggregate_train(server_round, replies)
+                rounds, held, super().aggregate_train(server_round, replies)
             )
             rounds.commit(server_round, replies)
             return result
@@ -339,8 +380,13 @@ def server_main(grid: Grid, context: Context) -> None:
     work = DeviceWork(
         cfg, device_id="evaluator", partition=-1, num_partitions=cfg.federated.num_devices
     )
-    arrays, offset = work.trainer.adapters(), 0
-    initial = dict(arrays)  # the seeded adapters, before any checkpoint is loaded
+    # The seeded adapters of every offered cut, before any checkpoint is loaded.
+    several = len(cfg.model.offered_cuts) > 1
+    arrays = (
+        initial_device_adapters(cfg, work.trainer.folder) if several else work.trainer.adapters()
+    )
+    offset = 0
+    initial = dict(arrays)
     checkpoint = folder.latest_checkpoint() if run.resume else None
     if checkpoint is not None:
         arrays, offset = checkpoint.device, checkpoint.round
@@ -414,7 +460,8 @@ def _says_who(train: _TrainFn) -> _TrainFn:
             raise RuntimeError(
                 f"[partition {partition} ({profile})] {type(exc).__name__}: {exc}"
             ) from exc
-        reply.content["device"] = ConfigRecord({"profile": profile})
+        own = cast(ConfigRecord, reply.content.get("device", ConfigRecord()))
+        reply.content["device"] = ConfigRecord({**dict(own), "profile": profile})
         return reply
 
     return wrapped
@@ -449,6 +496,7 @@ def client_train(msg: Message, context: Context) -> Message:
         stage_ca=str(node.get("stage-ca", "")),
         stage_cert=str(node.get("stage-cert", "")),
         stage_key=str(node.get("stage-key", "")),
+        cut=str(node.get("cut", "")),  # `fedpipe client --cut`; else federated.device_cuts
     )
     config = cast(ConfigRecord, msg.content["config"])
     round_ = int(cast(int, config["fedpipe-round"]))
@@ -477,4 +525,5 @@ def client_train(msg: Message, context: Context) -> Message:
     )
     if report.plan:
         content["plan"] = ConfigRecord(dict(report.plan))
+    content["device"] = ConfigRecord({"cut": format_cut(work.trainer.cut)})
     return Message(content=content, reply_to=msg)

@@ -391,6 +391,7 @@ def _client_plan(args: argparse.Namespace) -> Any:
         auth_key=args.auth_key,
         stage_cert=args.tls_cert,
         stage_key=args.tls_key,
+        cut=args.cut,
     )
 
 
@@ -403,6 +404,8 @@ def _node_config(plan: Any) -> dict[str, Any]:
     }
     if plan.data:
         node_config["data"] = str(Path(plan.data).expanduser().resolve())
+    if plan.cut:
+        node_config["cut"] = plan.cut
     if plan.stage_server:
         node_config["stage-address"] = plan.stage_server
     if plan.stage_ca:

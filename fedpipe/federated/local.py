@@ -14,7 +14,7 @@ from typing import Any, ClassVar, cast
 
 import torch
 
-from fedpipe.config import FedpipeConfig
+from fedpipe.config import FedpipeConfig, parse_cuts
 from fedpipe.data import (
     BlockSampler,
     Scheme,
@@ -128,7 +128,13 @@ class DeviceWork:
         stage_ca: str = "",
         stage_cert: str = "",
         stage_key: str = "",
+        cut: str = "",
     ) -> None:
+        # The device's cut: its own (`fedpipe client --cut`), else federated.device_cuts
+        # cycled over partitions, else the model's; the server must offer it (model.cuts).
+        chosen = parse_cuts(cut, "--cut") or (cfg.device_cut(partition),)
+        self.cut = chosen[0]
+        cfg = cfg.with_cut(self.cut)
         self.cfg, self.partition = cfg, partition
         # The device's own files (node config / `fedpipe client` flags), never the server's:
         # the StageServer's CA, and its client certificate and key for mutual TLS.

@@ -21,6 +21,7 @@ FROZEN = (
     "model.name",
     "model.head_layers",
     "model.tail_layers",
+    "model.cuts",  # the checkpoints hold the blocks of every offered cut
     "model.split",
     "model.lora_r",
     "model.lora_alpha",

@@ -6,7 +6,8 @@ Records (one JSON object per line, ``event`` says which):
   later rounds from an earlier attempt (a crash between commit and checkpoint) are dropped,
   so every round's bytes and losses are counted once;
 - ``train``: one device's reply (``partition``, ``profile``, ``train_loss``, ``bytes_up``...,
-  and with ``pipeline.plan = "auto"`` its ``plan``: choices, predicted and measured step time);
+  and with ``pipeline.plan = "auto"`` its ``plan``: choices, predicted and measured step time;
+  ``cut``: the head+tail blocks it ran);
 - ``failure``: one failed device (``device``, ``round``, ``reason``);
 - ``eval``: the round's record (held-out loss, device counts, ``wall_s`` of the round itself,
   ``elapsed_s`` since the start);
@@ -67,6 +68,8 @@ def _add_train(entry: dict[str, Any], rec: dict[str, Any], names: dict[str, str]
     entry["step_times_s"][device] = _get(rec, "step_time_median_s")
     if rec.get("plan"):  # pipeline.plan = auto: plan, predicted and measured step time
         entry.setdefault("plans", {})[device] = rec["plan"]
+    if rec.get("cut"):  # the device's head+tail blocks (model.cuts, federated.device_cuts)
+        entry.setdefault("cuts", {})[device] = rec["cut"]
     entry["_losses"].append(_get(rec, "train_loss"))
     entry["bytes_up"] = entry.get("bytes_up", 0) + int(_get(rec, "bytes_up", 0))
     entry["bytes_down"] = entry.get("bytes_down", 0) + int(_get(rec, "bytes_down", 0))
@@ -120,6 +123,9 @@ def build_summary(history: list[dict[str, Any]], *, config: dict[str, Any]) -> d
     plans = {d: p for entry in out for d, p in entry.get("plans", {}).items()}  # the latest
     if plans:
         summary["plans"] = plans
+    cuts = {d: c for entry in out for d, c in entry.get("cuts", {}).items()}  # the latest
+    if cuts:
+        summary["cuts"] = cuts
     evals = [r["eval_loss"] for r in out if "eval_loss" in r]
     if evals:
         first, last = evals[0], evals[-1]

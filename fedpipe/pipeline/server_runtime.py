@@ -132,6 +132,7 @@ class SessionInfo:
     stream: StreamHandle | None = None  # the live Exchange stream, if any
     streams_opened: int = 0
     frozen_head: bool = False  # frozen-device mode: no input gradient goes back
+    blocks: tuple[int, ...] | None = None  # the stage's blocks its cut runs (None: all)
 
 
 class StreamHandle:
@@ -258,11 +259,13 @@ class StageRuntime:
         seq_len: int = 0,
         codecs: tuple[str, str] = ("fp32", ""),
         frozen_head: bool = False,
+        blocks: tuple[int, ...] | None = None,
     ) -> str:
         """Start a session on a fresh copy of the global adapter; replaces the device's old one.
 
         ``lr`` 0 takes the server's default; ``microbatch_size`` and ``seq_len`` 0 take the
         server's bounds. Anything outside the server's limits raises ``InvalidRequestError``.
+        ``blocks``: the stage's blocks the device's cut leaves to the server (None: all).
         """
         lr = self._check_optimizer(lr, weight_decay)
         rows, tokens = self._check_declared(microbatch_size, seq_len)
@@ -286,6 +289,7 @@ class StageRuntime:
                 self._opening -= 1
         info = SessionInfo(session_id, device_id, round_, opt, rows, tokens, codecs)
         info.frozen_head = frozen_head  # frozen-device mode
+        info.blocks = blocks
         with self._lock:
             for old in [s for s in self._sessions.values() if s.device_id == device_id]:
                 self._drop(old, reason="replaced by a newer session")  # a concurrent open
@@ -501,7 +505,7 @@ class StageRuntime:
             else:
                 merge[info.session_id] = finished[info.device_id]
         if merge and sum(merge.values()) > 0:
-            self.bank.merge(merge)
+            self.bank.merge(merge, blocks={s: self._sessions[s].blocks for s in merge})
             for session_id in merge:
                 info = self._sessions.pop(session_id)
                 info.dropped = True

@@ -146,7 +146,7 @@ class StageExecutor:
         if not msg.forward_only and not _frozen_head(info):
             x.requires_grad_(True)
         labels = self._labels(msg, x) if self.mode == "two" else None
-        return _Forward(i, info, msg, Group(info.session_id, x, labels))
+        return _Forward(i, info, msg, Group(info.session_id, x, labels, blocks=info.blocks))
 
     def _run(self, forwards: list[_Forward], results: list[Result | None]) -> None:
         """The groups in one call of the bank; if the call fails, each group alone."""

@@ -26,6 +26,7 @@ from fedpipe.planner.measure import (
     calibrate,
     probe_link,
     server_times,
+    time_block,
     time_codecs,
     time_device_ops,
 )
@@ -35,10 +36,12 @@ from fedpipe.planner.plan import (
     Options,
     Plan,
     divisors,
+    figures_for_cut,
     link_drift,
     plan_step,
 )
 from fedpipe.split.memory import device_param_bytes
+from fedpipe.split.plan import SplitPlan
 from fedpipe.transport.client import StageSession
 
 if TYPE_CHECKING:
@@ -57,6 +60,13 @@ class DevicePlanner:
         cfg = trainer.config
         self.pipe, self.train = cfg.pipeline, cfg.train
         self.cut = f"{trainer.plan.mode}:{trainer.plan.head_layers}+{trainer.plan.tail_layers}"
+        # Cuts the server offers (model.cuts): the first plan picks one; it applies from the
+        # next round, whose adapters the device then loads into stages built for it.
+        self.cuts = {f"{trainer.plan.mode}:{h}+{t}": (h, t) for h, t in cfg.model.offered_cuts}
+        self.per_cut: dict[str, Measured] = {}
+        self.next_cut: tuple[int, int] | None = None
+        self.cut_plan: Plan | None = None  # the best plan over every offered cut
+        self.cut_chosen = len(self.cuts) < 2
         self.figures: Measured | None = None  # compute figures (the link is replaced per plan)
         self.plan: Plan | None = None  # what this session runs
         self.best: Plan | None = None  # the best plan, whatever the session's codecs
@@ -122,6 +132,14 @@ class DevicePlanner:
         self._make(session, "first plan, from this session's measurements")
         self._apply(runtime)
 
+    def take_cut(self) -> tuple[int, int]:
+        """The cut chosen for the next round; the planner starts over with it (measures anew)."""
+        assert self.next_cut is not None
+        cut, self.next_cut = self.next_cut, None
+        self.cut = f"{self.trainer.plan.mode}:{cut[0]}+{cut[1]}"
+        self.figures = self.plan = self.best = None
+        return cut
+
     def report(self) -> dict[str, str | int | float]:
         """The plan this session ran, its predicted and measured step time, the link probed.
 
@@ -136,6 +154,8 @@ class DevicePlanner:
             out["error"] = round(self.plan.predicted_s / measured - 1, 4)
         if self.best is not None and self._codecs(self.best) != self._codecs(self.plan):
             out["next"] = str(self.best)  # codecs change from the next session
+        if self.cut_plan is not None and self.cut_plan.cut != self.plan.cut:
+            out["next"] = str(self.cut_plan)  # the cut changes from the next round
         out["why"] = self.why
         self._calibrate()  # the next session's plan uses what these steps took
         return out
@@ -157,7 +177,7 @@ class DevicePlanner:
             params = device_param_bytes(trainer.folder, trainer.plan)
             budget = max(1, int(pipe.memory_cap_mb * 2**20) - params)
         assert self.link is not None, "begin() probes the link first"
-        return Measured(
+        figures = Measured(
             batch_size=self.train.batch_size,
             device=device,
             server=server,
@@ -169,6 +189,49 @@ class DevicePlanner:
             c_opt=c_opt,
             s_opt=s_opt,
             split=trainer.plan.mode,
+        )
+        if not self.cut_chosen:
+            self.per_cut = self._per_cut(figures, sizes, throttle)
+        return figures
+
+    def _per_cut(
+        self, figures: Measured, sizes: list[int], throttle: object
+    ) -> dict[str, Measured]:
+        """Every offered cut's figures, from this cut's and one head block's measured times."""
+        trainer = self.trainer
+        shape = (self.train.seq_len, trainer.split.hidden_size)
+        block = time_block(trainer.head, shape, sizes, throttle=throttle)  # type: ignore[arg-type]
+        out = {}
+        for name, cut in self.cuts.items():
+            budget = 0
+            if self.pipe.memory_cap_mb > 0:
+                plan = SplitPlan(trainer.plan.num_layers, cut[0], cut[1], trainer.plan.mode)
+                params = device_param_bytes(trainer.folder, plan)
+                budget = max(1, int(self.pipe.memory_cap_mb * 2**20) - params)
+            out[name] = figures_for_cut(
+                figures,
+                current=trainer.cut,
+                cut=cut,
+                num_layers=trainer.plan.num_layers,
+                block=block,
+                memory_budget_bytes=budget,
+            )
+        return out
+
+    def _choose_cut(self, link: LinkFigures) -> None:
+        """The first plan picks the offered cut with the shortest predicted step (once)."""
+        self.cut_chosen = True
+        if not self.per_cut:
+            return
+        figures = {name: replace(f, link=link) for name, f in self.per_cut.items()}
+        self.cut_plan = plan_step(figures, self._options())
+        if self.cut_plan.cut != self.cut:
+            self.next_cut = self.cuts[self.cut_plan.cut]
+        log.info(
+            "[device %s] best over the offered cuts %s: %s",
+            self.trainer.device_id,
+            ", ".join(self.cuts),
+            self.cut_plan,
         )
 
     def _calibrate(self) -> None:
@@ -216,6 +279,8 @@ class DevicePlanner:
 
     def _make(self, session: StageSession, why: str) -> None:
         assert self.figures is not None and self.link is not None
+        if not self.cut_chosen:
+            self._choose_cut(self.link)
         self.best = self._best(self.link)
         self.plan = self._within(session, self.link)
         self.why = why

@@ -37,6 +37,7 @@ __all__ = [
     "calibrate",
     "probe_link",
     "server_times",
+    "time_block",
     "time_codecs",
     "time_device_ops",
 ]
@@ -117,6 +118,44 @@ def time_device_ops(
         for stage in stages:
             stage.zero_grad(set_to_none=True)
     return times, stash
+
+
+def time_block(
+    stage: nn.Module,
+    shape: tuple[int, int],
+    rows: Sequence[int],
+    *,
+    repeats: int = 3,
+    throttle: Throttle | None = None,
+) -> dict[int, tuple[float, float]]:
+    """One of ``stage``'s blocks: median (forward, backward) seconds per microbatch size.
+
+    What a cut that moves a block to or from this device changes in its compute (the
+    planner's per-block figure). ``shape`` is (tokens, hidden); the weights are not changed.
+    """
+    run: Throttle = throttle or contextlib.nullcontext
+    first = getattr(stage, "block_indices", ())[:1]
+    if not first:
+        return {}
+    gen = torch.Generator().manual_seed(0)
+    out: dict[int, tuple[float, float]] = {}
+    try:
+        for b in rows:
+            x = torch.randn((b, *shape), generator=gen).requires_grad_(True)
+            samples = []
+            for _ in range(repeats + 1):  # the first warms caches and allocator
+                t0 = time.perf_counter()
+                with run():
+                    y = stage.run_blocks(x, first)  # type: ignore[operator]
+                t1 = time.perf_counter()
+                with run():
+                    y.backward(torch.ones_like(y) * 1e-3)
+                samples.append((t1 - t0, time.perf_counter() - t1))
+            samples = samples[1:]
+            out[b] = (_median([f for f, _ in samples]), _median([g for _, g in samples]))
+    finally:
+        stage.zero_grad(set_to_none=True)
+    return out
 
 
 def time_codecs(

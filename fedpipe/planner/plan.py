@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from itertools import product
 
 from fedpipe.bench.bound import Components, in_flight_cap, link_occupancy, predict_step
@@ -28,6 +28,7 @@ __all__ = [
     "divisors",
     "link_drift",
     "plan_step",
+    "figures_for_cut",
 ]
 
 LOSSLESS = "fp32"
@@ -134,6 +135,43 @@ class Plan:
                 "link_down_mbps": round(self.link.down_mbps, 2),
             }
         return out
+
+
+def figures_for_cut(
+    figures: Measured,
+    *,
+    current: tuple[int, int],
+    cut: tuple[int, int],
+    num_layers: int,
+    block: Mapping[int, tuple[float, float]],
+    memory_budget_bytes: int,
+) -> Measured:
+    """``figures`` (measured at cut ``current``) moved to ``cut`` block by block.
+
+    ``block`` is one device block's (forward, backward) seconds per microbatch size: each
+    block the cut adds to the head costs that in the head's forward and backward, each one it
+    adds to the tail both in the tail's pass. The server's time scales with its share of the
+    blocks; the stash with the head's blocks (the embedding counted as one). The memory budget
+    is the cap less the cut's own parameters (the caller's figure).
+    """
+    dh, dt = cut[0] - current[0], cut[1] - current[1]
+    device = {}
+    for rows, ops in figures.device.items():
+        f, b = block.get(rows, (0.0, 0.0))
+        tail = 0.0 if figures.split == "two" else max(0.0, ops.tail + dt * (f + b))
+        device[rows] = OpTimes(
+            max(0.0, ops.head_forward + dh * f), tail, max(0.0, ops.head_backward + dh * b)
+        )
+    share = (num_layers - sum(cut)) / max(1, num_layers - sum(current))
+    server = {rows: (sf * share, sb * share) for rows, (sf, sb) in figures.server.items()}
+    stash = {r: int(v * (cut[0] + 1) / (current[0] + 1)) for r, v in figures.stash_bytes.items()}
+    return replace(
+        figures,
+        device=device,
+        server=server,
+        stash_bytes=stash,
+        memory_budget_bytes=memory_budget_bytes,
+    )
 
 
 def divisors(n: int) -> tuple[int, ...]:

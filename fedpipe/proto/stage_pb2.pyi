@@ -92,7 +92,7 @@ class StageMessage(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., step: _Optional[int] = ..., microbatch: _Optional[int] = ..., kind: _Optional[_Union[Kind, str]] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ..., labels: _Optional[_Union[Tensor, _Mapping]] = ..., loss_scale: _Optional[float] = ..., loss_sum: _Optional[float] = ..., tokens: _Optional[int] = ..., error: _Optional[str] = ..., compute_s: _Optional[float] = ..., forward_only: _Optional[bool] = ..., sample_keys: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SplitSpec(_message.Message):
-    __slots__ = ("model", "num_layers", "head_layers", "tail_layers", "mode", "hidden_size", "dtype", "fingerprint", "max_positions", "vocab_size")
+    __slots__ = ("model", "num_layers", "head_layers", "tail_layers", "mode", "hidden_size", "dtype", "fingerprint", "max_positions", "vocab_size", "cuts")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     HEAD_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +103,7 @@ class SplitSpec(_message.Message):
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     MAX_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CUTS_FIELD_NUMBER: _ClassVar[int]
     model: str
     num_layers: int
     head_layers: int
@@ -113,7 +114,16 @@ class SplitSpec(_message.Message):
     fingerprint: str
     max_positions: int
     vocab_size: int
-    def __init__(self, model: _Optional[str] = ..., num_layers: _Optional[int] = ..., head_layers: _Optional[int] = ..., tail_layers: _Optional[int] = ..., mode: _Optional[str] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., fingerprint: _Optional[str] = ..., max_positions: _Optional[int] = ..., vocab_size: _Optional[int] = ...) -> None: ...
+    cuts: _containers.RepeatedCompositeFieldContainer[SplitCut]
+    def __init__(self, model: _Optional[str] = ..., num_layers: _Optional[int] = ..., head_layers: _Optional[int] = ..., tail_layers: _Optional[int] = ..., mode: _Optional[str] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., fingerprint: _Optional[str] = ..., max_positions: _Optional[int] = ..., vocab_size: _Optional[int] = ..., cuts: _Optional[_Iterable[_Union[SplitCut, _Mapping]]] = ...) -> None: ...
+
+class SplitCut(_message.Message):
+    __slots__ = ("head_layers", "tail_layers")
+    HEAD_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    TAIL_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    head_layers: int
+    tail_layers: int
+    def __init__(self, head_layers: _Optional[int] = ..., tail_layers: _Optional[int] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
     __slots__ = ("device_id", "token", "round", "uplink_codec", "downlink_codec", "microbatch_size", "seq_len", "learning_rate", "weight_decay", "gradient_codec", "split", "frozen_head", "error_feedback", "delta_cache_bytes")

@@ -14,7 +14,13 @@ from typing import TYPE_CHECKING, cast
 
 from torch import Tensor, nn
 
-from fedpipe.split.aggregation import BaseFold, aggregate_adapters, check_aggregation, split_deltas
+from fedpipe.split.aggregation import (
+    BaseFold,
+    aggregate_held,
+    check_aggregation,
+    held_blocks,
+    split_deltas,
+)
 from fedpipe.split.lora import (
     Family,
     LoraSettings,
@@ -82,24 +88,33 @@ class SharedAggregation:
         the original base weights."""
         self.set_global_state(self._initial)
 
-    def merge(self, weights: dict[str, float]) -> dict[str, Tensor]:
+    def merge(
+        self,
+        weights: dict[str, float],
+        *,
+        blocks: dict[str, tuple[int, ...] | None] | None = None,
+    ) -> dict[str, Tensor]:
         """Global <- the named adapters aggregated by ``self.aggregation``; remove them.
 
-        ``exact`` and ``stack`` also fold a change into the base weights (no link bytes).
+        ``blocks`` names the blocks each adapter's session ran (absent or None: all). Each
+        block's adapter becomes the aggregate over the sessions that ran it, their weights
+        renormalised; a block no session ran keeps its global value. ``exact`` and ``stack``
+        also fold a change into the base weights (no link bytes).
         """
         if not weights:
             raise ValueError("merge needs at least one adapter name with a weight")
         for name in weights:
             self._check(name, allow_global=False)
         names = list(weights)
-        merged, deltas = aggregate_adapters(
-            [self.state_dict(n) for n in names],
+        ran = blocks or {}
+        merged, deltas = aggregate_held(
+            [held_blocks(self.state_dict(n), ran.get(n)) for n in names],
             [weights[n] for n in names],
             self.aggregation,
             scale=self.settings.alpha / self.settings.r,
             initial=self._initial,
         )
-        self._load_global(merged)
+        self._load_global({**self._global_adapter(), **merged})
         if deltas:
             self.fold.add(deltas)
         for name in names:
@@ -207,7 +222,7 @@ class AdapterBank(SharedAggregation):
         outs = []
         for group in groups:
             self.activate(group.adapter)
-            outs.append(self.stage(group.hidden))
+            outs.append(self.stage(group.hidden, group.blocks))
         return outs
 
     def run_loss(self, groups: Sequence[Group]) -> list[tuple[Tensor, int]]:
@@ -215,7 +230,8 @@ class AdapterBank(SharedAggregation):
         outs = []
         for group in groups:
             self.activate(group.adapter)
-            outs.append(self.stage(group.hidden, group.labels))
+            _check_suffix(group, getattr(self.stage, "block_indices", ()))
+            outs.append(self.stage(group.hidden, group.labels, group.blocks))
         return outs
 
     def _set_trainable(self, name: str, flag: bool) -> None:
@@ -226,3 +242,12 @@ class AdapterBank(SharedAggregation):
         if name in self._names or (allow_global and name == GLOBAL_ADAPTER):
             return
         raise KeyError(f"no adapter {name!r}; the bank holds {[GLOBAL_ADAPTER, *self._names]}")
+
+
+def _check_suffix(group: Group, held: Sequence[int]) -> None:
+    """The loss follows the stage's last block, so a loss group's blocks must end there."""
+    if group.blocks and held and group.blocks[-1] != held[-1]:
+        raise ValueError(
+            f"group of adapter {group.adapter!r} stops at block {group.blocks[-1]}, but the "
+            f"loss follows the stage's last block {held[-1]}"
+        )

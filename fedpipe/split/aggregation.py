@@ -19,6 +19,7 @@ of that layer's frozen weight, carried in checkpoints beside the adapters so a r
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import cast
 
 import torch
@@ -34,6 +35,9 @@ __all__ = [
     "BaseFold",
     "check_aggregation",
     "aggregate_adapters",
+    "aggregate_held",
+    "adapter_block",
+    "held_blocks",
     "split_deltas",
     "stack_adapters",
 ]
@@ -104,6 +108,60 @@ def aggregate_adapters(
         )
         mean_b, mean_a = merged[name + _B].float(), merged[name + _A].float()
         deltas[name] = scale * (torch.as_tensor(mean_ba) - mean_b @ mean_a)
+    return merged, deltas
+
+
+def adapter_block(key: str) -> int | None:
+    """The global block index a state-dict key belongs to (``layers.5.…``, ``h.5.…``), if any."""
+    parts = key.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part in ("layers", "h") and parts[i + 1].isdigit():
+            return int(parts[i + 1])
+    return None
+
+
+def held_blocks(state: dict[str, Tensor], blocks: Sequence[int] | None) -> dict[str, Tensor]:
+    """The part of ``state`` in ``blocks`` (None: all of it): what one session trained."""
+    if blocks is None:
+        return state
+    wanted = set(blocks)
+    return {k: v for k, v in state.items() if adapter_block(k) in wanted}
+
+
+def aggregate_held(
+    states: list[dict[str, Tensor]],
+    weights: list[float],
+    mode: str,
+    *,
+    scale: float,
+    initial: dict[str, Tensor],
+) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """:func:`aggregate_adapters` per layer over the states that hold it (devices or sessions
+    of different cuts hold different blocks); each layer's weights are renormalised over its
+    holders. Layers whose holders all weigh 0 are left out (they keep their global value).
+
+    When every state holds every key this is :func:`aggregate_adapters` itself.
+    """
+    if len(states) != len(weights) or min(weights, default=0.0) < 0:
+        raise ValueError(f"need one weight >= 0 per adapter, got {weights}")
+    by_holders: dict[tuple[int, ...], list[str]] = {}
+    for key in dict.fromkeys(k for s in states for k in s):
+        holders = tuple(i for i, s in enumerate(states) if key in s)
+        by_holders.setdefault(holders, []).append(key)
+    merged: dict[str, Tensor] = {}
+    deltas: dict[str, Tensor] = {}
+    for holders, keys in by_holders.items():
+        if sum(weights[i] for i in holders) <= 0:
+            continue
+        part, delta = aggregate_adapters(
+            [{k: states[i][k] for k in keys} for i in holders],
+            [weights[i] for i in holders],
+            mode,
+            scale=scale,
+            initial={k: initial[k] for k in keys if k in initial},
+        )
+        merged.update(part)
+        deltas.update(delta)
     return merged, deltas
 
 

@@ -8,6 +8,7 @@ that names both sides' values and the setting to change.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -57,8 +58,17 @@ class SplitTerms:
         )
 
 
-def check_agreement(device: SplitLike | None, server: SplitLike, *, model: str = "") -> None:
+def check_agreement(
+    device: SplitLike | None,
+    server: SplitLike,
+    *,
+    model: str = "",
+    offered: Sequence[tuple[int, int]] = (),
+) -> None:
     """Raise :class:`SplitMismatchError` unless ``device`` built what ``server`` serves.
+
+    ``offered`` lists the (head, tail) cuts the server accepts (``model.cuts``); empty means
+    only the server's own ``head_layers``/``tail_layers``.
 
     ``device`` is None (or has no fingerprint) when an older client sent no split; that is
     refused too, since nothing then proves the two halves fit. ``model`` is the server's model
@@ -71,7 +81,7 @@ def check_agreement(device: SplitLike | None, server: SplitLike, *, model: str =
             "upgrade fedpipe on the device (it sends its split since this version) and start it "
             "with the same model and cut"
         )
-    problems = [_model_problem(device, server, model), _cut_problem(device, server)]
+    problems = [_model_problem(device, server, model), _cut_problem(device, server, offered)]
     if any(problems):
         raise SplitMismatchError("; ".join(p for p in problems if p))
 
@@ -92,13 +102,27 @@ def _model_problem(device: SplitLike, server: SplitLike, model: str) -> str:
     )
 
 
-def _cut_problem(device: SplitLike, server: SplitLike) -> str:
+def _cut_problem(
+    device: SplitLike, server: SplitLike, offered: Sequence[tuple[int, int]] = ()
+) -> str:
+    cut = (device.head_layers, device.tail_layers)
+    if device.mode == server.mode and cut in offered:
+        return ""
     if (device.head_layers, device.tail_layers, device.mode) == (
         server.head_layers,
         server.tail_layers,
         server.mode,
     ):
         return ""
+    if len(offered) > 1:
+        listed = ", ".join(f"{h}+{t}" for h, t in offered)
+        return (
+            f"device cut head={device.head_layers} tail={device.tail_layers} "
+            f"mode={device.mode} is not offered: the server offers {listed} (head+tail, "
+            f"mode={server.mode}); start the device with one of them (--set "
+            "model.head_layers=H --set model.tail_layers=T), or add it to the server's "
+            "model.cuts"
+        )
     return (
         f"device cut head={device.head_layers} tail={device.tail_layers} mode={device.mode}, "
         f"server holds head={server.head_layers} tail={server.tail_layers} "

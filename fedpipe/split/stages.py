@@ -118,23 +118,39 @@ class _Stage(nn.Module):
     def blocks(self) -> nn.ModuleDict:
         return self.layers if self.family == "llama" else self.h
 
-    def run_blocks(self, hidden: Tensor) -> Tensor:
-        """Run this stage's blocks on ``hidden`` (B, T, C) at positions arange(T)."""
-        if not self.block_indices:
+    def run_blocks(self, hidden: Tensor, blocks: Sequence[int] | None = None) -> Tensor:
+        """Run this stage's blocks (or the subset ``blocks`` of them) on ``hidden`` (B, T, C)
+        at positions arange(T). A device whose cut leaves the server fewer blocks runs a subset.
+        """
+        indices = self._subset(blocks)
+        if not indices:
             return hidden
         if self.family == "gpt2":
-            for block in self.h.values():
-                hidden = block(hidden)
+            for i in indices:
+                hidden = self.h[str(i)](hidden)
             return hidden
         length = hidden.shape[1]
         positions = torch.arange(length, device=hidden.device).unsqueeze(0)  # (1, T)
         cos_sin = self.rotary_emb(hidden, position_ids=positions)
-        for index, block in zip(self.block_indices, self.layers.values(), strict=True):
+        for index in indices:
+            block = self.layers[str(index)]
             mask = _window_mask(length, sliding_window(self.config, index), hidden.device)
             hidden = block(
                 hidden, attention_mask=mask, position_ids=positions, position_embeddings=cos_sin
             )
         return hidden
+
+    def _subset(self, blocks: Sequence[int] | None) -> tuple[int, ...]:
+        """``blocks`` checked against the held ones (all of them when None), in order."""
+        if blocks is None:
+            return self.block_indices
+        wanted = tuple(int(b) for b in blocks)
+        if wanted != tuple(b for b in self.block_indices if b in wanted):
+            raise ValueError(
+                f"blocks {list(wanted)} are not a subset of this stage's blocks "
+                f"{list(self.block_indices)} in order"
+            )
+        return wanted
 
 
 class HeadStage(_Stage):
@@ -166,9 +182,9 @@ class HeadStage(_Stage):
 class MiddleStage(_Stage):
     """Server side in U mode: the middle blocks, hidden states in and out."""
 
-    def forward(self, hidden: Tensor) -> Tensor:
-        """(B, T, C) -> (B, T, C)."""
-        return self.run_blocks(hidden)
+    def forward(self, hidden: Tensor, blocks: Sequence[int] | None = None) -> Tensor:
+        """(B, T, C) -> (B, T, C), through ``blocks`` (None: all the stage's)."""
+        return self.run_blocks(hidden, blocks)
 
 
 class TailStage(_Stage):
@@ -187,13 +203,18 @@ class TailStage(_Stage):
     def final_norm(self) -> nn.Module:
         return self.norm if self.family == "llama" else self.ln_f
 
-    def logits(self, hidden: Tensor) -> Tensor:
+    def logits(self, hidden: Tensor, blocks: Sequence[int] | None = None) -> Tensor:
         """(B, T, C) hidden states from the previous stage -> (B, T, V) logits."""
-        return self.lm_head(self.final_norm(self.run_blocks(hidden)))
+        return self.lm_head(self.final_norm(self.run_blocks(hidden, blocks)))
 
-    def forward(self, hidden: Tensor, labels: Tensor) -> tuple[Tensor, int]:
-        """(sum of shifted token cross-entropy, number of counted tokens); pads carry label -100."""
-        return shifted_loss_sum(self.logits(hidden), labels)
+    def forward(
+        self, hidden: Tensor, labels: Tensor, blocks: Sequence[int] | None = None
+    ) -> tuple[Tensor, int]:
+        """(sum of shifted token cross-entropy, number of counted tokens); pads carry label -100.
+
+        ``blocks`` (the server's loss stage): a suffix of the stage's blocks a shorter head
+        leaves to it (None: all)."""
+        return shifted_loss_sum(self.logits(hidden, blocks), labels)
 
 
 class ServerLossStage(TailStage):

@@ -62,6 +62,19 @@ class SplitInfo:
     fingerprint: str = ""  # sha256 over the model's config and base weights
     max_positions: int = 0  # longest sequence the model's positions cover (0: unknown)
     vocab_size: int = 0
+    cuts: tuple[tuple[int, int], ...] = ()  # (head, tail) cuts offered; () = only the one above
+
+    def offered(self) -> tuple[tuple[int, int], ...]:
+        """The cuts a device may open a session with (the server's own cut at least)."""
+        return self.cuts or ((self.head_layers, self.tail_layers),)
+
+    def session_blocks(self, head: int, tail: int) -> tuple[int, ...] | None:
+        """The server blocks a session of cut (head, tail) runs; None when it is all of them."""
+        lowest = min(h for h, _ in self.offered())
+        stage_tail = 0 if self.mode == "two" else min(t for _, t in self.offered())
+        if (head, tail) == (lowest, stage_tail):
+            return None
+        return tuple(range(head, self.num_layers - (0 if self.mode == "two" else tail)))
 
     def to_proto(self) -> pb.SplitSpec:
         return pb.SplitSpec(
@@ -75,6 +88,7 @@ class SplitInfo:
             fingerprint=self.fingerprint,
             max_positions=self.max_positions,
             vocab_size=self.vocab_size,
+            cuts=[pb.SplitCut(head_layers=h, tail_layers=t) for h, t in self.offered()],
         )
 
 
@@ -153,7 +167,9 @@ class _LinkServicer(pb_grpc.StageLinkServicer):
                 request.split if request.HasField("split") else None,
                 self.split,
                 model=self.split.model,
+                offered=self.split.offered(),
             )
+            blocks = self.split.session_blocks(request.split.head_layers, request.split.tail_layers)
             codec = codec_from_proto(request.downlink_codec or pb.FP32)
             grad_codec = codec_from_proto(request.gradient_codec) if request.gradient_codec else ""
             _check_delta_cache(request.delta_cache_bytes, self.max_delta_cache_bytes)
@@ -166,6 +182,7 @@ class _LinkServicer(pb_grpc.StageLinkServicer):
                 seq_len=request.seq_len,
                 codecs=(codec, grad_codec),
                 frozen_head=request.frozen_head,
+                blocks=blocks,
             )
         except Exception as exc:
             context.abort(status_for(exc), str(exc))

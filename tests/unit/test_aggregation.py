@@ -221,7 +221,7 @@ def test_the_server_app_carries_cumulative_device_deltas(tmp_path: Path) -> None
 
     from flwr.app import ArrayRecord, MetricRecord
 
-    from fedpipe.federated.apps import _aggregate_exactly, _Rounds
+    from fedpipe.federated.apps import _aggregate_exactly, _held, _Rounds
     from fedpipe.federated.local import RunSettings
     from fedpipe.federated.runfolder import RunFolder
 
@@ -242,7 +242,7 @@ def test_the_server_app_carries_cumulative_device_deltas(tmp_path: Path) -> None
     rounds = _Rounds(None, RunFolder.open(tmp_path, "r"), RunSettings(), 0, policy=policy)  # type: ignore[arg-type]
     rounds.device_initial, rounds.lora_scale = template, 2.0
     rounds.device_deltas = {"l": torch.ones(5, 6)}  # what earlier rounds folded
-    arrays, _ = _aggregate_exactly(rounds, replies, (ArrayRecord({}), None))  # type: ignore[arg-type]
+    arrays, _ = _aggregate_exactly(rounds, _held(replies), (ArrayRecord({}), None))  # type: ignore[arg-type]
     got = arrays.to_torch_state_dict()  # type: ignore[union-attr]
     mean_ba = sum(
         w * s["l.lora_B.weight"] @ s["l.lora_A.weight"]
