@@ -35,6 +35,7 @@ from fedpipe.split import (
 )
 from fedpipe.split.aggregation import BaseFold, split_deltas
 from fedpipe.transport.client import StageClient, StageSession
+from fedpipe.transport.delta import DeltaEncoder
 
 __all__ = ["DeviceFailure", "DeviceTrainer", "RoundReport", "lora_settings", "split_terms"]
 
@@ -110,6 +111,10 @@ class RoundReport:
     peak_rss_mb: float = 0.0  # the process's peak resident memory so far (ru_maxrss)
     plan: dict[str, str | int | float] = field(default_factory=dict)  # pipeline.plan = auto
     privacy: dict[str, float] = field(default_factory=dict)  # LinkAccountant.report(), if noised
+    # pipeline.delta: activation rows sent as differences / whole, and whether the server
+    # resumed the device's cache from its last round (None: no delta coding)
+    delta_rows: tuple[int, int] = (0, 0)
+    delta_resumed: bool | None = None
 
     @property
     def mean_loss(self) -> float:
@@ -130,6 +135,16 @@ class RoundReport:
             "peak-rss-mb": self.peak_rss_mb,
             "stash-peak": max((s.stash_peak for s in self.steps), default=0),
             **self.privacy,
+            **self._delta_metrics(),
+        }
+
+    def _delta_metrics(self) -> dict[str, float | int]:
+        if self.delta_resumed is None:
+            return {}
+        hits, misses = self.delta_rows
+        return {
+            "delta-hit-rate": hits / max(hits + misses, 1),
+            "delta-resumed": int(self.delta_resumed),
         }
 
 
@@ -174,6 +189,8 @@ class DeviceTrainer:
         slowdown = profile.compute_slowdown if profile else 1.0
         self.throttle = ComputeThrottle(slowdown, RealClock()) if slowdown > 1.0 else None
         self.planner = DevicePlanner(self) if config.pipeline.plan == "auto" else None
+        # Delta coding's cache and salt, kept across rounds (pipeline.delta_resume).
+        self.delta: DeltaEncoder | None = None
 
     def _freeze(self, config: FedpipeConfig) -> None:
         """Frozen-device mode trains nothing here; FFA-LoRA trains B only (A stays at init)."""
@@ -213,6 +230,19 @@ class DeviceTrainer:
             params += [p for p in self.tail.parameters() if p.requires_grad]
         return params
 
+    def delta_encoder(self, nbytes: int) -> DeltaEncoder | None:
+        """The device's delta encoder kept across sessions, made on first use.
+
+        None without delta coding or with ``pipeline.delta_resume = false`` (each session
+        then starts its own cache). The server resumes its copy only if both caches'
+        histories match (:mod:`fedpipe.transport.delta_store`); else both start empty.
+        """
+        if not nbytes or not self.config.pipeline.delta_resume:
+            return None
+        if self.delta is None or self.delta.cache.max_bytes != nbytes:
+            self.delta = DeltaEncoder(nbytes)
+        return self.delta
+
     # -- training ---------------------------------------------------------------------------
     def connect(
         self,
@@ -235,6 +265,7 @@ class DeviceTrainer:
         p = cfg.pipeline
         up, down, grads = p.uplink_codec, p.downlink_codec, p.gradient_codec
         rows = -(-cfg.train.batch_size // p.microbatches)
+        delta_bytes = int(p.delta_cache_mb * 2**20) if p.delta else 0
         if self.planner is not None:  # the plan's codecs; any microbatch count fits
             (up, grads), rows = self.planner.session_codecs(), self.planner.declared_rows()
             down = up
@@ -248,7 +279,9 @@ class DeviceTrainer:
             downlink_codec=down,
             gradient_codec=grads,
             error_feedback=cfg.pipeline.error_feedback,
-            delta_cache_bytes=int(cfg.pipeline.delta_cache_mb * 2**20) if cfg.pipeline.delta else 0,
+            delta_cache_bytes=delta_bytes,
+            delta=self.delta_encoder(delta_bytes),
+            delta_codec=p.delta_codec,
             link=link or (self.profile.link if self.profile else None),
             link_seed=f"{self.device_id}/{round_}",
             tracer=tracer,
@@ -304,6 +337,7 @@ class DeviceTrainer:
         report = RoundReport()
         start = time.perf_counter()
         session, runtime = self.connect(client, optimizer=optimizer, round_=round_, token=token)
+        self._log_delta(session, round_)
         with session:
             if self.planner is not None:
                 self.planner.begin(session, runtime)
@@ -329,6 +363,27 @@ class DeviceTrainer:
             runtime.finish()  # the last step's server update, confirmed before reporting
         report.plan = self.planner.report() if self.planner is not None else {}
         report.bytes_up, report.bytes_down = session.stats.bytes_up, session.stats.bytes_down
+        if cfg.pipeline.delta:
+            report.delta_rows, report.delta_resumed = session.delta_rows, session.delta_resumed
         report.wall_s = time.perf_counter() - start
         report.peak_rss_mb = peak_rss_mb()
         return report
+
+    def _log_delta(self, session: StageSession, round_: int) -> None:
+        """One line per round: whether the server resumed this device's delta cache."""
+        if self.delta is None or not self.config.pipeline.delta:
+            return
+        if session.delta_resumed:
+            log.info(
+                "[device %s] round %d: delta cache resumed (%d samples)",
+                self.device_id,
+                round_,
+                len(self.delta.cache),
+            )
+        else:
+            log.info(
+                "[device %s] round %d: delta cache starts empty: %s",
+                self.device_id,
+                round_,
+                session.delta_reset_reason,
+            )
