@@ -115,6 +115,7 @@ class RoundReport:
     # resumed the device's cache from its last round (None: no delta coding)
     delta_rows: tuple[int, int] = (0, 0)
     delta_resumed: bool | None = None
+    delta_reset_reason: str = ""  # why the server did not resume it
 
     @property
     def mean_loss(self) -> float:
@@ -365,6 +366,7 @@ class DeviceTrainer:
         report.bytes_up, report.bytes_down = session.stats.bytes_up, session.stats.bytes_down
         if cfg.pipeline.delta:
             report.delta_rows, report.delta_resumed = session.delta_rows, session.delta_resumed
+            report.delta_reset_reason = session.delta_reset_reason
         report.wall_s = time.perf_counter() - start
         report.peak_rss_mb = peak_rss_mb()
         return report

@@ -110,10 +110,11 @@ class DeltaStore:
                     "delta store full: evicted %s's cache (%d bytes)", evicted, old.cache.nbytes
                 )
 
-    def drop(self, device_id: str) -> None:
-        """Forget ``device_id``'s cache (its session failed: the two sides may differ)."""
+    def get(self, device_id: str) -> DeltaCache | None:
+        """``device_id``'s kept cache, if any (to inspect it: a session must ``take`` it)."""
         with self._lock:
-            self._kept.pop(device_id, None)
+            kept = self._kept.get(device_id)
+        return kept.cache if kept is not None else None
 
 
 def _mismatch(kept: _Kept | None, wanted: CacheIdentity, max_bytes: int, codec: str) -> str:
@@ -127,11 +128,13 @@ def _mismatch(kept: _Kept | None, wanted: CacheIdentity, max_bytes: int, codec: 
     have = kept.cache.identity
     if have.cache_id != wanted.cache_id:
         return "the device's cache is another one than the server's (device restarted?)"
-    if (have.entries, have.digest) != (wanted.entries, wanted.digest):
+    if have.entries != wanted.entries:
         return (
             f"the caches' histories differ ({wanted.entries} rows on the device, "
             f"{have.entries} on the server: a session failed part way?)"
         )
+    if have.digest != wanted.digest:
+        return f"the caches' digests differ after {have.entries} rows: their contents differ"
     if kept.cache.max_bytes != max_bytes:
         return f"the cache size changed ({kept.cache.max_bytes} -> {max_bytes} bytes)"
     if kept.codec != codec:
