@@ -287,6 +287,7 @@ class FederatedConfig:
     profiles: str = "jetson-ethernet,rpi-wifi,phone-lte,laptop-wifi"  # cycled over devices
     data: str = ""  # "" = the bundled public-domain corpus; else a file or folder
     partition: str = "by-source"  # iid | by-source | dirichlet
+    device_blocks: int = 0  # > 0: each device keeps only this many blocks (small local data)
     dirichlet_alpha: float = 0.5
     eval_fraction: float = 0.1
     proximal_mu: float = 0.01
@@ -322,6 +323,11 @@ class FederatedConfig:
             "straggler_s >= 0",
         )
         _check(self.max_failures >= -1, "federated.max_failures must be >= 0, or -1 (no limit)")
+        _check(
+            self.device_blocks >= 0,
+            f"federated.device_blocks must be >= 0 (0: the whole partition), "
+            f"got {self.device_blocks}",
+        )
         _check(self.num_devices >= 1, f"federated.num_devices must be >= 1, got {self.num_devices}")
         _check(0 < self.fraction_train <= 1, "federated.fraction_train must be in (0, 1]")
         _check(

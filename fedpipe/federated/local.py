@@ -156,7 +156,9 @@ class DeviceWork:
             alpha=fed.dirichlet_alpha,
             seed=cfg.model.seed,
         )
-        self.blocks = tokenize_blocks(parts[partition], tokenizer, cfg.train.seq_len)
+        self.blocks = tokenize_blocks(  # the first device_blocks: data a device revisits
+            parts[partition], tokenizer, cfg.train.seq_len, max_blocks=fed.device_blocks or None
+        )
         log.info("[device %s] partition %d: %d blocks", device_id, partition, len(self.blocks))
 
     @classmethod

@@ -12,9 +12,12 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from fedpipe.bench.quality import EXTRA_RUNS, run_quality_bench
 from fedpipe.config import FedpipeConfig, PipelineConfig, ServerConfig, TrainConfig
 from fedpipe.device import DeviceFailure, DeviceTrainer, RoundReport
 from fedpipe.federated.control import StageControlClient
+from fedpipe.federated.report import report_lines
+from fedpipe.federated.summary import build_summary
 from fedpipe.models import resolve_model
 from fedpipe.serving import build_stage_server
 from fedpipe.transport.client import StageClient
@@ -285,3 +288,57 @@ def test_settings_round_trip() -> None:
     assert FedpipeConfig().with_overrides(config.to_flat()) == config
     defaults = FedpipeConfig()
     assert (defaults.pipeline.delta_resume, defaults.pipeline.delta_codec) == (True, "")
+
+
+def test_the_bench_delta_runs_are_valid_settings() -> None:
+    runs = {r["name"]: r for r in EXTRA_RUNS}
+    for name in ("int8-delta", "int8-delta-session"):
+        config = FedpipeConfig().with_overrides(
+            {k: v for k, v in runs[name].items() if k != "name"}
+        )
+        assert config.pipeline.delta and config.pipeline.delta_resume == (name == "int8-delta")
+
+
+# -- what a run reports -------------------------------------------------------------------------
+def test_the_run_summary_says_per_device_whether_its_cache_was_resumed() -> None:
+    def train(round_: int, partition: int, resumed: int, hits: float) -> dict[str, object]:
+        return {
+            "event": "train",
+            "round": round_,
+            "partition": partition,
+            "profile": "loopback",
+            "train_loss": 3.0,
+            "delta_resumed": resumed,  # RoundReport.metrics(), snake_case as the ServerApp logs
+            "delta_hit_rate": hits,
+        }
+
+    history = [train(1, 0, 0, 0.0), train(1, 1, 0, 0.0), train(2, 0, 1, 1.0), train(2, 1, 0, 0.0)]
+    summary = build_summary(history, config={})
+    assert summary["rounds"][1]["delta"] == {
+        "0": {"resumed": True, "hit_rate": 1.0},
+        "1": {"resumed": False, "hit_rate": 0.0},
+    }
+    assert report_lines(summary)[-2:] == [
+        "partition 0 (loopback): delta cache resumed in 1 of 2 rounds; last round 100% of "
+        "activation rows sent as differences",
+        "partition 1 (loopback): delta cache resumed in 0 of 2 rounds; last round 0% of "
+        "activation rows sent as differences",
+    ]
+
+
+@pytest.mark.slow
+def test_the_quality_bench_shows_fewer_bytes_in_later_rounds_only_with_kept_caches() -> None:
+    report = run_quality_bench(
+        quick=True,
+        names=["int8-delta", "int8-delta-session"],
+        # 4 blocks a device, 4 samples a round: every round is one epoch of its data
+        overrides={"federated.device_blocks": 4, "federated.rounds": 3},
+    )
+    kept, session = (r["per_round"] for r in report["runs"])
+    assert [r["delta_hit_rate"] for r in kept] == [0.0, 1.0, 1.0]
+    assert [r["delta_resumed"] for r in kept] == [0, 4, 4]  # all four devices
+    assert [r["delta_hit_rate"] for r in session] == [0.0, 0.0, 0.0]
+    assert kept[0]["bytes_per_token"] == session[0]["bytes_per_token"]
+    assert kept[2]["bytes_per_token"] < 0.9 * session[2]["bytes_per_token"]
+    losses = [r["eval_loss"] for r in report["runs"]]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-2)
