@@ -396,6 +396,8 @@ class StageSession:
         self._call.cancel()
         self._fail(StageLinkError("session aborted by the device"))
         self._outgoing.put(_END)
+        # Its delta cache may outlive this session: no late encode may touch it after this.
+        self._threads[0].join(timeout=self.timeout_s)
         self._wire.put(_END)
         self._up.close(drop=True)
         self._down.close(drop=True)
@@ -414,6 +416,8 @@ class StageSession:
     def _encode_loop(self) -> None:
         while (item := self._outgoing.get()) is not _END:
             assert isinstance(item, StageMsg)
+            if self._failure is not None:
+                continue  # nothing more goes up (nor into a delta cache) after a failure
             try:
                 raw = self._encoder.encode(item)
             except Exception as exc:  # a bug or a bad tensor on our side
