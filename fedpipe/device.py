@@ -190,8 +190,10 @@ class DeviceTrainer:
         slowdown = profile.compute_slowdown if profile else 1.0
         self.throttle = ComputeThrottle(slowdown, RealClock()) if slowdown > 1.0 else None
         self.planner = DevicePlanner(self) if config.pipeline.plan == "auto" else None
-        # Delta coding's cache and salt, kept across rounds (pipeline.delta_resume).
+        # Delta coding's cache and salt, kept across rounds (pipeline.delta_resume), and a
+        # file that keeps them across processes (None: kept in memory only).
         self.delta: DeltaEncoder | None = None
+        self.delta_path: Path | None = None
 
     def _freeze(self, config: FedpipeConfig) -> None:
         """Frozen-device mode trains nothing here; FFA-LoRA trains B only (A stays at init)."""
@@ -232,7 +234,8 @@ class DeviceTrainer:
         return params
 
     def delta_encoder(self, nbytes: int) -> DeltaEncoder | None:
-        """The device's delta encoder kept across sessions, made on first use.
+        """The device's delta encoder kept across sessions: made on first use, or read from
+        ``delta_path`` where set (written back after every session).
 
         None without delta coding or with ``pipeline.delta_resume = false`` (each session
         then starts its own cache). The server resumes its copy only if both caches'
@@ -240,6 +243,8 @@ class DeviceTrainer:
         """
         if not nbytes or not self.config.pipeline.delta_resume:
             return None
+        if self.delta_path is not None:  # the file wins: another process may have trained
+            self.delta = DeltaEncoder.load(self.delta_path, nbytes)
         if self.delta is None or self.delta.cache.max_bytes != nbytes:
             self.delta = DeltaEncoder(nbytes)
         return self.delta
@@ -339,6 +344,30 @@ class DeviceTrainer:
         start = time.perf_counter()
         session, runtime = self.connect(client, optimizer=optimizer, round_=round_, token=token)
         self._log_delta(session, round_)
+        try:
+            self._train_steps(session, runtime, batches, report, round_, fail_after_steps)
+        finally:
+            if self.delta is not None and self.delta_path is not None:
+                self.delta.save(self.delta_path)  # for the next round's process
+        report.plan = self.planner.report() if self.planner is not None else {}
+        report.bytes_up, report.bytes_down = session.stats.bytes_up, session.stats.bytes_down
+        if cfg.pipeline.delta:
+            report.delta_rows, report.delta_resumed = session.delta_rows, session.delta_resumed
+            report.delta_reset_reason = session.delta_reset_reason
+        report.wall_s = time.perf_counter() - start
+        report.peak_rss_mb = peak_rss_mb()
+        return report
+
+    def _train_steps(
+        self,
+        session: StageSession,
+        runtime: DeviceRuntime,
+        batches: list[dict[str, torch.Tensor]],
+        report: RoundReport,
+        round_: int,
+        fail_after_steps: int | None,
+    ) -> None:
+        """The round's steps over ``session``, which this closes (or aborts, when injected)."""
         with session:
             if self.planner is not None:
                 self.planner.begin(session, runtime)
@@ -362,14 +391,6 @@ class DeviceTrainer:
                     result.wall_s,
                 )
             runtime.finish()  # the last step's server update, confirmed before reporting
-        report.plan = self.planner.report() if self.planner is not None else {}
-        report.bytes_up, report.bytes_down = session.stats.bytes_up, session.stats.bytes_down
-        if cfg.pipeline.delta:
-            report.delta_rows, report.delta_resumed = session.delta_rows, session.delta_resumed
-            report.delta_reset_reason = session.delta_reset_reason
-        report.wall_s = time.perf_counter() - start
-        report.peak_rss_mb = peak_rss_mb()
-        return report
 
     def _log_delta(self, session: StageSession, round_: int) -> None:
         """One line per round: whether the server resumed this device's delta cache."""

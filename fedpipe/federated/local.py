@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar, cast
@@ -128,6 +129,7 @@ class DeviceWork:
         stage_ca: str = "",
         stage_cert: str = "",
         stage_key: str = "",
+        delta_dir: str = "",
     ) -> None:
         self.cfg, self.partition = cfg, partition
         # The device's own files (node config / `fedpipe client` flags), never the server's:
@@ -135,6 +137,9 @@ class DeviceWork:
         self.stage_ca, self.stage_cert, self.stage_key = stage_ca, stage_cert, stage_key
         self.profile = _profile(cfg, partition, profile)
         self.trainer = DeviceTrainer(cfg, device_id=device_id, profile=self.profile)
+        if delta_dir:  # pipeline.delta: the cache outlives this process (a ClientApp's round)
+            name = re.sub(r"[^A-Za-z0-9_.-]", "_", device_id)
+            self.trainer.delta_path = Path(delta_dir) / f"{name}.delta.safetensors"
         tokenizer = load_tokenizer(self.trainer.folder)
         fed = cfg.federated
         if data:  # a deployed device's own data: all of it is its partition

@@ -35,11 +35,17 @@ language models over slow networks using activation compression with guarantees"
 from __future__ import annotations
 
 import hashlib
+import json
+import logging
 import os
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 from fedpipe.pipeline.messages import StageMsg
 from fedpipe.transport.codec import TensorFormatError
@@ -55,6 +61,8 @@ __all__ = [
 
 DELTA_BIT = 1 << 63  # set in a sample key: the row is a difference from the key's base
 _KEY_MASK = DELTA_BIT - 1
+_FILE_FORMAT = "fedpipe-delta-1"
+log = logging.getLogger(__name__)
 _DIGEST_BYTES = 16
 EMPTY_DIGEST = bytes(_DIGEST_BYTES)  # the digest of a cache no row was put in
 
@@ -121,6 +129,18 @@ class DeltaCache:
             _, evicted = self._rows.popitem(last=False)
             self.nbytes -= _nbytes(evicted)
 
+    def restore(self, rows: Iterable[tuple[int, torch.Tensor]], identity: CacheIdentity) -> None:
+        """Refill the cache as it was saved: its rows (oldest first) and identity."""
+        self.clear()
+        for key, row in rows:
+            self._rows[key] = row
+            self.nbytes += _nbytes(row)
+        self.cache_id, self.entries, self.digest = (
+            identity.cache_id,
+            identity.entries,
+            identity.digest,
+        )
+
     def __len__(self) -> int:
         return len(self._rows)
 
@@ -174,6 +194,57 @@ class DeltaEncoder:
     def reset(self) -> None:
         """Start empty (the server did not resume this cache); keys keep their salt."""
         self.cache.clear()
+
+    def save(self, path: Path) -> None:
+        """Write the salt, the cache and its identity to ``path`` (owner-only, atomically).
+
+        For devices whose training process does not outlive a round (Flower runs each
+        ClientApp message in a new process by default): the next round loads it back. The
+        file holds activations of the device's own data, so it stays on the device.
+        """
+        c = self.cache
+        meta = {
+            "format": _FILE_FORMAT,
+            "keys": json.dumps(list(c._rows)),  # oldest first: the eviction order
+            "cache_id": c.cache_id,
+            "entries": str(c.entries),
+            "digest": c.digest.hex(),
+            "salt": self._salt.hex(),
+            "max_bytes": str(c.max_bytes),
+        }
+        rows = {f"{i:08d}": row.contiguous() for i, row in enumerate(c._rows.values())}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        save_file(rows, str(tmp), metadata=meta)
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: Path, max_bytes: int) -> DeltaEncoder | None:
+        """The encoder saved at ``path``; None if there is none, or one of another size.
+
+        A file that cannot be read is ignored (with a warning): a new cache costs one round
+        of whole sends, and the server resumes nothing that does not match.
+        """
+        if not path.is_file():
+            return None
+        try:
+            with safe_open(str(path), "pt") as f:
+                meta = f.metadata() or {}
+                if meta.get("format") != _FILE_FORMAT or int(meta["max_bytes"]) != max_bytes:
+                    return None
+                tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+            encoder = cls(max_bytes, salt=bytes.fromhex(meta["salt"]))
+            keys = [int(k) for k in json.loads(meta["keys"])]
+            rows = [tensors[f"{i:08d}"] for i in range(len(keys))]
+        except (OSError, ValueError, KeyError, SafetensorError) as exc:
+            log.warning("ignoring the delta cache file %s (%s); starting a new one", path, exc)
+            return None
+        identity = CacheIdentity(
+            meta["cache_id"], int(meta["entries"]), bytes.fromhex(meta["digest"])
+        )
+        encoder.cache.restore(zip(keys, rows, strict=True), identity)
+        return encoder
 
     def keys_for(self, inputs: torch.Tensor) -> list[int]:
         """One salted 63-bit key per row of ``inputs`` (token ids, (b, T))."""

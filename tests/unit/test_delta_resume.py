@@ -226,6 +226,25 @@ def test_a_device_cannot_resume_another_devices_cache(server: StageServer, folde
     assert _round(server, owner, 3).delta_resumed is False
 
 
+def test_a_device_process_per_round_resumes_from_its_file(
+    server: StageServer, folder, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "d1.delta.safetensors"
+    first = _device(folder)
+    first.delta_path = path
+    _round(server, first, 1)
+    assert path.stat().st_mode & 0o777 == 0o600  # activations of the device's own data
+    second = _device(folder)  # the next round's ClientApp: a new process, the same file
+    second.delta_path = path
+    report = _round(server, second, 2)
+    assert report.delta_resumed is True and report.delta_rows == (ROWS_PER_SESSION, 0)
+    _assert_mirrored(second, server)
+    path.write_bytes(b"not a cache")  # unreadable: a new cache, never a wrong one
+    third = _device(folder)
+    third.delta_path = path
+    _resets(server, third, "the device's cache is empty", round_=3)
+
+
 # -- the store alone ----------------------------------------------------------------------------
 def _cache(rows: int, cache_id: str = "c") -> DeltaCache:
     cache = DeltaCache(1 << 20, cache_id=cache_id)
