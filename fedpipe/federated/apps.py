@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -435,14 +436,16 @@ def _maybe_hang(msg: Message, context: Context, partition: int) -> None:
 def _delta_dir(node: dict[str, Any], run: RunSettings) -> str:
     """Where the device keeps its delta cache between rounds (each may be a new process).
 
-    The node's ``delta-dir``, else the run folder's ``delta-cache`` where that folder is on
-    this host (simulations); "" (memory only) otherwise.
+    The node's ``delta-dir``; else the run folder's ``delta-cache`` where that folder is on
+    this host (simulations); else its SuperNode's home (``FLWR_HOME``: `fedpipe client
+    --workdir`, which lives as long as the device's process); else memory only ("").
     """
     if node.get("delta-dir"):
         return str(node["delta-dir"])
     if run.dir and Path(run.dir).is_dir():
         return str(Path(run.dir) / "delta-cache")
-    return ""
+    home = os.environ.get("FLWR_HOME", "")
+    return str(Path(home) / "fedpipe-delta-cache") if home else ""
 
 
 @client_app.train()
