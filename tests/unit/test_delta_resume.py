@@ -245,6 +245,19 @@ def test_a_device_process_per_round_resumes_from_its_file(
     _resets(server, third, "the device's cache is empty", round_=3)
 
 
+def test_a_clientapp_keeps_its_cache_file_on_its_own_host(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from fedpipe.federated.apps import _delta_dir
+    from fedpipe.federated.local import RunSettings
+
+    monkeypatch.setenv("FLWR_HOME", str(tmp_path / "home"))
+    assert _delta_dir({"delta-dir": "/d"}, RunSettings(dir=str(tmp_path))) == "/d"
+    assert _delta_dir({}, RunSettings(dir=str(tmp_path))) == str(tmp_path / "delta-cache")
+    elsewhere = RunSettings(dir="/no/such/run-folder")  # the server's path, not on this host
+    assert _delta_dir({}, elsewhere) == str(tmp_path / "home" / "fedpipe-delta-cache")
+    monkeypatch.delenv("FLWR_HOME")
+    assert _delta_dir({}, elsewhere) == ""  # memory only
+
+
 # -- the store alone ----------------------------------------------------------------------------
 def _cache(rows: int, cache_id: str = "c") -> DeltaCache:
     cache = DeltaCache(1 << 20, cache_id=cache_id)
