@@ -140,6 +140,12 @@ EXTRA_RUNS: list[dict[str, Any]] = [
     {"name": "noniid-stack", **_NONIID, "federated.aggregation": "stack"},
     {"name": "int8-delta", **_DELTA},
     {"name": "int8-delta-session", **_DELTA, "pipeline.delta_resume": False},
+    {  # the fewest bytes: differences grouped along tokens, like the int4t rows they correct
+        **next(r for r in COMPRESSION if r["name"] == "int4t-int2ef"),
+        "name": "int4t-int2ef-delta",
+        "pipeline.delta": True,
+        "pipeline.delta_codec": "int2t",
+    },
 ]
 
 

@@ -324,11 +324,12 @@ def test_settings_round_trip() -> None:
 
 def test_the_bench_delta_runs_are_valid_settings() -> None:
     runs = {r["name"]: r for r in EXTRA_RUNS}
-    for name in ("int8-delta", "int8-delta-session"):
+    for name in ("int8-delta", "int8-delta-session", "int4t-int2ef-delta"):
         config = FedpipeConfig().with_overrides(
             {k: v for k, v in runs[name].items() if k != "name"}
         )
-        assert config.pipeline.delta and config.pipeline.delta_resume == (name == "int8-delta")
+        assert config.pipeline.delta
+        assert config.pipeline.delta_resume == (name != "int8-delta-session")
 
 
 # -- what a run reports -------------------------------------------------------------------------
