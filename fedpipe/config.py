@@ -118,7 +118,9 @@ class PipelineConfig:
     gradient_codec: str = ""  # "" = each direction's codec; e.g. int8 activations, bf16 grads
     error_feedback: bool = False  # gradients: each side adds what its last send lost to the next
     delta: bool = False  # activations: send the change since the sample's last send (AQ-SGD)
-    delta_cache_mb: float = 64.0  # with delta: decoded samples kept per session, on both sides
+    delta_cache_mb: float = 64.0  # with delta: decoded samples kept, on both sides
+    delta_resume: bool = True  # with delta: the caches outlive the round (false: one session)
+    delta_codec: str = ""  # with delta: codec of activations sent all as differences ("": uplink's)
     timeout_s: float = 120.0
     # false: frozen-device mode: the device's head and tail train nothing, the head runs
     # forward only and the server sends no input gradient down (LoRA trains on the server).
@@ -145,10 +147,10 @@ class PipelineConfig:
             self.schedule in SCHEDULES,
             f"pipeline.schedule {self.schedule!r} unknown; choose one of {', '.join(SCHEDULES)}",
         )
-        for name in ("uplink_codec", "downlink_codec", "gradient_codec"):
+        for name in ("uplink_codec", "downlink_codec", "gradient_codec", "delta_codec"):
             value = getattr(self, name)
             _check(
-                _is_codec(value) or (name == "gradient_codec" and value == ""),
+                _is_codec(value) or (name in ("gradient_codec", "delta_codec") and value == ""),
                 f"pipeline.{name} {value!r} unknown; choose one of {codec_help()}",
             )
         _check(
@@ -215,6 +217,7 @@ class ServerConfig:
     max_pending_mb: float = 256.0
     max_streams: int = 64  # Exchange streams served at once (each holds a gRPC thread)
     max_delta_cache_mb: float = 256.0  # per session: the largest delta cache a device may ask
+    delta_store_mb: float = 1024.0  # devices' delta caches kept between rounds, all together
     max_microbatch_size: int = 64  # rows of one tensor a session may declare and send
     max_seq_len: int = 0  # tokens of one tensor; 0 = the model's positions
     max_learning_rate: float = 1e-2  # bounds on the server-side optimizer a device may ask for
@@ -274,6 +277,11 @@ class ServerConfig:
             f"got {self.max_delta_cache_mb}",
         )
         _check(
+            self.delta_store_mb >= 0,
+            f"server.delta_store_mb must be >= 0 (0: no delta cache outlives its session), "
+            f"got {self.delta_store_mb}",
+        )
+        _check(
             bool(self.tls_cert) == bool(self.tls_key),
             "server.tls_cert and server.tls_key go together: give both or neither",
         )
@@ -318,6 +326,7 @@ class FederatedConfig:
     device_cuts: str = ""  # "H+T" cuts cycled over simulated devices; "" = the model's own cut
     data: str = ""  # "" = the bundled public-domain corpus; else a file or folder
     partition: str = "by-source"  # iid | by-source | dirichlet
+    device_blocks: int = 0  # > 0: each device keeps only this many blocks (small local data)
     dirichlet_alpha: float = 0.5
     eval_fraction: float = 0.1
     proximal_mu: float = 0.01
@@ -353,6 +362,11 @@ class FederatedConfig:
             "straggler_s >= 0",
         )
         _check(self.max_failures >= -1, "federated.max_failures must be >= 0, or -1 (no limit)")
+        _check(
+            self.device_blocks >= 0,
+            f"federated.device_blocks must be >= 0 (0: the whole partition), "
+            f"got {self.device_blocks}",
+        )
         _check(self.num_devices >= 1, f"federated.num_devices must be >= 1, got {self.num_devices}")
         _check(0 < self.fraction_train <= 1, "federated.fraction_train must be in (0, 1]")
         _check(

@@ -35,6 +35,7 @@ from fedpipe.split import (
 )
 from fedpipe.split.aggregation import BaseFold, split_deltas
 from fedpipe.transport.client import StageClient, StageSession
+from fedpipe.transport.delta import DeltaEncoder
 
 __all__ = [
     "DeviceFailure",
@@ -141,6 +142,11 @@ class RoundReport:
     peak_rss_mb: float = 0.0  # the process's peak resident memory so far (ru_maxrss)
     plan: dict[str, str | int | float] = field(default_factory=dict)  # pipeline.plan = auto
     privacy: dict[str, float] = field(default_factory=dict)  # LinkAccountant.report(), if noised
+    # pipeline.delta: activation rows sent as differences / whole, and whether the server
+    # resumed the device's cache from its last round (None: no delta coding)
+    delta_rows: tuple[int, int] = (0, 0)
+    delta_resumed: bool | None = None
+    delta_reset_reason: str = ""  # why the server did not resume it
 
     @property
     def mean_loss(self) -> float:
@@ -161,6 +167,16 @@ class RoundReport:
             "peak-rss-mb": self.peak_rss_mb,
             "stash-peak": max((s.stash_peak for s in self.steps), default=0),
             **self.privacy,
+            **self._delta_metrics(),
+        }
+
+    def _delta_metrics(self) -> dict[str, float | int]:
+        if self.delta_resumed is None:
+            return {}
+        hits, misses = self.delta_rows
+        return {
+            "delta-hit-rate": hits / max(hits + misses, 1),
+            "delta-resumed": int(self.delta_resumed),
         }
 
 
@@ -186,6 +202,10 @@ class DeviceTrainer:
         slowdown = profile.compute_slowdown if profile else 1.0
         self.throttle = ComputeThrottle(slowdown, RealClock()) if slowdown > 1.0 else None
         self.planner = DevicePlanner(self) if config.pipeline.plan == "auto" else None
+        # Delta coding's cache and salt, kept across rounds (pipeline.delta_resume), and a
+        # file that keeps them across processes (None: kept in memory only).
+        self.delta: DeltaEncoder | None = None
+        self.delta_path: Path | None = None
 
     def _build(self, cut: tuple[int, int]) -> None:
         """This device's stages for ``cut`` (head, tail blocks), with fresh adapters."""
@@ -244,7 +264,9 @@ class DeviceTrainer:
         if self.planner is not None and self.planner.next_cut is not None:
             cut = self.planner.take_cut()  # chosen last round: the new round's adapters fit it
             log.info("[device %s] switching to cut %d+%d", self.device_id, *cut)
-            self._build(cut)
+            old, _ = self.cut, self._build(cut)
+            if cut != old:  # activations at the old cut are no reference for the new one
+                self._forget_delta()
         state, deltas = split_deltas(state)
         # A run whose devices use different cuts carries every cut's blocks: take this one's.
         self.fold.set({k: v for k, v in deltas.items() if self.fold.owns(k)})
@@ -258,6 +280,28 @@ class DeviceTrainer:
         if self.tail is not None:
             params += [p for p in self.tail.parameters() if p.requires_grad]
         return params
+
+    def _forget_delta(self) -> None:
+        """Drop the delta cache (and its file): the server then resumes nothing either."""
+        self.delta = None
+        if self.delta_path is not None:
+            self.delta_path.unlink(missing_ok=True)
+
+    def delta_encoder(self, nbytes: int) -> DeltaEncoder | None:
+        """The device's delta encoder kept across sessions: made on first use, or read from
+        ``delta_path`` where set (written back after every session).
+
+        None without delta coding or with ``pipeline.delta_resume = false`` (each session
+        then starts its own cache). The server resumes its copy only if both caches'
+        histories match (:mod:`fedpipe.transport.delta_store`); else both start empty.
+        """
+        if not nbytes or not self.config.pipeline.delta_resume:
+            return None
+        if self.delta_path is not None:  # the file wins: another process may have trained
+            self.delta = DeltaEncoder.load(self.delta_path, nbytes)
+        if self.delta is None or self.delta.cache.max_bytes != nbytes:
+            self.delta = DeltaEncoder(nbytes)
+        return self.delta
 
     # -- training ---------------------------------------------------------------------------
     def connect(
@@ -281,6 +325,7 @@ class DeviceTrainer:
         p = cfg.pipeline
         up, down, grads = p.uplink_codec, p.downlink_codec, p.gradient_codec
         rows = -(-cfg.train.batch_size // p.microbatches)
+        delta_bytes = int(p.delta_cache_mb * 2**20) if p.delta else 0
         if self.planner is not None:  # the plan's codecs; any microbatch count fits
             (up, grads), rows = self.planner.session_codecs(), self.planner.declared_rows()
             down = up
@@ -294,7 +339,9 @@ class DeviceTrainer:
             downlink_codec=down,
             gradient_codec=grads,
             error_feedback=cfg.pipeline.error_feedback,
-            delta_cache_bytes=int(cfg.pipeline.delta_cache_mb * 2**20) if cfg.pipeline.delta else 0,
+            delta_cache_bytes=delta_bytes,
+            delta=self.delta_encoder(delta_bytes),
+            delta_codec=p.delta_codec,
             link=link or (self.profile.link if self.profile else None),
             link_seed=f"{self.device_id}/{round_}",
             tracer=tracer,
@@ -350,6 +397,31 @@ class DeviceTrainer:
         report = RoundReport()
         start = time.perf_counter()
         session, runtime = self.connect(client, optimizer=optimizer, round_=round_, token=token)
+        self._log_delta(session, round_)
+        try:
+            self._train_steps(session, runtime, batches, report, round_, fail_after_steps)
+        finally:
+            if self.delta is not None and self.delta_path is not None:
+                self.delta.save(self.delta_path)  # for the next round's process
+        report.plan = self.planner.report() if self.planner is not None else {}
+        report.bytes_up, report.bytes_down = session.stats.bytes_up, session.stats.bytes_down
+        if cfg.pipeline.delta:
+            report.delta_rows, report.delta_resumed = session.delta_rows, session.delta_resumed
+            report.delta_reset_reason = session.delta_reset_reason
+        report.wall_s = time.perf_counter() - start
+        report.peak_rss_mb = peak_rss_mb()
+        return report
+
+    def _train_steps(
+        self,
+        session: StageSession,
+        runtime: DeviceRuntime,
+        batches: list[dict[str, torch.Tensor]],
+        report: RoundReport,
+        round_: int,
+        fail_after_steps: int | None,
+    ) -> None:
+        """The round's steps over ``session``, which this closes (or aborts, when injected)."""
         with session:
             if self.planner is not None:
                 self.planner.begin(session, runtime)
@@ -373,8 +445,22 @@ class DeviceTrainer:
                     result.wall_s,
                 )
             runtime.finish()  # the last step's server update, confirmed before reporting
-        report.plan = self.planner.report() if self.planner is not None else {}
-        report.bytes_up, report.bytes_down = session.stats.bytes_up, session.stats.bytes_down
-        report.wall_s = time.perf_counter() - start
-        report.peak_rss_mb = peak_rss_mb()
-        return report
+
+    def _log_delta(self, session: StageSession, round_: int) -> None:
+        """One line per round: whether the server resumed this device's delta cache."""
+        if self.delta is None or not self.config.pipeline.delta:
+            return
+        if session.delta_resumed:
+            log.info(
+                "[device %s] round %d: delta cache resumed (%d samples)",
+                self.device_id,
+                round_,
+                len(self.delta.cache),
+            )
+        else:
+            log.info(
+                "[device %s] round %d: delta cache starts empty: %s",
+                self.device_id,
+                round_,
+                session.delta_reset_reason,
+            )

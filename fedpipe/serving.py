@@ -211,4 +211,5 @@ def build_stage_server(
         client_ca=client_ca,
         max_streams=config.server.max_streams,
         max_delta_cache_bytes=int(config.server.max_delta_cache_mb * 2**20),
+        delta_store_bytes=int(config.server.delta_store_mb * 2**20),
     )

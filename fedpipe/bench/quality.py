@@ -36,7 +36,7 @@ from fedpipe.data import (
     train_eval_split,
 )
 from fedpipe.data import partition as partition_docs
-from fedpipe.device import lora_settings
+from fedpipe.device import RoundReport, lora_settings
 from fedpipe.federated.control import StageControlClient
 from fedpipe.federated.local import DeviceWork, RunSettings, evaluate_split
 from fedpipe.models import (
@@ -126,9 +126,26 @@ RUNS: list[dict[str, Any]] = [
     *COMPRESSION,
     {"name": "frozen", "pipeline.device_trains": False},
 ]
+# Delta coding of activations (AQ-SGD): int8 sends, int2 differences for samples seen before;
+# `-session` keeps each cache for one round only. They gain only where devices revisit their
+# data: run them with e.g. --set federated.device_blocks=8 (one epoch a round).
+_DELTA = {
+    "pipeline.uplink_codec": "int8",
+    "pipeline.downlink_codec": "int8",
+    "pipeline.delta": True,
+    "pipeline.delta_codec": "int2",
+}
 # Known but not run by default (--runs noniid-stack).
 EXTRA_RUNS: list[dict[str, Any]] = [
     {"name": "noniid-stack", **_NONIID, "federated.aggregation": "stack"},
+    {"name": "int8-delta", **_DELTA},
+    {"name": "int8-delta-session", **_DELTA, "pipeline.delta_resume": False},
+    {  # the fewest bytes: differences grouped along tokens, like the int4t rows they correct
+        **next(r for r in COMPRESSION if r["name"] == "int4t-int2ef"),
+        "name": "int4t-int2ef-delta",
+        "pipeline.delta": True,
+        "pipeline.delta_codec": "int2t",
+    },
 ]
 
 
@@ -202,7 +219,7 @@ def _device_batches(cfg: FedpipeConfig, tokenizer: Any) -> list[list[dict[str, t
     )
     samplers = [
         BlockSampler(
-            tokenize_blocks(part, tokenizer, train.seq_len),
+            tokenize_blocks(part, tokenizer, train.seq_len, max_blocks=fed.device_blocks or None),
             train.batch_size,
             seed=cfg.model.seed * 1000 + i,
         )
@@ -279,13 +296,14 @@ def run_rounds(
     initial = works[0].trainer.adapters()
     global_, traffic = dict(initial), _Traffic()
     scale = cfg.model.lora_alpha / cfg.model.lora_r
-    start = time.perf_counter()
+    start, per_round = time.perf_counter(), []
     for round_ in range(1, fed.rounds + 1):
         control.begin_round(round_, "quality", fed.aggregation)
-        states, weights = [], []
+        states, weights, reports = [], [], []
         for work in works:
             work.trainer.load_adapters(global_)
             report = work.train(address, round_=round_, token="")
+            reports.append(report)
             states.append(work.trainer.adapters())
             weights.append(float(report.examples))
             traffic.up += report.bytes_up
@@ -298,11 +316,30 @@ def run_rounds(
             round_, {w.trainer.device_id: x for w, x in zip(works, weights, strict=True)}
         )
         global_ = _next_global(global_, states, weights, fed.aggregation, scale, initial)
+        per_round.append(_round_row(round_, reports))
     wall = time.perf_counter() - start
     run = RunSettings(stage_address=address)
     loss, _ = evaluate_split(evaluator, global_, run, fed.rounds)
     steps = fed.rounds * cfg.train.local_steps
-    return _row("", loss, traffic, wall, steps) | {"aggregation": fed.aggregation}, global_
+    row = _row("", loss, traffic, wall, steps) | {"aggregation": fed.aggregation}
+    return row | {"per_round": per_round}, global_
+
+
+def _round_row(round_: int, reports: list[RoundReport]) -> dict[str, Any]:
+    """One round's stage-link bytes per trained token and, with delta coding, its hit rate."""
+    tokens = sum(s.tokens for r in reports for s in r.steps)
+    row: dict[str, Any] = {
+        "round": round_,
+        "bytes_per_token": sum(r.bytes_up + r.bytes_down for r in reports) / max(tokens, 1),
+    }
+    if reports and reports[0].delta_resumed is not None:
+        hits = sum(r.delta_rows[0] for r in reports)
+        rows = sum(sum(r.delta_rows) for r in reports)
+        row |= {
+            "delta_hit_rate": hits / max(rows, 1),
+            "delta_resumed": sum(bool(r.delta_resumed) for r in reports),
+        }
+    return row
 
 
 def _next_global(

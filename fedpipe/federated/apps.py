@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
@@ -479,6 +480,21 @@ def _maybe_hang(msg: Message, context: Context, partition: int) -> None:
         time.sleep(float(cast(float, context.run_config.get("faults.hang-s", 3600.0))))
 
 
+def _delta_dir(node: dict[str, Any], run: RunSettings) -> str:
+    """Where the device keeps its delta cache between rounds (each may be a new process).
+
+    The node's ``delta-dir``; else the run folder's ``delta-cache`` where that folder is on
+    this host (simulations); else its SuperNode's home (``FLWR_HOME``: `fedpipe client
+    --workdir`, which lives as long as the device's process); else memory only ("").
+    """
+    if node.get("delta-dir"):
+        return str(node["delta-dir"])
+    if run.dir and Path(run.dir).is_dir():
+        return str(Path(run.dir) / "delta-cache")
+    home = os.environ.get("FLWR_HOME", "")
+    return str(Path(home) / "fedpipe-delta-cache") if home else ""
+
+
 @client_app.train()
 @_says_who
 def client_train(msg: Message, context: Context) -> Message:
@@ -497,6 +513,7 @@ def client_train(msg: Message, context: Context) -> Message:
         stage_cert=str(node.get("stage-cert", "")),
         stage_key=str(node.get("stage-key", "")),
         cut=str(node.get("cut", "")),  # `fedpipe client --cut`; else federated.device_cuts
+        delta_dir=_delta_dir(node, run),
     )
     config = cast(ConfigRecord, msg.content["config"])
     round_ = int(cast(int, config["fedpipe-round"]))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar, cast
@@ -129,6 +130,7 @@ class DeviceWork:
         stage_cert: str = "",
         stage_key: str = "",
         cut: str = "",
+        delta_dir: str = "",
     ) -> None:
         # The device's cut: its own (`fedpipe client --cut`), else federated.device_cuts
         # cycled over partitions, else the model's; the server must offer it (model.cuts).
@@ -141,6 +143,9 @@ class DeviceWork:
         self.stage_ca, self.stage_cert, self.stage_key = stage_ca, stage_cert, stage_key
         self.profile = _profile(cfg, partition, profile)
         self.trainer = DeviceTrainer(cfg, device_id=device_id, profile=self.profile)
+        if delta_dir:  # pipeline.delta: the cache outlives this process (a ClientApp's round)
+            name = re.sub(r"[^A-Za-z0-9_.-]", "_", device_id)
+            self.trainer.delta_path = Path(delta_dir) / f"{name}.delta.safetensors"
         tokenizer = load_tokenizer(self.trainer.folder)
         fed = cfg.federated
         if data:  # a deployed device's own data: all of it is its partition
@@ -162,7 +167,9 @@ class DeviceWork:
             alpha=fed.dirichlet_alpha,
             seed=cfg.model.seed,
         )
-        self.blocks = tokenize_blocks(parts[partition], tokenizer, cfg.train.seq_len)
+        self.blocks = tokenize_blocks(  # the first device_blocks: data a device revisits
+            parts[partition], tokenizer, cfg.train.seq_len, max_blocks=fed.device_blocks or None
+        )
         log.info("[device %s] partition %d: %d blocks", device_id, partition, len(self.blocks))
 
     @classmethod

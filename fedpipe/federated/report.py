@@ -156,6 +156,20 @@ def _privacy_text(per_device: dict[str, dict[str, float]]) -> str:
     return ""
 
 
+def _delta_lines(rounds: list[dict[str, Any]], names: dict[str, str]) -> list[str]:
+    """Per device, one line: in how many rounds the server resumed its delta cache."""
+    seen: dict[str, list[dict[str, Any]]] = {}
+    for entry in rounds:
+        for device, delta in entry.get("delta", {}).items():
+            seen.setdefault(device, []).append(delta)
+    return [
+        f"{names.get(device, f'device {device}')}: delta cache resumed in "
+        f"{sum(d['resumed'] for d in ds)} of {len(ds)} rounds; last round "
+        f"{ds[-1]['hit_rate']:.0%} of activation rows sent as differences"
+        for device, ds in seen.items()
+    ]
+
+
 def report_lines(summary: dict[str, Any]) -> list[str]:
     """The final report: one line per round (losses, devices trained of sampled), then totals."""
     lines = []
@@ -177,6 +191,7 @@ def report_lines(summary: dict[str, Any]) -> list[str]:
     names = summary.get("devices", {})
     for device, plan in summary.get("plans", {}).items():
         lines.append(plan_line(names.get(device, f"device {device}"), plan))
+    lines += _delta_lines(summary["rounds"], names)
     if summary.get("failures"):
         lines.append(f"{len(summary['failures'])} device failures (summary.json: failures)")
     return lines

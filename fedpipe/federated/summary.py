@@ -76,6 +76,11 @@ def _add_train(entry: dict[str, Any], rec: dict[str, Any], names: dict[str, str]
     entry["devices_trained"] += 1
     if _get(rec, "peak_rss_mb") is not None:  # each device's peak resident memory
         entry.setdefault("peak_rss_mb", {})[device] = _get(rec, "peak_rss_mb")
+    if _get(rec, "delta_hit_rate") is not None:  # pipeline.delta: cache resumed? rows hit
+        entry.setdefault("delta", {})[device] = {
+            "resumed": bool(_get(rec, "delta_resumed")),
+            "hit_rate": float(_get(rec, "delta_hit_rate")),
+        }
     privacy = {k: v for k, v in rec.items() if k.startswith("privacy_")}
     if privacy:  # the stage link's (epsilon, delta) so far, per device (fedpipe.privacy)
         entry.setdefault("privacy", {})[device] = privacy

@@ -126,7 +126,7 @@ class SplitCut(_message.Message):
     def __init__(self, head_layers: _Optional[int] = ..., tail_layers: _Optional[int] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("device_id", "token", "round", "uplink_codec", "downlink_codec", "microbatch_size", "seq_len", "learning_rate", "weight_decay", "gradient_codec", "split", "frozen_head", "error_feedback", "delta_cache_bytes")
+    __slots__ = ("device_id", "token", "round", "uplink_codec", "downlink_codec", "microbatch_size", "seq_len", "learning_rate", "weight_decay", "gradient_codec", "split", "frozen_head", "error_feedback", "delta_cache_bytes", "delta_cache_id", "delta_cache_entries", "delta_cache_digest")
     DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -141,6 +141,9 @@ class OpenSessionRequest(_message.Message):
     FROZEN_HEAD_FIELD_NUMBER: _ClassVar[int]
     ERROR_FEEDBACK_FIELD_NUMBER: _ClassVar[int]
     DELTA_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DELTA_CACHE_ID_FIELD_NUMBER: _ClassVar[int]
+    DELTA_CACHE_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    DELTA_CACHE_DIGEST_FIELD_NUMBER: _ClassVar[int]
     device_id: str
     token: str
     round: int
@@ -155,17 +158,24 @@ class OpenSessionRequest(_message.Message):
     frozen_head: bool
     error_feedback: bool
     delta_cache_bytes: int
-    def __init__(self, device_id: _Optional[str] = ..., token: _Optional[str] = ..., round: _Optional[int] = ..., uplink_codec: _Optional[_Union[Codec, str]] = ..., downlink_codec: _Optional[_Union[Codec, str]] = ..., microbatch_size: _Optional[int] = ..., seq_len: _Optional[int] = ..., learning_rate: _Optional[float] = ..., weight_decay: _Optional[float] = ..., gradient_codec: _Optional[_Union[Codec, str]] = ..., split: _Optional[_Union[SplitSpec, _Mapping]] = ..., frozen_head: _Optional[bool] = ..., error_feedback: _Optional[bool] = ..., delta_cache_bytes: _Optional[int] = ...) -> None: ...
+    delta_cache_id: str
+    delta_cache_entries: int
+    delta_cache_digest: bytes
+    def __init__(self, device_id: _Optional[str] = ..., token: _Optional[str] = ..., round: _Optional[int] = ..., uplink_codec: _Optional[_Union[Codec, str]] = ..., downlink_codec: _Optional[_Union[Codec, str]] = ..., microbatch_size: _Optional[int] = ..., seq_len: _Optional[int] = ..., learning_rate: _Optional[float] = ..., weight_decay: _Optional[float] = ..., gradient_codec: _Optional[_Union[Codec, str]] = ..., split: _Optional[_Union[SplitSpec, _Mapping]] = ..., frozen_head: _Optional[bool] = ..., error_feedback: _Optional[bool] = ..., delta_cache_bytes: _Optional[int] = ..., delta_cache_id: _Optional[str] = ..., delta_cache_entries: _Optional[int] = ..., delta_cache_digest: _Optional[bytes] = ...) -> None: ...
 
 class OpenSessionReply(_message.Message):
-    __slots__ = ("session_id", "split", "max_message_bytes")
+    __slots__ = ("session_id", "split", "max_message_bytes", "delta_resumed", "delta_reset_reason")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SPLIT_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DELTA_RESUMED_FIELD_NUMBER: _ClassVar[int]
+    DELTA_RESET_REASON_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     split: SplitSpec
     max_message_bytes: int
-    def __init__(self, session_id: _Optional[str] = ..., split: _Optional[_Union[SplitSpec, _Mapping]] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
+    delta_resumed: bool
+    delta_reset_reason: str
+    def __init__(self, session_id: _Optional[str] = ..., split: _Optional[_Union[SplitSpec, _Mapping]] = ..., max_message_bytes: _Optional[int] = ..., delta_resumed: _Optional[bool] = ..., delta_reset_reason: _Optional[str] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("session_id",)

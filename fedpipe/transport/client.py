@@ -31,6 +31,7 @@ from fedpipe.proto import stage_pb2 as pb
 from fedpipe.proto import stage_pb2_grpc as pb_grpc
 from fedpipe.split.agreement import SplitLike
 from fedpipe.transport.codec import codec_to_proto
+from fedpipe.transport.delta import DeltaEncoder
 from fedpipe.transport.serde import wire_header
 from fedpipe.transport.stream_codec import StreamCodecs, StreamDecoder, StreamEncoder
 
@@ -179,6 +180,8 @@ class StageClient:
         gradient_codec: str = "",
         error_feedback: bool = False,
         delta_cache_bytes: int = 0,
+        delta: DeltaEncoder | None = None,
+        delta_codec: str = "",
         microbatch_size: int = 0,
         seq_len: int = 0,
         link: LinkProfile | str | None = None,
@@ -200,8 +203,19 @@ class StageClient:
         ``error_feedback`` keeps quantised gradients' residuals on both sides (the device for
         its output gradients, the server for its input gradients); ``delta_cache_bytes`` > 0
         delta-codes activations that carry their token ids against mirrored caches of that
-        size on both sides (see :mod:`fedpipe.transport.stream_codec`).
+        size on both sides (see :mod:`fedpipe.transport.stream_codec`). ``delta`` is the
+        device's encoder kept across sessions (its cache and salt): the server resumes its
+        copy of that cache if their identities match (``session.delta_resumed``); if not, this
+        call clears ``delta``'s cache, as the server starts an empty one. None: a cache for
+        this session only, which the server keeps nothing of. ``delta_codec`` (if set) codes
+        the activations whose rows all go as differences.
         """
+        if delta is not None and delta.cache.max_bytes != delta_cache_bytes:
+            raise ValueError(
+                f"the delta encoder holds {delta.cache.max_bytes} bytes but the session asks "
+                f"for delta_cache_bytes {delta_cache_bytes}: make the encoder with that size"
+            )
+        identity = delta.cache.identity if delta is not None and delta_cache_bytes else None
         request = pb.OpenSessionRequest(
             split=split_to_proto(split),
             device_id=device_id,
@@ -218,11 +232,17 @@ class StageClient:
             seq_len=seq_len,
             frozen_head=frozen_head,
         )
+        if identity is not None:
+            request.delta_cache_id = identity.cache_id
+            request.delta_cache_entries = identity.entries
+            request.delta_cache_digest = identity.digest
         reply = reconnect_call(
             lambda: self.stub.OpenSession(request, timeout=30),
             budget_s=self.reconnect_s,
             what=f"opening a session on {self.address}",
         )
+        if delta is not None and identity is not None and not reply.delta_resumed:
+            delta.reset()  # the server starts an empty cache: so does the device
         duplex = DuplexLink.from_profile(link or LinkProfile.unlimited(), seed=link_seed)
         return StageSession(
             self,
@@ -233,9 +253,11 @@ class StageClient:
                 gradient_codec,
                 error_feedback=error_feedback,
                 delta_cache_bytes=delta_cache_bytes,
+                delta_codec=delta_codec,
             ),
             tracer=tracer,
             timeout_s=timeout_s,
+            delta=delta if identity is not None else None,
         )
 
     def close(self) -> None:
@@ -274,6 +296,7 @@ class StageSession:
         codecs: StreamCodecs,
         tracer: Tracer | None,
         timeout_s: float,
+        delta: DeltaEncoder | None = None,
     ) -> None:
         self.client = client
         self.session_id = reply.session_id
@@ -281,7 +304,11 @@ class StageSession:
         self.link = link
         self.codec = codecs.codec
         self.gradient_codec = codecs.gradient_codec
-        self._encoder = StreamEncoder(codecs, session_id=self.session_id)
+        # Whether the server resumed the device's delta cache (and why not, if it did not).
+        self.delta_resumed, self.delta_reset_reason = reply.delta_resumed, reply.delta_reset_reason
+        self._encoder = StreamEncoder(codecs, session_id=self.session_id, delta=delta)
+        sent = self._encoder.delta
+        self._delta_before = (sent.rows_delta, sent.rows_whole) if sent is not None else (0, 0)
         self._decoder = StreamDecoder(max_elements=client.max_message_bytes)
         self.timeout_s = timeout_s
         self.tracer = tracer
@@ -303,6 +330,14 @@ class StageSession:
         ]
         for thread in self._threads:
             thread.start()
+
+    @property
+    def delta_rows(self) -> tuple[int, int]:
+        """Activation rows this session sent as differences (hits) and whole (misses)."""
+        sent = self._encoder.delta
+        if sent is None:
+            return 0, 0
+        return sent.rows_delta - self._delta_before[0], sent.rows_whole - self._delta_before[1]
 
     # -- StageChannel -----------------------------------------------------------------------
     def send(self, msg: StageMsg) -> None:
@@ -361,6 +396,8 @@ class StageSession:
         self._call.cancel()
         self._fail(StageLinkError("session aborted by the device"))
         self._outgoing.put(_END)
+        # Its delta cache may outlive this session: no late encode may touch it after this.
+        self._threads[0].join(timeout=self.timeout_s)
         self._wire.put(_END)
         self._up.close(drop=True)
         self._down.close(drop=True)
@@ -379,6 +416,8 @@ class StageSession:
     def _encode_loop(self) -> None:
         while (item := self._outgoing.get()) is not _END:
             assert isinstance(item, StageMsg)
+            if self._failure is not None:
+                continue  # nothing more goes up (nor into a delta cache) after a failure
             try:
                 raw = self._encoder.encode(item)
             except Exception as exc:  # a bug or a bad tensor on our side

@@ -22,48 +22,101 @@ language models over slow networks using activation compression with guarantees"
   code on the same bytes (the sender decodes its own message, see ``decode_wire``), so the
   caches stay bit-identical and quantisation errors do not pile up from one epoch to the
   next: each send corrects the base by the new difference.
-- **Lifetime.** One session: the caches start empty when the stream opens and are dropped
-  with it, so a device gains when it sees a sample again within a session (several local
-  epochs in a round). A new session (each round) starts with full sends.
+- **Lifetime.** A device may keep its encoder (cache and salt) across sessions, so that it
+  gains when it sees its data again in a later round (AQ-SGD's case); the StageServer then
+  keeps the device's cache between sessions (:mod:`fedpipe.transport.delta_store`). Each
+  cache carries an identity (:class:`CacheIdentity`): a random id made with the cache, the
+  rows committed to it, and a running digest over every committed (key, row) that both
+  sides advance with the same puts. A session resumes the server's copy only if the
+  identities match; else both sides clear theirs, so a divergence costs one cold round,
+  never a wrong activation. An encoder made per session (the default before) starts empty.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+import logging
 import os
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 from fedpipe.pipeline.messages import StageMsg
 from fedpipe.transport.codec import TensorFormatError
 
-__all__ = ["DELTA_BIT", "DeltaCache", "DeltaDecoder", "DeltaEncoder", "DeltaPlan"]
+__all__ = [
+    "DELTA_BIT",
+    "CacheIdentity",
+    "DeltaCache",
+    "DeltaDecoder",
+    "DeltaEncoder",
+    "DeltaPlan",
+]
 
 DELTA_BIT = 1 << 63  # set in a sample key: the row is a difference from the key's base
 _KEY_MASK = DELTA_BIT - 1
+_FILE_FORMAT = "fedpipe-delta-1"
+log = logging.getLogger(__name__)
+_DIGEST_BYTES = 16
+EMPTY_DIGEST = bytes(_DIGEST_BYTES)  # the digest of a cache no row was put in
+
+
+@dataclass(frozen=True)
+class CacheIdentity:
+    """What two mirrored caches must share to hold the same rows (OpenSession's handshake).
+
+    ``entries`` counts puts since the cache was made or cleared (rows later evicted
+    included: evictions follow from the puts and the size); ``digest`` chains a BLAKE2b
+    hash over each put's key and row bytes, so equal identities mean equal histories.
+    """
+
+    cache_id: str
+    entries: int
+    digest: bytes
 
 
 class DeltaCache:
     """Last decoded row per sample key, at most ``max_bytes``; the oldest put goes first.
 
     ``get`` has no side effect (no reordering), so the two mirrored caches need only see
-    the same ``put`` calls in the same order to stay identical.
+    the same ``put`` calls in the same order to stay identical; every put advances the
+    cache's :class:`CacheIdentity`, so the two sides can later check that they did.
     """
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, *, cache_id: str | None = None) -> None:
         if max_bytes < 0:
             raise ValueError(f"a delta cache holds >= 0 bytes, got {max_bytes}")
         self.max_bytes = max_bytes
         self.nbytes = 0
+        self.cache_id = cache_id if cache_id is not None else os.urandom(16).hex()
+        self.entries = 0
+        self.digest = EMPTY_DIGEST
         self._rows: OrderedDict[int, torch.Tensor] = OrderedDict()
+
+    @property
+    def identity(self) -> CacheIdentity:
+        return CacheIdentity(self.cache_id, self.entries, self.digest)
+
+    def clear(self) -> None:
+        """Drop every row and restart the history (the id stays: it names this cache)."""
+        self._rows.clear()
+        self.nbytes = 0
+        self.entries = 0
+        self.digest = EMPTY_DIGEST
 
     def get(self, key: int) -> torch.Tensor | None:
         return self._rows.get(key)
 
     def put(self, key: int, row: torch.Tensor) -> None:
         """Store ``row`` (owned by the cache from now on) as ``key``'s newest value."""
+        self.entries += 1
+        self.digest = _advance(self.digest, key, row)
         old = self._rows.pop(key, None)
         if old is not None:
             self.nbytes -= _nbytes(old)
@@ -76,6 +129,18 @@ class DeltaCache:
             _, evicted = self._rows.popitem(last=False)
             self.nbytes -= _nbytes(evicted)
 
+    def restore(self, rows: Iterable[tuple[int, torch.Tensor]], identity: CacheIdentity) -> None:
+        """Refill the cache as it was saved: its rows (oldest first) and identity."""
+        self.clear()
+        for key, row in rows:
+            self._rows[key] = row
+            self.nbytes += _nbytes(row)
+        self.cache_id, self.entries, self.digest = (
+            identity.cache_id,
+            identity.entries,
+            identity.digest,
+        )
+
     def __len__(self) -> int:
         return len(self._rows)
 
@@ -85,6 +150,15 @@ class DeltaCache:
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def _advance(digest: bytes, key: int, row: torch.Tensor) -> bytes:
+    """The chained digest after putting ``row`` under ``key`` (shape and dtype included)."""
+    h = hashlib.blake2b(digest, digest_size=_DIGEST_BYTES)
+    h.update(key.to_bytes(8, "little"))
+    h.update(f"{tuple(row.shape)}{row.dtype}".encode())
+    h.update(row.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+    return h.digest()
 
 
 @dataclass
@@ -114,8 +188,63 @@ class DeltaEncoder:
     def __init__(self, max_bytes: int, *, salt: bytes | None = None) -> None:
         self.cache = DeltaCache(max_bytes)
         self._salt = salt if salt is not None else os.urandom(16)
-        self.rows_delta = 0  # rows sent as differences (cache hits)
-        self.rows_whole = 0  # rows sent whole (misses)
+        self.rows_delta = 0  # rows sent as differences (cache hits), since made
+        self.rows_whole = 0  # rows sent whole (misses), since made
+
+    def reset(self) -> None:
+        """Start empty (the server did not resume this cache); keys keep their salt."""
+        self.cache.clear()
+
+    def save(self, path: Path) -> None:
+        """Write the salt, the cache and its identity to ``path`` (owner-only, atomically).
+
+        For devices whose training process does not outlive a round (Flower runs each
+        ClientApp message in a new process by default): the next round loads it back. The
+        file holds activations of the device's own data, so it stays on the device.
+        """
+        c = self.cache
+        meta = {
+            "format": _FILE_FORMAT,
+            "keys": json.dumps(list(c._rows)),  # oldest first: the eviction order
+            "cache_id": c.cache_id,
+            "entries": str(c.entries),
+            "digest": c.digest.hex(),
+            "salt": self._salt.hex(),
+            "max_bytes": str(c.max_bytes),
+        }
+        rows = {f"{i:08d}": row.contiguous() for i, row in enumerate(c._rows.values())}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        save_file(rows, str(tmp), metadata=meta)
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: Path, max_bytes: int) -> DeltaEncoder | None:
+        """The encoder saved at ``path``; None if there is none, or one of another size.
+
+        A file that cannot be read is ignored (with a warning): a new cache costs one round
+        of whole sends, and the server resumes nothing that does not match.
+        """
+        if not path.is_file():
+            return None
+        try:
+            with safe_open(str(path), "pt") as f:
+                meta = f.metadata() or {}
+                if meta.get("format") != _FILE_FORMAT or int(meta["max_bytes"]) != max_bytes:
+                    return None
+                tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+            encoder = cls(max_bytes, salt=bytes.fromhex(meta["salt"]))
+            keys = [int(k) for k in json.loads(meta["keys"])]
+            rows = [tensors[f"{i:08d}"] for i in range(len(keys))]
+        except (OSError, ValueError, KeyError, SafetensorError) as exc:
+            log.warning("ignoring the delta cache file %s (%s); starting a new one", path, exc)
+            return None
+        identity = CacheIdentity(
+            meta["cache_id"], int(meta["entries"]), bytes.fromhex(meta["digest"])
+        )
+        encoder.cache.restore(zip(keys, rows, strict=True), identity)
+        return encoder
 
     def keys_for(self, inputs: torch.Tensor) -> list[int]:
         """One salted 63-bit key per row of ``inputs`` (token ids, (b, T))."""
@@ -159,8 +288,8 @@ class DeltaEncoder:
 class DeltaDecoder:
     """The server's side: rebuilds rows sent as differences, and mirrors the device's cache."""
 
-    def __init__(self, max_bytes: int) -> None:
-        self.cache = DeltaCache(max_bytes)
+    def __init__(self, max_bytes: int, *, cache: DeltaCache | None = None) -> None:
+        self.cache = cache if cache is not None else DeltaCache(max_bytes)
 
     def apply(self, msg: StageMsg) -> None:
         """Replace ``msg.tensor`` by the rebuilt activation (a no-op without sample keys)."""

@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import torch
@@ -30,6 +30,8 @@ from fedpipe.proto import stage_pb2_grpc as pb_grpc
 from fedpipe.split.agreement import check_agreement
 from fedpipe.transport.client import SESSION_HEADER, channel_options
 from fedpipe.transport.codec import codec_from_proto
+from fedpipe.transport.delta import CacheIdentity, DeltaCache
+from fedpipe.transport.delta_store import DeltaStore
 from fedpipe.transport.errors import status_for
 from fedpipe.transport.serde import MessageBounds
 from fedpipe.transport.stream_codec import StreamCodecs, StreamDecoder, StreamEncoder
@@ -103,6 +105,17 @@ class _RoundState:
         self.lock = threading.Lock()
 
 
+@dataclass
+class _StreamOptions:
+    """The transport's own per-session options from OpenSession, which the runtime need not know."""
+
+    error_feedback: bool = False
+    delta_bytes: int = 0  # delta coding's cache size (0: none)
+    delta_cache: DeltaCache | None = field(default=None, repr=False)  # until the stream takes it
+    uplink_codec: str = ""
+    run_id: str = ""  # the run the session was opened in: its cache goes back only there
+
+
 class _StreamSlots:
     """Counts live Exchange streams, so that they can never take every gRPC thread."""
 
@@ -133,6 +146,7 @@ class _LinkServicer(pb_grpc.StageLinkServicer):
         max_message_bytes: int,
         max_streams: int,
         max_delta_cache_bytes: int = 0,
+        store: DeltaStore | None = None,
     ) -> None:
         self.runtime = runtime
         self.split = split
@@ -141,22 +155,21 @@ class _LinkServicer(pb_grpc.StageLinkServicer):
         self.max_message_bytes = max_message_bytes
         self.max_delta_cache_bytes = max_delta_cache_bytes
         self.slots = _StreamSlots(max_streams)
-        # session id -> (error feedback, delta cache bytes), as OpenSession asked: the
-        # transport's own per-session options, which the runtime need not know.
-        self._stream_options: dict[str, tuple[bool, int]] = {}
+        self.store = store if store is not None else DeltaStore(0)
+        self._stream_options: dict[str, _StreamOptions] = {}  # by session id
         self._options_lock = threading.Lock()
 
     def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.ServicerContext):  # noqa: N802
         try:
             if not request.device_id:
                 raise AuthError("OpenSession needs a device_id")
+            with self.rounds.lock:
+                current, run_id, begun = (
+                    self.rounds.current,
+                    self.rounds.run_id,
+                    self.rounds.begun,
+                )
             if self.authenticate is not None:
-                with self.rounds.lock:
-                    current, run_id, begun = (
-                        self.rounds.current,
-                        self.rounds.run_id,
-                        self.rounds.begun,
-                    )
                 if request.round != current:
                     raise AuthError(
                         f"session for round {request.round}, but the server is in round {current}"
@@ -186,22 +199,56 @@ class _LinkServicer(pb_grpc.StageLinkServicer):
             )
         except Exception as exc:
             context.abort(status_for(exc), str(exc))
-        self._keep_options(session_id, request.error_feedback, request.delta_cache_bytes)
-        return pb.OpenSessionReply(
+        options = _StreamOptions(request.error_feedback, request.delta_cache_bytes, run_id=run_id)
+        reply = pb.OpenSessionReply(
             session_id=session_id,
             split=self.split.to_proto(),
             max_message_bytes=self.max_message_bytes,
         )
+        if request.delta_cache_bytes:
+            self._resume_delta(request, options, reply)
+        self._keep_options(session_id, options)
+        return reply
 
-    def _keep_options(self, session_id: str, error_feedback: bool, delta_bytes: int) -> None:
+    def _resume_delta(
+        self, request: pb.OpenSessionRequest, options: _StreamOptions, reply: pb.OpenSessionReply
+    ) -> None:
+        """The session's delta cache: the device's kept one if its identity matches, else empty.
+
+        Keyed by ``request.device_id``, which authentication (when the server has a secret)
+        has bound to the session token: a device can only ever resume its own cache.
+        """
+        options.uplink_codec = pb.Codec.Name(request.uplink_codec)
+        wanted = CacheIdentity(
+            request.delta_cache_id, request.delta_cache_entries, request.delta_cache_digest
+        )
+        got = self.store.take(
+            request.device_id,
+            wanted,
+            max_bytes=request.delta_cache_bytes,
+            codec=options.uplink_codec,
+        )
+        options.delta_cache = got.cache
+        reply.delta_resumed, reply.delta_reset_reason = got.resumed, got.reason
+        if wanted.cache_id:
+            log.info(
+                "[device %s] delta cache %s",
+                request.device_id,
+                f"resumed ({len(got.cache)} samples)" if got.resumed else f"reset: {got.reason}",
+            )
+
+    def _keep_options(self, session_id: str, options: _StreamOptions) -> None:
         with self._options_lock:
-            self._stream_options[session_id] = (error_feedback, delta_bytes)
+            self._stream_options[session_id] = options
             while len(self._stream_options) > _MAX_STREAM_OPTIONS:
                 del self._stream_options[next(iter(self._stream_options))]
 
-    def _options(self, session_id: str) -> tuple[bool, int]:
+    def _options(self, session_id: str) -> tuple[_StreamOptions, DeltaCache | None]:
+        """The session's options, and its delta cache (taken: only its first stream gets it)."""
         with self._options_lock:
-            return self._stream_options.get(session_id, (False, 0))
+            options = self._stream_options.get(session_id, _StreamOptions())
+            cache, options.delta_cache = options.delta_cache, None
+            return options, cache
 
     def CloseSession(self, request: pb.CloseSessionRequest, context: grpc.ServicerContext):  # noqa: N802
         with self._options_lock:
@@ -241,17 +288,22 @@ class _LinkServicer(pb_grpc.StageLinkServicer):
             vocab_size=self.split.vocab_size if self.split.mode == "two" else 0,
         )
         codec, grad_codec = info.codecs
-        error_feedback, delta_bytes = self._options(session_id)
-        # Per stream: the device's stream lives as long as its session, and so does this state.
+        options, delta_cache = self._options(session_id)
+        # Per stream: the device's stream lives as long as its session, and so does this state
+        # (but a delta cache may come from the device's last session and outlive this one).
         encoder = StreamEncoder(
-            StreamCodecs(codec, grad_codec, error_feedback=error_feedback), session_id=session_id
+            StreamCodecs(codec, grad_codec, error_feedback=options.error_feedback),
+            session_id=session_id,
         )
         decoder = StreamDecoder(
-            delta_cache_bytes=delta_bytes, bounds=bounds, max_elements=self.max_message_bytes
+            delta_cache_bytes=options.delta_bytes,
+            delta_cache=delta_cache,
+            bounds=bounds,
+            max_elements=self.max_message_bytes,
         )
         reader = threading.Thread(
             target=self._read,
-            args=(handle, request_iterator, decoder),
+            args=(handle, request_iterator, decoder, options),
             name=f"stage-read-{session_id[:8]}",
             daemon=True,
         )
@@ -269,7 +321,9 @@ class _LinkServicer(pb_grpc.StageLinkServicer):
         finally:
             handle.close()
 
-    def _read(self, handle: StreamHandle, requests, decoder: StreamDecoder) -> None:  # type: ignore[no-untyped-def]
+    def _read(  # type: ignore[no-untyped-def]
+        self, handle: StreamHandle, requests, decoder: StreamDecoder, options: _StreamOptions
+    ) -> None:
         echoes = 0
         try:
             for raw in requests:
@@ -285,6 +339,13 @@ class _LinkServicer(pb_grpc.StageLinkServicer):
         except Exception as exc:
             handle.fail(exc)
             return
+        if options.delta_bytes:  # read to the end: this cache mirrors the device's
+            self.store.keep(
+                handle.info.device_id,
+                decoder.delta.cache,
+                codec=options.uplink_codec,
+                run_id=options.run_id,
+            )
         handle.finish()  # half-closed: end the replies after those to what it sent
 
 
@@ -346,11 +407,16 @@ class _Gone(Exception):
 
 class _ControlServicer(pb_grpc.StageControlServicer):
     def __init__(
-        self, runtime: StageRuntime, rounds: _RoundState, auth: ControlAuth | None
+        self,
+        runtime: StageRuntime,
+        rounds: _RoundState,
+        auth: ControlAuth | None,
+        store: DeltaStore | None = None,
     ) -> None:
         self.runtime = runtime
         self.rounds = rounds
         self.auth = auth
+        self.store = store
 
     def _check(self, method: str, request, context: grpc.ServicerContext) -> None:  # type: ignore[no-untyped-def]
         """Verify the call's MAC (over the method and the request as re-serialised here)."""
@@ -395,6 +461,8 @@ class _ControlServicer(pb_grpc.StageControlServicer):
         with self.rounds.lock:
             self.rounds.current, self.rounds.run_id = request.round, request.run_id
             self.rounds.begun = time.time()
+        if self.store is not None:  # devices' delta caches never cross into another run
+            self.store.begin_run(request.run_id)
         log.info("round %d of run %r begun", request.round, request.run_id)
         return pb.BeginRoundReply()
 
@@ -463,10 +531,13 @@ class StageServer:
         client_ca: bytes | None = None,
         max_streams: int = 64,
         max_delta_cache_bytes: int = 256 * 2**20,
+        delta_store_bytes: int = 1024 * 2**20,
     ) -> None:
         self.runtime = runtime
         self.split = split
         self.rounds = _RoundState()
+        # Devices' delta caches between their sessions (fedpipe.transport.delta_store).
+        self.delta_store = DeltaStore(delta_store_bytes)
         # Each live stream holds a gRPC thread; streams are capped below the pool's size so that
         # health checks, sessions and control calls always find a thread.
         workers = max_streams + _UNARY_THREADS
@@ -489,10 +560,11 @@ class StageServer:
             max_message_bytes,
             max_streams,
             max_delta_cache_bytes,
+            self.delta_store,
         )
         _add_link_servicer(self._link, self._server)
         pb_grpc.add_StageControlServicer_to_server(
-            _ControlServicer(runtime, self.rounds, control_auth), self._server
+            _ControlServicer(runtime, self.rounds, control_auth, self.delta_store), self._server
         )
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)

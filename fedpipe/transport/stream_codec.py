@@ -10,7 +10,9 @@ so that state carried from one message to the next stays with its session:
   device for the output gradients it sends up, the server for the input gradients it sends
   down;
 - **delta coding** (activations, device to server; :mod:`fedpipe.transport.delta`): the
-  device's encoder and the server's decoder keep mirrored caches of decoded rows.
+  device's encoder and the server's decoder keep mirrored caches of decoded rows. Those two
+  may outlive the stream: the device passes its long-lived encoder in, the server a cache
+  it resumed from its :class:`~fedpipe.transport.delta_store.DeltaStore`.
 
 Codecs stay plain names (``"int4"``), so a planner can choose them per link.
 """
@@ -24,7 +26,7 @@ import torch
 from fedpipe.pipeline.messages import Kind, StageMsg
 from fedpipe.proto import stage_pb2 as pb
 from fedpipe.transport.codec import decode_wire, tensor_to_wire
-from fedpipe.transport.delta import DeltaDecoder, DeltaEncoder
+from fedpipe.transport.delta import DeltaCache, DeltaDecoder, DeltaEncoder
 from fedpipe.transport.feedback import ErrorFeedback
 from fedpipe.transport.serde import MessageBounds, codec_for, msg_from_wire, msg_to_wire
 
@@ -41,6 +43,9 @@ class StreamCodecs:
     gradient_codec: str = ""  # "" = the direction's codec
     error_feedback: bool = False  # keep gradients' quantisation residuals (lossy codecs only)
     delta_cache_bytes: int = 0  # > 0: delta-code activations that carry their token ids
+    # An ACTIVATION whose rows all go as differences takes this codec ("" = the direction's):
+    # differences span a small range, so fewer bits keep the same error (AQ-SGD).
+    delta_codec: str = ""
     stochastic: bool = False  # gradients round stochastically (int4/int2 only; unbiased)
     seed: int | None = None  # of the stochastic rounding (None: from the OS)
 
@@ -48,11 +53,16 @@ class StreamCodecs:
 class StreamEncoder:
     """Turns a side's outgoing messages into frames, with the state the settings ask for."""
 
-    def __init__(self, codecs: StreamCodecs, *, session_id: str) -> None:
+    def __init__(
+        self, codecs: StreamCodecs, *, session_id: str, delta: DeltaEncoder | None = None
+    ) -> None:
+        """``delta``: the device's encoder kept across sessions (None: one for this stream)."""
         self.codecs = codecs
         self.session_id = session_id
         self.feedback = ErrorFeedback()
-        self.delta = DeltaEncoder(codecs.delta_cache_bytes) if codecs.delta_cache_bytes else None
+        self.delta: DeltaEncoder | None = None
+        if codecs.delta_cache_bytes:
+            self.delta = delta or DeltaEncoder(codecs.delta_cache_bytes)
         self._generator: torch.Generator | None = None
         if codecs.stochastic:
             self._generator = torch.Generator()
@@ -77,6 +87,8 @@ class StreamEncoder:
         if delta:
             assert self.delta is not None and msg.inputs is not None
             x, plan = self.delta.prepare(x, msg.inputs)
+            if c.delta_codec and len(plan.bases) == len(plan.keys):
+                codec = c.delta_codec  # every row is a difference
         meta = pb.Tensor()
         generator = self._generator if gradient and x.device.type == "cpu" else None
         values = tensor_to_wire(x, codec, meta, generator=generator)
@@ -98,10 +110,12 @@ class StreamDecoder:
         self,
         *,
         delta_cache_bytes: int = 0,
+        delta_cache: DeltaCache | None = None,
         bounds: MessageBounds | None = None,
         max_elements: int | None = None,
     ) -> None:
-        self.delta = DeltaDecoder(delta_cache_bytes)
+        """``delta_cache``: a cache resumed from an earlier session (None: a new one)."""
+        self.delta = DeltaDecoder(delta_cache_bytes, cache=delta_cache)
         self.bounds = bounds
         self.max_elements = max_elements
 
