@@ -264,7 +264,8 @@ class DeviceTrainer:
         if self.planner is not None and self.planner.next_cut is not None:
             cut = self.planner.take_cut()  # chosen last round: the new round's adapters fit it
             log.info("[device %s] switching to cut %d+%d", self.device_id, *cut)
-            old, _ = self.cut, self._build(cut)
+            old = self.cut
+            self._build(cut)
             if cut != old:  # activations at the old cut are no reference for the new one
                 self._forget_delta()
         state, deltas = split_deltas(state)
