@@ -159,23 +159,28 @@ def knee(devices: Sequence[int], mb_per_s: Sequence[float]) -> int:
 
 # -- pinning -----------------------------------------------------------------------------------
 def _pin(server_threads: int) -> tuple[list[int], dict[str, Any]]:
-    """Pin this process (the load generator) to the first core; returns the server's cores."""
+    """Pin this process (the load generator) to the first core; returns the server's cores.
+
+    A server given as many threads as the machine has cores gets them all, and the load
+    generator (a few percent of one core) shares them: nothing is pinned then.
+    """
     import torch
 
     torch.set_num_threads(1)
     cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        server_cpus, text = cpus, "one CPU: load generator and server share it"
+    if len(cpus) < 2 or server_threads >= len(cpus):
+        server_cpus, loadgen_cpus = cpus, cpus
+        text = f"load generator and server share CPU(s) {cpus}"
     else:
         os.sched_setaffinity(0, {cpus[0]})
-        server_cpus = cpus[1 : 1 + server_threads] if server_threads < len(cpus) else cpus[1:]
+        server_cpus, loadgen_cpus = cpus[1 : 1 + server_threads], cpus[:1]
         text = f"load generator on CPU {cpus[0]}, server on CPU(s) {server_cpus}"
     return server_cpus, {
         "machine_cpus": len(cpus),
         "server_cpus": server_cpus,
         "server_threads": server_threads,
         "server_processes": "2 (one per column, batching off / on; one loaded at a time)",
-        "loadgen_cpus": cpus[:1],
+        "loadgen_cpus": loadgen_cpus,
         "loadgen": "this process: one thread per device, 1 torch thread",
         "text": f"{text} (sched_setaffinity); {server_threads} torch thread(s) in the server",
     }

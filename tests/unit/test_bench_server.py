@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 from types import SimpleNamespace
 from typing import Any
 
@@ -181,3 +182,20 @@ def test_a_server_starved_of_its_core_is_noticed() -> None:
     assert cpu_share(quiet) == pytest.approx(1.1)
     loaded = [*quiet, {"batched": column(0.98, 0.3), "unbatched": column(0.98, 0.9)}]
     assert cpu_share(loaded) == pytest.approx(0.3 / 0.98)
+
+
+def test_a_server_with_a_thread_per_core_gets_every_core_and_pins_nothing() -> None:
+    """--server-threads N on an N-core machine: the server runs on all N cores (it once got
+    cores[1:1+N], i.e. one core for two threads) and the load generator is left unpinned."""
+    from fedpipe.bench.server import _pin
+
+    before = os.sched_getaffinity(0)
+    cpus = sorted(before)
+    try:
+        server_cpus, pinning = _pin(max(len(cpus), 1))
+        assert server_cpus == cpus
+        assert pinning["loadgen_cpus"] == cpus
+        assert os.sched_getaffinity(0) == before
+    finally:
+        os.sched_setaffinity(0, before)
+        torch.set_num_threads(max(len(cpus), 1))
