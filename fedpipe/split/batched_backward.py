@@ -119,10 +119,12 @@ class _Block:
         h1 = join([r.h1 for r in recs])
         norm2 = layer.post_attention_layernorm
         normed = _Lazy(lambda: norm2(h1))
-        d_normed = self._linear("mlp.gate_proj", mlp.gate_proj, d_gate, normed)
-        d_normed = self._linear("mlp.up_proj", mlp.up_proj, d_up, normed, d_normed)
+        # The input's gradient sums its linears' terms in autograd's order (the linear made
+        # last first, its LoRA before its base), so that it equals the solo run to the bit.
+        d_normed = self._linear("mlp.up_proj", mlp.up_proj, d_up, normed)
+        d_normed = self._linear("mlp.gate_proj", mlp.gate_proj, d_gate, normed, d_normed)
         assert d_normed is not None
-        dh1 = dh2 + _rms_backward(norm2, h1, d_normed)
+        dh1 = _rms_backward(norm2, h1, d_normed, dh2)
         # Attention: h1 = h0 + o_proj(attention(rope(q), rope(k), v))
         heads = join([r.heads for r in recs])
         d_heads = self._linear("self_attn.o_proj", attn.o_proj, dh1, lambda: heads)
@@ -132,13 +134,13 @@ class _Block:
         norm1 = layer.input_layernorm
         normed = _Lazy(lambda: norm1(h0))
         d_normed = None
-        for name, d in (("q_proj", dq), ("k_proj", dk), ("v_proj", dv)):
+        for name, d in (("v_proj", dv), ("k_proj", dk), ("q_proj", dq)):
             d_normed = self._linear(
                 f"self_attn.{name}", getattr(attn, name), d, normed, d_normed, need_dx=need_dx
             )
         if d_normed is None:  # nobody needs what lies below this block
             return dys
-        dh0 = dh1 + _rms_backward(norm1, h0, d_normed)
+        dh0 = _rms_backward(norm1, h0, d_normed, dh1)
         return [dh0[rows] for rows in self.slices]
 
     def _linear(
@@ -158,9 +160,8 @@ class _Block:
         ``x`` (the joined input) is made only when some tape's A needs it.
         """
         key = f"{self.prefix}.{name}"
-        dx: Tensor | None = None
-        if need_dx:
-            dx = dy @ linear.weight if into is None else into.addmm_(dy, linear.weight)
+        # dx = (into + LoRA terms) + dy W, autograd's order; without ``into``: dy W + LoRA.
+        dx = None if not need_dx else dy @ linear.weight if into is None else into
         for rows, adapter, rec in zip(self.slices, self.adapters, self.records, strict=True):
             pair = adapter.get(key)
             if pair is None:
@@ -174,6 +175,8 @@ class _Block:
                 _add(self.grads, a, d_low.t() @ x()[rows].to(a.dtype))  # (r, in)
             if dx is not None:
                 dx[rows] += (d_low @ a).to(dx.dtype)
+        if dx is not None and into is not None:
+            dx = dx + dy @ linear.weight
         return dx
 
     def _attention(self, attn: Any, d_heads: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -274,13 +277,19 @@ def _rope_backward(d: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return d * cos + torch.cat((ds[..., half:], -ds[..., :half]), dim=-1)
 
 
-def _rms_backward(norm: Any, x: Tensor, dy: Tensor) -> Tensor:
-    """dL/dx of HF's RMSNorm ``w * (x / rms(x))`` (the weight frozen): r (g - x̂ mean(g x̂))."""
+def _rms_backward(norm: Any, x: Tensor, dy: Tensor, residual: Tensor) -> Tensor:
+    """dL/dx of ``x + f(norm(x))`` (HF's RMSNorm ``w * x * rsqrt(mean(x^2) + eps)``, its weight
+    frozen) from the residual's gradient and the norm output's gradient ``dy``.
+
+    The three terms are those autograd forms through the residual, mul, pow, mean and rsqrt,
+    summed in its order, so the result is the solo run's to the bit:
+    (residual + g r) + (sum(g x) * -r^3 / 2) / C * 2 x.
+    """
     xf = x.float()
     r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-    xhat = xf * r
     g = (dy * norm.weight).float()
-    return (r * (g - xhat * (g * xhat).mean(-1, keepdim=True))).to(x.dtype)
+    d_var = (g * xf).sum(-1, keepdim=True) * (-0.5 * r.pow(3))  # (N, 1)
+    return ((residual + g * r) + (d_var / x.shape[-1]) * (2 * xf)).to(x.dtype)
 
 
 def _add(grads: Grads, param: nn.Parameter, grad: Tensor) -> None:
