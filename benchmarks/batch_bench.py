@@ -4,7 +4,9 @@ Forward + backward of N sessions' microbatches through the server's middle block
 ``unbatched`` runs them one at a time on peft's AdapterBank (activate the session's adapter,
 forward, backward: the server before batching); ``batched`` runs them in one call of the
 BatchedAdapterBank (one frozen matmul over every session's tokens, each session's LoRA on its own
-rows) and then each session's backward. Both with 1 and 2 torch threads, repetitions
+rows) and then each session's backward alone; ``batched_bwd`` runs the same forward and then ONE
+batched backward over every session's tape (the server's path). Both with 1 and 2 torch threads,
+repetitions
 interleaved, medians reported. A second part measures what one session costs with 2 and with 64
 present: adding and removing its adapter, switching to it, and one forward.
 
@@ -94,6 +96,13 @@ def _batched(
         y.backward(g)  # each session's own backward, as its OUTPUT_GRAD arrives
 
 
+def _batched_bwd(
+    bank: BatchedAdapterBank, inputs: list[tuple[str, torch.Tensor, torch.Tensor]]
+) -> None:
+    taped = bank.run_taped([Group(name, x) for name, x, _ in inputs])
+    bank.backward([(tape, g) for (_, tape), (_, _, g) in zip(taped, inputs, strict=True)])
+
+
 def _timed(fn: Callable[[], Any]) -> float:
     start = time.perf_counter()
     fn()
@@ -117,18 +126,27 @@ def _ratios(stage: torch.nn.Module, sessions: int, tokens: int, reps: int) -> li
         torch.set_num_threads(threads)
         _unbatched(peft, inputs)  # warm-up
         _batched(batched, inputs)
-        times: dict[str, list[tuple[float, float]]] = {"unbatched": [], "batched": []}
+        _batched_bwd(batched, inputs)
+        times: dict[str, list[tuple[float, float]]] = {
+            "unbatched": [],
+            "batched": [],
+            "batched_bwd": [],
+        }
         for rep in range(reps):  # interleaved, so that load on the machine hits both
             times["unbatched"].append(_timed_both(lambda: _unbatched(peft, inputs)))
             times["batched"].append(_timed_both(lambda: _batched(batched, inputs)))
+            times["batched_bwd"].append(_timed_both(lambda: _batched_bwd(batched, inputs)))
             print(f"threads {threads} rep {rep}: {times}", file=sys.stderr)
         entry: dict[str, Any] = {"threads": threads}
         for i, clock in enumerate(("wall", "cpu")):
             un = statistics.median(t[i] for t in times["unbatched"])
             ba = statistics.median(t[i] for t in times["batched"])
+            bb = statistics.median(t[i] for t in times["batched_bwd"])
             entry[f"unbatched_{clock}_s"] = round(un, 4)
             entry[f"batched_{clock}_s"] = round(ba, 4)
+            entry[f"batched_bwd_{clock}_s"] = round(bb, 4)
             entry[f"ratio_{clock}"] = round(un / ba, 3)
+            entry[f"ratio_bwd_{clock}"] = round(un / bb, 3)
         out.append(entry)
     return out
 

@@ -125,7 +125,8 @@ class SessionInfo:
     codecs: tuple[str, str] = ("fp32", "")  # the transport's (downlink, gradient) codecs
     step: int = 0
     steps_done: int = 0
-    cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # microbatch -> (input, output with its graph | the batched bank's Tape): the executor's
+    cache: dict[int, tuple[torch.Tensor, object]] = field(default_factory=dict)
     last_seen: float = field(default_factory=time.monotonic)
     closed: bool = False  # CloseSession called: waits for its round's commit
     dropped: bool = False  # gone from the runtime; late work is refused

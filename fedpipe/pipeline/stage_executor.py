@@ -7,8 +7,11 @@ the bank lock around each call. Received activations become leaves
 gradient arrives; ``STEP_END`` applies the session's optimizer, and only its own.
 
 A call computes the ACTIVATIONs of all its sessions in one batched forward of the bank (one
-frozen matmul over every session's tokens, each session's LoRA on its own rows) and their
-OUTPUT_GRADs one graph each (the graphs are separate, so a backward costs its own rows only).
+frozen matmul over every session's tokens, each session's LoRA on its own rows). On the batched
+bank (split mode "u") a training forward keeps no autograd graph but a tape per microbatch, and
+the OUTPUT_GRADs of a call run as ONE batched backward over their tapes, whichever forward calls
+recorded them (:meth:`BatchedAdapterBank.backward`); on peft's bank each OUTPUT_GRAD runs its
+own graph.
 Every message gets its own reply or its own error: a message that fails (a wrong shape, a
 duplicate, a reply that would hold NaN) fails alone, and the others of the call are answered
 as if they had run by themselves.
@@ -27,6 +30,7 @@ from fedpipe.errors import InvalidRequestError, SessionStateError, StageCapacity
 from fedpipe.pipeline.device_copies import DeviceCopies
 from fedpipe.pipeline.messages import Kind, StageMsg
 from fedpipe.split import AdapterBank, BatchedAdapterBank, Group
+from fedpipe.split.batched_blocks import Tape
 
 if TYPE_CHECKING:
     from fedpipe.pipeline.server_runtime import SessionInfo
@@ -45,6 +49,17 @@ class _Forward:
     info: SessionInfo
     msg: StageMsg
     group: Group
+
+
+@dataclass
+class _Backward:
+    """One validated OUTPUT_GRAD of a call whose forward left a tape."""
+
+    index: int
+    info: SessionInfo
+    msg: StageMsg
+    tape: Tape
+    grad: torch.Tensor
 
 
 class StageExecutor:
@@ -83,6 +98,9 @@ class StageExecutor:
         for segment in _segments(work):
             self._forwards(
                 work, [i for i in segment if work[i][1].kind is Kind.ACTIVATION], results
+            )
+            self._backwards(
+                work, [i for i in segment if work[i][1].kind is Kind.OUTPUT_GRAD], results
             )
             for i in segment:
                 if results[i] is None:
@@ -143,7 +161,7 @@ class StageExecutor:
                 )
             reserved.add(mb)
         x = self._to_stage(info, msg.tensor, "ACTIVATION")
-        if not msg.forward_only and not _frozen_head(info):
+        if not msg.forward_only and not _frozen_head(info) and not self._taped():
             x.requires_grad_(True)
         labels = self._labels(msg, x) if self.mode == "two" else None
         return _Forward(i, info, msg, Group(info.session_id, x, labels, blocks=info.blocks))
@@ -151,7 +169,7 @@ class StageExecutor:
     def _run(self, forwards: list[_Forward], results: list[Result | None]) -> None:
         """The groups in one call of the bank; if the call fails, each group alone."""
         try:
-            outs = self._call([f.group for f in forwards])
+            outs = self._call(forwards)
         except Exception as exc:
             if len(forwards) == 1:
                 results[forwards[0].index] = exc
@@ -165,17 +183,30 @@ class StageExecutor:
             except Exception as exc:
                 results[fwd.index] = exc
 
-    def _call(self, groups: list[Group]) -> list[torch.Tensor] | list[tuple[torch.Tensor, int]]:
-        return self.bank.run_loss(groups) if self.mode == "two" else self.bank.run(groups)
+    def _call(self, forwards: list[_Forward]) -> list[object]:
+        """The bank's outputs: (loss, tokens), an output with its graph, or (output, tape)."""
+        groups = [f.group for f in forwards]
+        if self.mode == "two":
+            return list(self.bank.run_loss(groups))
+        if self._taped() and torch.is_grad_enabled():
+            assert isinstance(self.bank, BatchedAdapterBank)
+            wants = [not _frozen_head(f.info) for f in forwards]
+            return list(self.bank.run_taped(groups, wants))
+        return list(self.bank.run(groups))
+
+    def _taped(self) -> bool:
+        """Whether training forwards keep tapes (and backwards run batched)."""
+        return self.mode == "u" and isinstance(self.bank, BatchedAdapterBank)
 
     def _reply(self, fwd: _Forward, out: object) -> StageMsg:
         """The reply to one forward: OUTPUT (u), or the loss and INPUT_GRAD (two)."""
         info, msg, x = fwd.info, fwd.msg, fwd.group.hidden
         if self.mode == "u":
-            assert isinstance(out, torch.Tensor)
+            y, graph = out if isinstance(out, tuple) else (out, out)
+            assert isinstance(y, torch.Tensor)
             if not msg.forward_only:
-                info.cache[msg.microbatch] = (x, out)
-            return StageMsg(Kind.OUTPUT, msg.step, msg.microbatch, tensor=out.detach().float())
+                info.cache[msg.microbatch] = (x, graph)
+            return StageMsg(Kind.OUTPUT, msg.step, msg.microbatch, tensor=y.detach().float())
         assert isinstance(out, tuple)
         loss_sum, tokens = out
         if msg.forward_only:
@@ -232,14 +263,76 @@ class StageExecutor:
             raise InvalidRequestError(f"labels must have shape {tuple(x.shape[:2])}, got {got}")
         return self.copies.to_device(msg.labels)
 
+    # -- backwards, batched ------------------------------------------------------------------
+    def _backwards(
+        self, work: Sequence[Work], indices: list[int], results: list[Result | None]
+    ) -> None:
+        """Validate every OUTPUT_GRAD with a tape, then run them in one batched backward."""
+        ready: list[_Backward] = []
+        claimed: set[tuple[str, int]] = set()  # (session, microbatch) of this call
+        for i in indices:
+            info, msg = work[i]
+            if not isinstance(info.cache.get(msg.microbatch, (None, None))[1], Tape):
+                continue  # an autograd graph (or nothing): one at a time, in _one
+            try:
+                ready.append(self._prepare_backward(i, info, msg, claimed))
+            except Exception as exc:
+                results[i] = exc
+        if ready:
+            self._run_backward(ready, results)
+
+    def _prepare_backward(
+        self, i: int, info: SessionInfo, msg: StageMsg, claimed: set[tuple[str, int]]
+    ) -> _Backward:
+        """The message's tape and gradient, once they fit (raises otherwise)."""
+        key = (info.session_id, msg.microbatch)
+        if key in claimed:  # its ACTIVATION's tape goes to the first gradient only
+            raise SessionStateError(
+                f"OUTPUT_GRAD for step {msg.step} microbatch {msg.microbatch} without its "
+                "ACTIVATION (a second gradient for it in the same call)"
+            )
+        tape = info.cache[msg.microbatch][1]
+        assert isinstance(tape, Tape)
+        grad = self._to_stage(info, msg.tensor, "OUTPUT_GRAD")
+        if tuple(grad.shape) != tape.shape:
+            raise InvalidRequestError(
+                f"OUTPUT_GRAD shape {tuple(grad.shape)} != OUTPUT shape {tape.shape}"
+            )
+        claimed.add(key)
+        return _Backward(i, info, msg, tape, grad)
+
+    def _run_backward(self, items: list[_Backward], results: list[Result | None]) -> None:
+        """The items in one backward of the bank; if it fails, each item alone."""
+        assert isinstance(self.bank, BatchedAdapterBank)
+        try:
+            dxs = self.bank.backward([(b.tape, b.grad) for b in items])
+        except Exception as exc:  # nothing was accumulated: retry alone to find the culprit
+            if len(items) == 1:
+                results[items[0].index] = exc
+                return
+            for item in items:
+                self._run_backward([item], results)
+            return
+        for item, dx in zip(items, dxs, strict=True):
+            msg = item.msg
+            del item.info.cache[msg.microbatch]
+            tensor = None if dx is None or _frozen_head(item.info) else dx.float()
+            reply = StageMsg(Kind.INPUT_GRAD, msg.step, msg.microbatch, tensor=tensor)
+            try:
+                results[item.index] = _finite(msg, reply)
+            except Exception as exc:
+                results[item.index] = exc
+
     # -- backward and step ---------------------------------------------------------------------
     def _backward(self, info: SessionInfo, msg: StageMsg) -> StageMsg:
+        """One OUTPUT_GRAD through its own autograd graph (peft's bank)."""
         mb = msg.microbatch
         if mb not in info.cache:
             raise SessionStateError(
                 f"OUTPUT_GRAD for step {msg.step} microbatch {mb} without its ACTIVATION"
             )
         x, y = info.cache[mb]
+        assert isinstance(y, torch.Tensor)
         grad = self._to_stage(info, msg.tensor, "OUTPUT_GRAD")
         if grad.shape != y.shape:
             raise InvalidRequestError(

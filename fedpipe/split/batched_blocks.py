@@ -1,31 +1,68 @@
-"""Llama-family blocks over several sessions' microbatches: one frozen matmul, own graphs.
+"""Llama-family blocks over several sessions' microbatches: joined rows, one tape per session.
 
 The numbers are those of the Hugging Face decoder layer that :meth:`_Stage.run_blocks` calls
 (RMSNorm, rotary positions arange(T), causal sdpa with GQA, the banded mask of a sliding window,
-SiLU-gated MLP); the difference is only where the matmuls run. Each frozen linear multiplies the
-tokens of every group at once (:func:`frozen_linear`); each group's LoRA term, attention and
-everything else run on its own tensors, so a group's autograd graph never touches another's.
+SiLU-gated MLP); the difference is only where the work runs. The tokens of every group in a block
+are joined into one (tokens, C) tensor, so each frozen linear, norm, activation and residual is
+ONE op over all groups; each group's LoRA term runs on its own rows, and attention runs once per
+sequence length (the groups of one length joined along the batch).
+
+The forward builds no autograd graph. When asked, it records per group a :class:`Tape`: what
+the backward of each block needs (its inputs, q/k/v after rotary, the attention output and its
+log-sum-exp, gate and up, the LoRA low-rank intermediates), on that group's rows only. The
+backward (:mod:`fedpipe.split.batched_backward`) walks the tapes of any set of groups, from any
+forward calls, block by block; a tape is freed with the session's reference to it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from fedpipe.split.stages import _window_mask, shifted_loss_sum, sliding_window
 
 if TYPE_CHECKING:
     from fedpipe.split.multilora import Group
 
-__all__ = ["BlockRunner", "frozen_linear", "frozen_linears"]
+__all__ = ["BlockRunner", "BlockTape", "Tape", "frozen_linear", "frozen_linears"]
 
-# (linear's global name, adapter, input) -> the adapter's low-rank term, or None (not a target).
-LoraTerm = Callable[[str, str, Tensor], Tensor | None]
+# linear's global name -> (A, B) of one adapter: (r, in), (out, r).
+AdapterTensors = dict[str, tuple[nn.Parameter, nn.Parameter]]
+Slices = list[slice]  # each group's rows in a joined (tokens, C) tensor
+
+
+@dataclass(eq=False)
+class BlockTape:
+    """What one group's backward through one block needs, on its rows only.
+
+    Row tensors are (b*T, width); attention tensors (b, heads, T, head_dim) after rotary.
+    """
+
+    h0: Tensor  # block input (b*T, C)
+    h1: Tensor  # after the attention residual (b*T, C)
+    heads: Tensor  # attention output, o_proj's input (b*T, H*D)
+    q: Tensor  # (b, H, T, D)
+    k: Tensor  # (b, Hkv, T, D)
+    v: Tensor  # (b, Hkv, T, D)
+    lse: Tensor | None  # (b, H, T) log-sum-exp of the fused CPU kernel; None: recompute
+    gate: Tensor  # gate_proj output before the activation (b*T, I)
+    up: Tensor  # (b*T, I)
+    lows: dict[str, Tensor] = field(default_factory=dict)  # linear -> x A^T (b*T, r)
+
+
+@dataclass(eq=False)
+class Tape:
+    """One group's record of a batched forward: enough for its backward, and nothing else."""
+
+    shape: tuple[int, ...]  # (b, T, C) of its input and output
+    adapter: AdapterTensors  # its adapter's Parameters (the ones the forward used)
+    need_input_grad: bool = True  # False: the backward may stop at the LoRA gradients
+    blocks: dict[int, BlockTape] = field(default_factory=dict)
 
 
 class _FrozenRows(torch.autograd.Function):
@@ -75,134 +112,249 @@ def frozen_linears(xs: Sequence[Tensor], linears: Sequence[nn.Linear]) -> list[l
     return result
 
 
+def join(parts: Sequence[Tensor]) -> Tensor:
+    """Tensors of several groups joined along dim 0 (their order kept).
+
+    Parts that already lie back to back in one storage (the rows of one call, in its order)
+    are joined as a view; otherwise copied.
+    """
+    if len(parts) == 1:
+        return parts[0]
+    if _adjacent(parts):
+        first = parts[0]
+        size = (sum(p.shape[0] for p in parts), *first.shape[1:])
+        return first.as_strided(size, first.stride(), first.storage_offset())
+    return torch.cat(list(parts))
+
+
+def _adjacent(parts: Sequence[Tensor]) -> bool:
+    """Whether each part starts in the same storage where the previous one ends (dim 0)."""
+    first = parts[0]
+    storage = first.untyped_storage().data_ptr()
+    for prev, part in zip(parts, parts[1:], strict=False):
+        if (
+            part.untyped_storage().data_ptr() != storage
+            or part.stride() != first.stride()
+            or part.shape[1:] != first.shape[1:]
+            or part.storage_offset() != prev.storage_offset() + prev.shape[0] * prev.stride(0)
+        ):
+            return False
+    return True
+
+
+def row_slices(sizes: Sequence[int]) -> Slices:
+    """Each group's rows in the joined tensor of groups of ``sizes`` rows."""
+    out, start = [], 0
+    for size in sizes:
+        out.append(slice(start, start + size))
+        start += size
+    return out
+
+
+def by_length(lengths: Sequence[int]) -> dict[int, list[int]]:
+    """Group positions by sequence length, in order: attention runs once per length."""
+    out: dict[int, list[int]] = {}
+    for i, length in enumerate(lengths):
+        out.setdefault(length, []).append(i)
+    return out
+
+
+def float_mask(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """A boolean keep-mask as the additive one the fused CPU kernel takes (0 or -inf)."""
+    if mask is None:
+        return None
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
+        ~mask, float("-inf")
+    )
+
+
 class BlockRunner:
     """Runs a Llama-family stage's blocks (and its loss head) over groups of sessions."""
 
-    def __init__(self, stage: nn.Module, lora_term: LoraTerm) -> None:
+    def __init__(
+        self, stage: nn.Module, adapter: Callable[[str], AdapterTensors], scale: float
+    ) -> None:
         self.stage: Any = stage  # a MiddleStage or ServerLossStage (layers, rotary_emb, norm)
-        self.lora_term = lora_term
+        self.adapter = adapter  # an adapter's tensors by name
+        self.scale = scale  # LoRA alpha / r
         self.block_indices: tuple[int, ...] = tuple(getattr(stage, "block_indices"))  # noqa: B009
+        # The fused CPU attention kernel keeps its log-sum-exp for the backward; elsewhere the
+        # backward recomputes attention under autograd (the same numbers, one more forward).
+        self.fused_attention = True
+        # Rows per run of the backward on a CPU, where joining more rows saves nothing in the
+        # matmuls but pushes the row-wise ops out of the cache (measured: 1024 beat 256, 512
+        # and all of 8 x 2 x 128 on small-llama); None: all rows at once, as on a GPU.
+        self.cpu_chunk_rows: int | None = 1024
 
-    def blocks(self, groups: Sequence[Group]) -> list[Tensor]:
-        """Hidden states of each group after every block: (b, T, C) per group."""
+    def chunk_rows(self, device: torch.device) -> int | None:
+        """Rows per run of the backward on ``device`` (None: one run)."""
+        return self.cpu_chunk_rows if device.type == "cpu" else None
+
+    # -- forward -------------------------------------------------------------------------------
+    def blocks(self, groups: Sequence[Group], tapes: Sequence[Tape] | None = None) -> list[Tensor]:
+        """Hidden states of each group after every block, (b, T, C) per group, no graph.
+
+        With ``tapes`` (one per group), each group's backward record is written to its tape.
+        """
         hs = [g.hidden for g in groups]
-        rope = self._rotary(hs)
-        for index in self.block_indices:
-            # A group with its own block range (a device with another cut) skips the others.
-            active = [i for i, g in enumerate(groups) if g.blocks is None or index in g.blocks]
-            if not active:
-                continue
-            sub = [hs[i] for i in active]
-            layer = self.stage.layers[str(index)]
-            adapters = [groups[i].adapter for i in active]
-            outs = self._block(index, layer, sub, adapters, rope, self._masks(sub, index))
-            for i, out in zip(active, outs, strict=True):
-                hs[i] = out
+        adapters = [self.adapter(g.adapter) for g in groups]
+        with torch.no_grad():
+            for index in self.block_indices:
+                # A group with its own block range (a device with another cut) skips the others.
+                active = [i for i, g in enumerate(groups) if g.blocks is None or index in g.blocks]
+                if not active:
+                    continue
+                records = [tapes[i].blocks for i in active] if tapes is not None else None
+                outs = self._block(
+                    index, [hs[i] for i in active], [adapters[i] for i in active], records
+                )
+                for i, out in zip(active, outs, strict=True):
+                    hs[i] = out
         return hs
 
-    def loss(self, groups: Sequence[Group]) -> list[tuple[Tensor, int]]:
-        """(summed shifted loss, tokens counted) per group: blocks, norm, LM head, loss."""
-        hs = self.blocks(groups)
+    def head_loss(self, hs: Sequence[Tensor], labels: Sequence[Tensor]) -> list[tuple[Tensor, int]]:
+        """(summed shifted loss, tokens counted) per group: norm, LM head, loss (autograd)."""
         normed = [self.stage.norm(h) for h in hs]
         logits = frozen_linear(normed, self.stage.lm_head)  # (b, T, V) per group
-        out = []
-        for group, group_logits in zip(groups, logits, strict=True):
-            assert group.labels is not None
-            out.append(shifted_loss_sum(group_logits, group.labels))
-        return out
+        return [shifted_loss_sum(lg, lb) for lg, lb in zip(logits, labels, strict=True)]
 
-    def _rotary(self, hs: list[Tensor]) -> dict[int, tuple[Tensor, Tensor]]:
-        """(cos, sin) at positions arange(T), once per distinct T in the call."""
-        out: dict[int, tuple[Tensor, Tensor]] = {}
-        for h in hs:
-            length = h.shape[1]
-            if length not in out:
-                positions = torch.arange(length, device=h.device).unsqueeze(0)  # (1, T)
-                cos, sin = self.stage.rotary_emb(h, position_ids=positions)
-                out[length] = (cos, sin)
-        return out
+    def rotary(self, length: int, like: Tensor) -> tuple[Tensor, Tensor]:
+        """(cos, sin) at positions arange(T): (1, T, D) each."""
+        positions = torch.arange(length, device=like.device).unsqueeze(0)  # (1, T)
+        cos, sin = self.stage.rotary_emb(like, position_ids=positions)
+        return cos, sin
 
-    def _masks(self, hs: list[Tensor], index: int) -> dict[int, Tensor | None]:
+    def mask(self, index: int, length: int, like: Tensor) -> Tensor | None:
+        """Block ``index``'s attention mask at length T (None: plain causal)."""
         window = sliding_window(self.stage.config, index)
-        return {h.shape[1]: _window_mask(h.shape[1], window, h.device) for h in hs}
+        return _window_mask(length, window, like.device)
 
-    def _linear(
+    def lora(
         self,
-        keys: Sequence[str],
-        linears: Sequence[nn.Linear],
-        xs: list[Tensor],
-        adapters: list[str],
-    ) -> list[list[Tensor]]:
-        """Frozen ``linears`` of the same inputs over every group at once, plus each group's
-        own LoRA term; one list of outputs per linear."""
-        result = []
-        for key, outs in zip(keys, frozen_linears(xs, linears), strict=True):
-            with_lora = []
-            for x, y, adapter in zip(xs, outs, adapters, strict=True):
-                term = self.lora_term(key, adapter, x)
-                with_lora.append(y if term is None else (y + term).to(y.dtype))
-            result.append(with_lora)
-        return result
+        key: str,
+        linear: nn.Linear,
+        x: Tensor,
+        slices: Slices,
+        adapters: Sequence[AdapterTensors],
+        lows: Sequence[dict[str, Tensor]] | None,
+    ) -> Tensor:
+        """Frozen ``linear`` over the joined rows ``x`` plus each group's own LoRA term."""
+        y = F.linear(x, linear.weight, linear.bias)  # (N, out): one matmul for every group
+        for i, (rows, tensors) in enumerate(zip(slices, adapters, strict=True)):
+            pair = tensors.get(key)
+            if pair is None:
+                continue
+            a, b = pair
+            low = F.linear(x[rows].to(a.dtype), a)  # (n, r)
+            y[rows] += F.linear(low, b) * self.scale
+            if lows is not None:
+                lows[i][key] = low
+        return y
 
     def _block(
         self,
         index: int,
-        layer: Any,  # an HF decoder layer of the Llama layout
         hs: list[Tensor],
-        adapters: list[str],
-        rope: dict[int, tuple[Tensor, Tensor]],
-        masks: dict[int, Tensor | None],
+        adapters: list[AdapterTensors],
+        records: list[dict[int, BlockTape]] | None,
     ) -> list[Tensor]:
-        """One decoder layer: h + attn(norm(h)), then h + mlp(norm(h)), per group."""
+        """One decoder layer over the joined rows: h + attn(norm(h)), then h + mlp(norm(h))."""
+        layer = self.stage.layers[str(index)]
         attn, mlp, prefix = layer.self_attn, layer.mlp, f"layers.{index}"
-        normed = [layer.input_layernorm(h) for h in hs]
-        names = ("q_proj", "k_proj", "v_proj")
-        q, k, v = self._linear(
-            [f"{prefix}.self_attn.{n}" for n in names],
-            [getattr(attn, n) for n in names],
-            normed,
-            adapters,
+        width = hs[0].shape[-1]
+        slices = row_slices([h.shape[0] * h.shape[1] for h in hs])
+        lows: list[dict[str, Tensor]] | None = None if records is None else [{} for _ in hs]
+        h0 = join([h.reshape(-1, width) for h in hs])  # (N, C)
+        normed = layer.input_layernorm(h0)
+        q, k, v = (
+            self.lora(f"{prefix}.self_attn.{n}", getattr(attn, n), normed, slices, adapters, lows)
+            for n in ("q_proj", "k_proj", "v_proj")
         )
-        heads = [
-            _attend(attn, qi, ki, vi, rope[h.shape[1]], masks[h.shape[1]])
-            for h, qi, ki, vi in zip(hs, q, k, v, strict=True)
-        ]
-        (o,) = self._linear([f"{prefix}.self_attn.o_proj"], [attn.o_proj], heads, adapters)
-        hs = [h + oi for h, oi in zip(hs, o, strict=True)]
-        normed = [layer.post_attention_layernorm(h) for h in hs]
-        gate, up = self._linear(
-            [f"{prefix}.mlp.gate_proj", f"{prefix}.mlp.up_proj"],
-            [mlp.gate_proj, mlp.up_proj],
-            normed,
-            adapters,
+        heads, saved = self._attention(index, attn, hs, slices, q, k, v)
+        h1 = h0 + self.lora(
+            f"{prefix}.self_attn.o_proj", attn.o_proj, heads, slices, adapters, lows
         )
-        inner = [mlp.act_fn(g) * u for g, u in zip(gate, up, strict=True)]
-        (down,) = self._linear([f"{prefix}.mlp.down_proj"], [mlp.down_proj], inner, adapters)
-        return [h + d for h, d in zip(hs, down, strict=True)]
+        normed = layer.post_attention_layernorm(h1)
+        gate = self.lora(f"{prefix}.mlp.gate_proj", mlp.gate_proj, normed, slices, adapters, lows)
+        up = self.lora(f"{prefix}.mlp.up_proj", mlp.up_proj, normed, slices, adapters, lows)
+        inner = mlp.act_fn(gate) * up
+        h2 = h1 + self.lora(f"{prefix}.mlp.down_proj", mlp.down_proj, inner, slices, adapters, lows)
+        if records is not None and lows is not None:
+            for i, rows in enumerate(slices):
+                qi, ki, vi, lse = saved[i]
+                records[i][index] = BlockTape(
+                    h0[rows], h1[rows], heads[rows], qi, ki, vi, lse, gate[rows], up[rows], lows[i]
+                )
+        return [h2[rows].view(h.shape) for h, rows in zip(hs, slices, strict=True)]
+
+    def _attention(
+        self,
+        index: int,
+        attn: Any,  # the HF attention module: head_dim, scaling
+        hs: list[Tensor],
+        slices: Slices,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+    ) -> tuple[Tensor, list[tuple[Tensor, Tensor, Tensor, Tensor | None]]]:
+        """Causal (or banded) attention, once per sequence length over its groups.
+
+        Returns the joined heads (N, H*D) and per group (q, k, v after rotary, lse).
+        """
+        head_dim = attn.head_dim
+        classes = by_length([h.shape[1] for h in hs])
+        whole = len(classes) == 1
+        heads = q if whole else torch.empty_like(q)  # overwritten when not whole
+        saved: list[Any] = [None] * len(hs)
+        for length, members in classes.items():
+            rows = [slices[i] for i in members]
+            qc, kc, vc = (
+                (t if whole else join([t[r] for r in rows]))
+                .view(-1, length, t.shape[-1] // head_dim, head_dim)
+                .transpose(1, 2)
+                for t in (q, k, v)
+            )  # (B, heads, T, D)
+            cos, sin = self.rotary(length, qc)
+            qc, kc = _rope(qc, cos, sin), _rope(kc, cos, sin)
+            out, lse = self._attend(qc, kc, vc, self.mask(index, length, qc), attn.scaling)
+            flat = out.transpose(1, 2).reshape(-1, q.shape[-1])  # (B*T, H*D)
+            if whole:
+                heads = flat
+            sizes = [hs[i].shape[0] for i in members]
+            start = 0
+            for i, size, r in zip(members, sizes, rows, strict=True):
+                batch = slice(start, start + size)
+                saved[i] = (qc[batch], kc[batch], vc[batch], None if lse is None else lse[batch])
+                if not whole:
+                    heads[r] = flat[start * length : (start + size) * length]
+                start += size
+        return heads, saved
+
+    def _attend(
+        self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float
+    ) -> tuple[Tensor, Tensor | None]:
+        """(B, H, T, D) attention output, and the log-sum-exp when the fused kernel ran."""
+        causal = mask is None and q.shape[2] > 1
+        if self.fused_attention and q.device.type == "cpu":
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q, k, v, 0.0, causal, attn_mask=float_mask(mask, q.dtype), scale=scale
+            )
+            return out, lse
+        out = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=causal,
+            scale=scale,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
+        return out, None
 
 
-def _attend(
-    attn: Any,  # the HF attention module: head_dim, scaling, num_key_value_groups
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    cos_sin: tuple[Tensor, Tensor],
-    mask: Tensor | None,
-) -> Tensor:
-    """Causal (or banded) multi-head attention of one group: (b, T, H*D) -> (b, T, H*D)."""
-    b, length = q.shape[:2]
-    head_dim = attn.head_dim
-    q = q.view(b, length, -1, head_dim).transpose(1, 2)  # (b, H, T, D)
-    k = k.view(b, length, -1, head_dim).transpose(1, 2)  # (b, Hkv, T, D)
-    v = v.view(b, length, -1, head_dim).transpose(1, 2)
-    q, k = apply_rotary_pos_emb(q, k, *cos_sin)
-    out = F.scaled_dot_product_attention(
-        q,
-        k,
-        v,
-        attn_mask=mask,
-        is_causal=mask is None and length > 1,
-        scale=attn.scaling,
-        enable_gqa=attn.num_key_value_groups > 1,
-    )
-    return out.transpose(1, 2).reshape(b, length, -1)  # (b, T, H*D)
+def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotary embedding of (B, heads, T, D) at (1, T, D) cos and sin (HF's formula)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

@@ -10,10 +10,13 @@ A batched call takes a list of :class:`Group` (one session's microbatch each). E
 linear of the blocks runs as ONE matmul over the tokens of all groups (flattened to
 (rows*T, C) and concatenated, so groups of different sizes and sequence lengths need no
 padding); everything else (norms, rotary, attention, activations, residuals and each group's
-low-rank term) runs per group. Gradients flow per group: the frozen matmul's backward is a
-per-group node (:func:`frozen_linear`), so each group's autograd graph is its own. A lone
-backward of one session costs its own rows only, needs no other session's gradient, and frees
-its graph when the session drops its output.
+low-rank term) runs per group. The forward builds no autograd graph: each group gets its own
+tape (:mod:`fedpipe.split.batched_blocks`), and :meth:`BatchedAdapterBank.backward` walks the
+tapes of any set of groups, from any forward calls, in one batched backward (one ``dy @ W`` per
+frozen linear over all their rows). :meth:`run` wraps each group's output in an autograd node
+over its tape, so ``y.backward(g)`` works as through the HF layers. A lone backward of one
+session costs its own rows only, needs no other session's gradient, and its tape is freed when
+the session drops it.
 
 State dicts, initialisation and merging are those of :mod:`fedpipe.split.lora`
 (``layers.N.self_attn.q_proj.lora_A.weight``, A from (seed, global name), B zero), so a bank of
@@ -32,7 +35,8 @@ from torch import Tensor, nn
 
 from fedpipe.split.adapters import GLOBAL_ADAPTER, AdapterBank, SharedAggregation
 from fedpipe.split.aggregation import BaseFold
-from fedpipe.split.batched_blocks import BlockRunner
+from fedpipe.split.batched_backward import TapedBlocks, backward_blocks
+from fedpipe.split.batched_blocks import AdapterTensors, BlockRunner, Tape
 from fedpipe.split.lora import (
     Family,
     LoraSettings,
@@ -48,7 +52,7 @@ __all__ = ["Group", "BatchedAdapterBank", "adapter_bank", "batchable"]
 _LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _LLAMA_DEFAULT = ("q_proj", "k_proj", "v_proj", "o_proj")
 
-AdapterTensors = dict[str, tuple[nn.Parameter, nn.Parameter]]  # linear -> (A, B)
+# linear -> (A, B): see batched_blocks.AdapterTensors
 
 
 @dataclass
@@ -69,6 +73,9 @@ def batchable(stage: nn.Module, settings: LoraSettings, family: Family) -> str:
         return f"the {family} family has no batched forward (Llama-family blocks only)"
     if not getattr(stage, "block_indices", ()):
         return "the stage has no blocks"
+    act = getattr(getattr(stage, "config", None), "hidden_act", "silu")
+    if act != "silu":
+        return f"MLP activation {act!r} (the batched backward has SiLU only)"
     if settings.dropout:
         return f"LoRA dropout {settings.dropout} (the batched forward has none)"
     unknown = set(_targets(settings)) - set(_LLAMA_LINEARS)
@@ -120,7 +127,7 @@ class BatchedAdapterBank(SharedAggregation):
         self.scale = self.settings.alpha / self.settings.r
         self._linears = _target_linears(stage, _targets(self.settings))
         self._adapters: dict[str, AdapterTensors] = {GLOBAL_ADAPTER: self._fresh()}
-        self._runner = BlockRunner(stage, self._lora_term)
+        self._runner = BlockRunner(stage, self._tensors, self.scale)
         self._initial = self._global_adapter()
         self.fold = BaseFold.of_linears(self._linears)  # the base as `exact` / `stack` change it
         self.aggregation = "separate"  # federated.aggregation, set per run by BeginRound
@@ -173,10 +180,61 @@ class BatchedAdapterBank(SharedAggregation):
 
     # -- batched compute ----------------------------------------------------------------------
     def run(self, groups: Sequence[Group]) -> list[Tensor]:
-        """Each group's hidden states after the stage's blocks, (b, T, C) per group."""
+        """Each group's hidden states after the stage's blocks, (b, T, C) per group.
+
+        Under autograd each output has its own backward path (to its input and adapter) over
+        its own tape; under ``no_grad`` nothing is recorded.
+        """
         for group in groups:
             self._check_group(group, loss=False)
-        return self._runner.blocks(groups)
+        if not torch.is_grad_enabled():
+            return self._runner.blocks(groups)
+        taped = self.run_taped(groups)
+        out = []
+        for group, (y, tape) in zip(groups, taped, strict=True):
+            params = [p for pair in tape.adapter.values() for p in pair]
+            out.append(TapedBlocks.apply(group.hidden, y, self._runner, tape, *params))
+        return out
+
+    def run_taped(
+        self, groups: Sequence[Group], need_input_grad: Sequence[bool] | None = None
+    ) -> list[tuple[Tensor, Tape]]:
+        """Each group's output (no graph) and its tape, for :meth:`backward` later.
+
+        ``need_input_grad`` per group (default all True): False lets the backward skip the
+        input gradient (a frozen device head needs none).
+        """
+        for group in groups:
+            self._check_group(group, loss=False)
+        wants = need_input_grad if need_input_grad is not None else [True] * len(groups)
+        tapes = [
+            Tape(tuple(g.hidden.shape), self._tensors(g.adapter), bool(w))
+            for g, w in zip(groups, wants, strict=True)
+        ]
+        outs = self._runner.blocks(groups, tapes)
+        return list(zip(outs, tapes, strict=True))
+
+    def backward(self, items: Sequence[tuple[Tape, Tensor]]) -> list[Tensor | None]:
+        """One batched backward over (tape, dL/d output) pairs of any groups and calls.
+
+        Adds each adapter's gradients to its tensors' ``.grad`` (as autograd would) and
+        returns each item's input gradient (None where its tape needs none). Raises before
+        touching any ``.grad`` when a gradient does not fit its tape.
+        """
+        for tape, dy in items:
+            if tuple(dy.shape) != tape.shape:
+                raise ValueError(
+                    f"output gradient of shape {tuple(dy.shape)} for an output of shape "
+                    f"{tape.shape}; send the gradient of the output this tape recorded"
+                )
+        dxs, grads = backward_blocks(self._runner, items)
+        with torch.no_grad():
+            for param, grad in grads.items():
+                if param.grad is None:
+                    param.grad = grad
+                else:
+                    param.grad += grad
+        return dxs
 
     def run_loss(self, groups: Sequence[Group]) -> list[tuple[Tensor, int]]:
         """Each group's (summed shifted token loss, tokens counted): the loss stage only."""
@@ -184,7 +242,8 @@ class BatchedAdapterBank(SharedAggregation):
             self._check_group(group, loss=True)
             if group.labels is None:
                 raise ValueError(f"group of adapter {group.adapter!r} has no labels")
-        return self._runner.loss(groups)
+        hs = self.run(groups)
+        return self._runner.head_loss(hs, [g.labels for g in groups if g.labels is not None])
 
     def _check_group(self, group: Group, *, loss: bool) -> None:
         self._check(group.adapter, allow_global=True)
@@ -204,14 +263,8 @@ class BatchedAdapterBank(SharedAggregation):
             )
 
     # -- internals ------------------------------------------------------------------------------
-    def _lora_term(self, key: str, adapter: str, x: Tensor) -> Tensor | None:
-        """``x @ A^T @ B^T * scale`` for linear ``key`` of ``adapter`` (None: not a target)."""
-        pair = self._adapters[adapter].get(key)
-        if pair is None:
-            return None
-        a, b = pair
-        low = torch.nn.functional.linear(x.to(a.dtype), a)  # (..., r)
-        return torch.nn.functional.linear(low, b) * self.scale  # (..., out)
+    def _tensors(self, name: str) -> AdapterTensors:
+        return self._adapters[name]
 
     def _fresh(self, *, trainable: bool = False) -> AdapterTensors:
         """A new adapter at the deterministic initial values (A from the seed, B zero)."""

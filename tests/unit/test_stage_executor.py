@@ -167,3 +167,43 @@ def test_frozen_head_sessions_get_no_input_gradient(folder: Path) -> None:
     assert isinstance(grads[0], StageMsg) and grads[0].tensor is None
     assert isinstance(grads[1], StageMsg) and grads[1].tensor is not None
     assert all(p.grad is not None for p in batched.bank.parameters("a"))
+
+
+def test_backwards_of_several_forward_calls_share_one_call(folder: Path) -> None:
+    """Gradients of microbatches forwarded in different calls run in one batched backward."""
+    solo, batched = _sides(folder, "u")
+    first = [("a", _act("a", 0, 1, mode="u")), ("b", _act("b", 0, 2, mode="u"))]
+    second = [("c", _act("c", 0, 3, mode="u")), ("a", _act("a", 1, 4, mode="u"))]
+    for msgs in (first, second):
+        _same(batched.batch(msgs), solo.solo(msgs))
+    grads = [("c", _grad("c", 0, 5)), ("a", _grad("a", 1, 6)), ("b", _grad("b", 0, 7))]
+    _same(batched.batch(grads), solo.solo(grads))
+    assert list(batched.infos["a"].cache) == [0] and not batched.infos["b"].cache
+    rest = [("a", _grad("a", 0, 8))] + [(n, StageMsg(Kind.STEP_END, 0)) for n in SHAPES]
+    _same(batched.batch(rest), solo.solo(rest))
+    _same_adapters(solo, batched)
+
+
+def test_a_bad_gradient_fails_alone_in_a_batched_backward(folder: Path) -> None:
+    solo, batched = _sides(folder, "u")
+    forwards = [(n, _act(n, 0, i, mode="u")) for i, n in enumerate(SHAPES)]
+    _same(batched.batch(forwards), solo.solo(forwards))
+    wrong = StageMsg(Kind.OUTPUT_GRAD, 0, 0, tensor=torch.randn(3, 11, 64))  # b's is (3, 12)
+    replies = batched.batch(
+        [
+            ("a", _grad("a", 0, 4)),
+            ("b", wrong),
+            ("c", _grad("c", 0, 5)),
+            ("a", _grad("a", 0, 6)),  # a second gradient for a's microbatch 0
+            ("c", _grad("c", 3, 7)),  # no such forward
+        ]
+    )
+    assert isinstance(replies[1], InvalidRequestError) and "(3, 11, 64)" in str(replies[1])
+    assert isinstance(replies[3], SessionStateError) and "without its ACTIVATION" in str(replies[3])
+    assert isinstance(replies[4], SessionStateError) and "without its ACTIVATION" in str(replies[4])
+    want = solo.solo([("a", _grad("a", 0, 4)), ("c", _grad("c", 0, 5))])
+    _same([replies[0], replies[2]], want)
+    assert list(batched.infos["b"].cache) == [0]  # b's tape waits for a right gradient
+    late = [("b", _grad("b", 0, 8))] + [(n, StageMsg(Kind.STEP_END, 0)) for n in SHAPES]
+    _same(batched.batch(late), solo.solo(late))
+    _same_adapters(solo, batched)
