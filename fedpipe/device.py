@@ -248,6 +248,7 @@ class DeviceTrainer:
             downlink_codec=down,
             gradient_codec=grads,
             error_feedback=cfg.pipeline.error_feedback,
+            stochastic_rounding=cfg.pipeline.stochastic_rounding,
             delta_cache_bytes=int(cfg.pipeline.delta_cache_mb * 2**20) if cfg.pipeline.delta else 0,
             link=link or (self.profile.link if self.profile else None),
             link_seed=f"{self.device_id}/{round_}",

@@ -32,7 +32,12 @@ from fedpipe.proto import stage_pb2_grpc as pb_grpc
 from fedpipe.split.agreement import SplitLike
 from fedpipe.transport.codec import codec_to_proto
 from fedpipe.transport.serde import wire_header
-from fedpipe.transport.stream_codec import StreamCodecs, StreamDecoder, StreamEncoder
+from fedpipe.transport.stream_codec import (
+    StreamCodecs,
+    StreamDecoder,
+    StreamEncoder,
+    rounding_seed,
+)
 
 __all__ = [
     "SessionStats",
@@ -179,6 +184,7 @@ class StageClient:
         gradient_codec: str = "",
         error_feedback: bool = False,
         delta_cache_bytes: int = 0,
+        stochastic_rounding: bool = False,
         microbatch_size: int = 0,
         seq_len: int = 0,
         link: LinkProfile | str | None = None,
@@ -201,6 +207,7 @@ class StageClient:
         its output gradients, the server for its input gradients); ``delta_cache_bytes`` > 0
         delta-codes activations that carry their token ids against mirrored caches of that
         size on both sides (see :mod:`fedpipe.transport.stream_codec`).
+        ``stochastic_rounding`` rounds int4/int2 gradients stochastically on both sides.
         """
         request = pb.OpenSessionRequest(
             split=split_to_proto(split),
@@ -212,6 +219,7 @@ class StageClient:
             gradient_codec=codec_to_proto(gradient_codec) if gradient_codec else None,
             error_feedback=error_feedback,
             delta_cache_bytes=delta_cache_bytes,
+            stochastic_rounding=stochastic_rounding,
             learning_rate=lr,
             weight_decay=weight_decay,
             microbatch_size=microbatch_size,
@@ -233,6 +241,8 @@ class StageClient:
                 gradient_codec,
                 error_feedback=error_feedback,
                 delta_cache_bytes=delta_cache_bytes,
+                stochastic=stochastic_rounding,
+                seed=rounding_seed(device_id, round_, "device"),
             ),
             tracer=tracer,
             timeout_s=timeout_s,

@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 import torch
@@ -32,7 +32,12 @@ from fedpipe.transport.client import SESSION_HEADER, channel_options
 from fedpipe.transport.codec import codec_from_proto
 from fedpipe.transport.errors import status_for
 from fedpipe.transport.serde import MessageBounds
-from fedpipe.transport.stream_codec import StreamCodecs, StreamDecoder, StreamEncoder
+from fedpipe.transport.stream_codec import (
+    StreamCodecs,
+    StreamDecoder,
+    StreamEncoder,
+    rounding_seed,
+)
 
 __all__ = ["SplitInfo", "StageServer"]
 
@@ -129,7 +134,7 @@ class _LinkServicer(pb_grpc.StageLinkServicer):
         self.slots = _StreamSlots(max_streams)
         # session id -> (error feedback, delta cache bytes), as OpenSession asked: the
         # transport's own per-session options, which the runtime need not know.
-        self._stream_options: dict[str, tuple[bool, int]] = {}
+        self._stream_options: dict[str, tuple[StreamCodecs, int]] = {}
         self._options_lock = threading.Lock()
 
     def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.ServicerContext):  # noqa: N802
@@ -169,22 +174,29 @@ class _LinkServicer(pb_grpc.StageLinkServicer):
             )
         except Exception as exc:
             context.abort(status_for(exc), str(exc))
-        self._keep_options(session_id, request.error_feedback, request.delta_cache_bytes)
+        self._keep_options(session_id, request)
         return pb.OpenSessionReply(
             session_id=session_id,
             split=self.split.to_proto(),
             max_message_bytes=self.max_message_bytes,
         )
 
-    def _keep_options(self, session_id: str, error_feedback: bool, delta_bytes: int) -> None:
+    def _keep_options(self, session_id: str, request: pb.OpenSessionRequest) -> None:
+        """What the session's stream needs from its OpenSession (codec state, not compute)."""
+        seed = rounding_seed(request.device_id, request.round, "server")
+        codecs = StreamCodecs(
+            error_feedback=request.error_feedback,
+            stochastic=request.stochastic_rounding,
+            seed=seed,
+        )
         with self._options_lock:
-            self._stream_options[session_id] = (error_feedback, delta_bytes)
+            self._stream_options[session_id] = (codecs, request.delta_cache_bytes)
             while len(self._stream_options) > _MAX_STREAM_OPTIONS:
                 del self._stream_options[next(iter(self._stream_options))]
 
-    def _options(self, session_id: str) -> tuple[bool, int]:
+    def _options(self, session_id: str) -> tuple[StreamCodecs, int]:
         with self._options_lock:
-            return self._stream_options.get(session_id, (False, 0))
+            return self._stream_options.get(session_id, (StreamCodecs(), 0))
 
     def CloseSession(self, request: pb.CloseSessionRequest, context: grpc.ServicerContext):  # noqa: N802
         with self._options_lock:
@@ -224,10 +236,10 @@ class _LinkServicer(pb_grpc.StageLinkServicer):
             vocab_size=self.split.vocab_size if self.split.mode == "two" else 0,
         )
         codec, grad_codec = info.codecs
-        error_feedback, delta_bytes = self._options(session_id)
+        options, delta_bytes = self._options(session_id)
         # Per stream: the device's stream lives as long as its session, and so does this state.
         encoder = StreamEncoder(
-            StreamCodecs(codec, grad_codec, error_feedback=error_feedback), session_id=session_id
+            replace(options, codec=codec, gradient_codec=grad_codec), session_id=session_id
         )
         decoder = StreamDecoder(
             delta_cache_bytes=delta_bytes, bounds=bounds, max_elements=self.max_message_bytes

@@ -17,6 +17,7 @@ Codecs stay plain names (``"int4"``), so a planner can choose them per link.
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, replace
 
 import torch
@@ -28,7 +29,7 @@ from fedpipe.transport.delta import DeltaDecoder, DeltaEncoder
 from fedpipe.transport.feedback import ErrorFeedback
 from fedpipe.transport.serde import MessageBounds, codec_for, msg_from_wire, msg_to_wire
 
-__all__ = ["StreamCodecs", "StreamDecoder", "StreamEncoder"]
+__all__ = ["StreamCodecs", "StreamDecoder", "StreamEncoder", "rounding_seed"]
 
 _GRADIENTS = (Kind.OUTPUT_GRAD, Kind.INPUT_GRAD)
 
@@ -43,6 +44,12 @@ class StreamCodecs:
     delta_cache_bytes: int = 0  # > 0: delta-code activations that carry their token ids
     stochastic: bool = False  # gradients round stochastically (int4/int2 only; unbiased)
     seed: int | None = None  # of the stochastic rounding (None: from the OS)
+
+
+def rounding_seed(device_id: str, round_: int, side: str) -> int:
+    """The stochastic-rounding seed of one side (``device`` or ``server``) of a session:
+    stable across processes (not Python's salted ``hash``), so a seeded run repeats."""
+    return zlib.crc32(f"{side}/{device_id}/{round_}".encode())
 
 
 class StreamEncoder:
