@@ -129,6 +129,22 @@ RUNS: list[dict[str, Any]] = [
 # Known but not run by default (--runs noniid-stack).
 EXTRA_RUNS: list[dict[str, Any]] = [
     {"name": "noniid-stack", **_NONIID, "federated.aggregation": "stack"},
+    # int4t-int2ef with each group's largest activation/output value sent exactly ("o"): with
+    # groups of 64 (more bytes), and of 128 (fewer bytes than int4t's 64).
+    {
+        "name": "int4to-int2ef",
+        "pipeline.uplink_codec": "int4to",
+        "pipeline.downlink_codec": "int4to",
+        "pipeline.gradient_codec": "int2",
+        "pipeline.error_feedback": True,
+    },
+    {
+        "name": "int4tog128-int2ef",
+        "pipeline.uplink_codec": "int4tog128",
+        "pipeline.downlink_codec": "int4tog128",
+        "pipeline.gradient_codec": "int2",
+        "pipeline.error_feedback": True,
+    },
 ]
 
 
