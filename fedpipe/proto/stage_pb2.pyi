@@ -118,7 +118,7 @@ class SplitSpec(_message.Message):
     def __init__(self, model: _Optional[str] = ..., num_layers: _Optional[int] = ..., head_layers: _Optional[int] = ..., tail_layers: _Optional[int] = ..., mode: _Optional[str] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., fingerprint: _Optional[str] = ..., max_positions: _Optional[int] = ..., vocab_size: _Optional[int] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("device_id", "token", "round", "uplink_codec", "downlink_codec", "microbatch_size", "seq_len", "learning_rate", "weight_decay", "gradient_codec", "split", "frozen_head", "error_feedback", "delta_cache_bytes", "stochastic_rounding")
+    __slots__ = ("device_id", "token", "round", "uplink_codec", "downlink_codec", "microbatch_size", "seq_len", "learning_rate", "weight_decay", "gradient_codec", "split", "frozen_head", "error_feedback", "delta_cache_bytes", "stochastic_rounding", "downlink_codec_name", "gradient_codec_name")
     DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +134,8 @@ class OpenSessionRequest(_message.Message):
     ERROR_FEEDBACK_FIELD_NUMBER: _ClassVar[int]
     DELTA_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     STOCHASTIC_ROUNDING_FIELD_NUMBER: _ClassVar[int]
+    DOWNLINK_CODEC_NAME_FIELD_NUMBER: _ClassVar[int]
+    GRADIENT_CODEC_NAME_FIELD_NUMBER: _ClassVar[int]
     device_id: str
     token: str
     round: int
@@ -149,7 +151,9 @@ class OpenSessionRequest(_message.Message):
     error_feedback: bool
     delta_cache_bytes: int
     stochastic_rounding: bool
-    def __init__(self, device_id: _Optional[str] = ..., token: _Optional[str] = ..., round: _Optional[int] = ..., uplink_codec: _Optional[_Union[Codec, str]] = ..., downlink_codec: _Optional[_Union[Codec, str]] = ..., microbatch_size: _Optional[int] = ..., seq_len: _Optional[int] = ..., learning_rate: _Optional[float] = ..., weight_decay: _Optional[float] = ..., gradient_codec: _Optional[_Union[Codec, str]] = ..., split: _Optional[_Union[SplitSpec, _Mapping]] = ..., frozen_head: _Optional[bool] = ..., error_feedback: _Optional[bool] = ..., delta_cache_bytes: _Optional[int] = ..., stochastic_rounding: _Optional[bool] = ...) -> None: ...
+    downlink_codec_name: str
+    gradient_codec_name: str
+    def __init__(self, device_id: _Optional[str] = ..., token: _Optional[str] = ..., round: _Optional[int] = ..., uplink_codec: _Optional[_Union[Codec, str]] = ..., downlink_codec: _Optional[_Union[Codec, str]] = ..., microbatch_size: _Optional[int] = ..., seq_len: _Optional[int] = ..., learning_rate: _Optional[float] = ..., weight_decay: _Optional[float] = ..., gradient_codec: _Optional[_Union[Codec, str]] = ..., split: _Optional[_Union[SplitSpec, _Mapping]] = ..., frozen_head: _Optional[bool] = ..., error_feedback: _Optional[bool] = ..., delta_cache_bytes: _Optional[int] = ..., stochastic_rounding: _Optional[bool] = ..., downlink_codec_name: _Optional[str] = ..., gradient_codec_name: _Optional[str] = ...) -> None: ...
 
 class OpenSessionReply(_message.Message):
     __slots__ = ("session_id", "split", "max_message_bytes")

@@ -217,6 +217,8 @@ class StageClient:
             uplink_codec=codec_to_proto(uplink_codec),
             downlink_codec=codec_to_proto(downlink_codec),
             gradient_codec=codec_to_proto(gradient_codec) if gradient_codec else None,
+            downlink_codec_name=downlink_codec,
+            gradient_codec_name=gradient_codec,
             error_feedback=error_feedback,
             delta_cache_bytes=delta_cache_bytes,
             stochastic_rounding=stochastic_rounding,

@@ -30,6 +30,7 @@ from fedpipe.proto import stage_pb2_grpc as pb_grpc
 from fedpipe.split.agreement import check_agreement
 from fedpipe.transport.client import SESSION_HEADER, channel_options
 from fedpipe.transport.codec import codec_from_proto
+from fedpipe.transport.codec_names import check_codec, codec_base
 from fedpipe.transport.errors import status_for
 from fedpipe.transport.serde import MessageBounds
 from fedpipe.transport.stream_codec import (
@@ -114,6 +115,24 @@ class _StreamSlots:
             self.live -= 1
 
 
+def _session_codec(name: str, value: int) -> str:
+    """The codec the server sends with: the full name when the device gave one (``int4tg128``:
+    groups, layout, outliers), else the enum's base codec (an older device)."""
+    base = codec_from_proto(value)
+    if not name:
+        return base
+    try:
+        check_codec(name)
+    except ValueError as exc:
+        raise InvalidRequestError(f"OpenSession: {exc}") from None
+    if codec_base(name) != base:
+        raise InvalidRequestError(
+            f"OpenSession: codec name {name!r} is a {codec_base(name)} codec, but its enum "
+            f"says {base}; send the same codec in both fields"
+        )
+    return name
+
+
 class _LinkServicer(pb_grpc.StageLinkServicer):
     def __init__(
         self,
@@ -159,8 +178,12 @@ class _LinkServicer(pb_grpc.StageLinkServicer):
                 self.split,
                 model=self.split.model,
             )
-            codec = codec_from_proto(request.downlink_codec or pb.FP32)
-            grad_codec = codec_from_proto(request.gradient_codec) if request.gradient_codec else ""
+            codec = _session_codec(request.downlink_codec_name, request.downlink_codec or pb.FP32)
+            grad_codec = (
+                _session_codec(request.gradient_codec_name, request.gradient_codec)
+                if request.gradient_codec
+                else ""
+            )
             _check_delta_cache(request.delta_cache_bytes, self.max_delta_cache_bytes)
             session_id = self.runtime.open_session(
                 request.device_id,
