@@ -44,9 +44,28 @@ from fedpipe.split import plan_split
 from fedpipe.split.build import build_device_stages, build_stage
 from fedpipe.transport.codec import CODECS, encoded_nbytes, tensor_from_proto, tensor_to_proto
 
-BENCH_CODECS = (*CODECS, "int4t", "int4tg32", "int4g128", "int2t", "int2tg16")
+BENCH_CODECS = (
+    *CODECS,
+    "int4t",
+    "int4tg32",
+    "int4g128",
+    "int2t",
+    "int2tg16",
+    # the largest value(s) of each group sent exactly (o: one, o2: two)
+    "int4to",
+    "int4tog128",
+    "int4to2g128",
+    "int2to",
+)
 # One step with the forward tensors in one codec and the gradients in another ("A/G").
-BENCH_STEPS = ("int4t/int4", "int4t/int2", "int4tg32/int4", "int8/int4")
+BENCH_STEPS = (
+    "int4t/int4",
+    "int4t/int2",
+    "int4tg32/int4",
+    "int8/int4",
+    "int4to/int2",
+    "int4tog128/int2",
+)
 
 
 def _best_seconds(fn: Callable[[], object], repeats: int) -> float:

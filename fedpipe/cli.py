@@ -387,16 +387,21 @@ def cmd_bench_quality(args: argparse.Namespace) -> int:
     from fedpipe.bench.quality import run_quality_bench
 
     names = [n.strip() for n in args.runs.split(",") if n.strip()] if args.runs else None
-    report = run_quality_bench(quick=args.quick, names=names, overrides=overrides)
+    report = run_quality_bench(quick=args.quick, names=names, overrides=overrides, seeds=args.seeds)
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
     print(f"model {report['model']}, {report['devices']} devices, {report['rounds']} rounds")
-    print(f"{'run':>14} {'eval loss':>9} {'ppl':>8} {'bytes/token':>11} {'wall s':>7} {'steps':>5}")
+    print(f"seeds {report['seeds']}: eval loss is their mean, std over them")
+    print(
+        f"{'run':>14} {'eval loss':>9} {'std':>7} {'ppl':>8} {'bytes/token':>11} "
+        f"{'wall s':>7} {'steps':>5}"
+    )
     for r in report["runs"]:
         print(
-            f"{r['name']:>14} {r['eval_loss']:>9.4f} {r['eval_ppl']:>8.2f} "
-            f"{r['bytes_per_token']:>11.1f} {r['wall_s']:>7.1f} {r['steps']:>5}"
+            f"{r['name']:>14} {r['eval_loss']:>9.4f} {r['eval_loss_std']:>7.4f} "
+            f"{r['eval_ppl']:>8.2f} {r['bytes_per_token']:>11.1f} {r['wall_s']:>7.1f} "
+            f"{r['steps']:>5}"
         )
     return 0
 

@@ -296,6 +296,9 @@ def _add_bench(sub: Any) -> None:
     qb.add_argument("--quick", action="store_true", help="a tiny random model (CI, seconds)")
     qb.add_argument("--runs", help="comma-separated run names (default: all but noniid-stack)")
     qb.add_argument(
+        "--seeds", type=int, default=1, help="train each run N times (model.seed + 0..N-1)"
+    )
+    qb.add_argument(
         "--set",
         action="append",
         metavar="SECTION.KEY=VALUE",

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, get_type_hints
 
 from fedpipe.link.spec import parse_device_profiles
-from fedpipe.transport.codec_names import check_codec, codec_help
+from fedpipe.transport.codec_names import check_codec, codec_bits, codec_help
 
 __all__ = [
     "FedpipeConfig",
@@ -117,6 +117,7 @@ class PipelineConfig:
     downlink_codec: str = "fp32"
     gradient_codec: str = ""  # "" = each direction's codec; e.g. int8 activations, bf16 grads
     error_feedback: bool = False  # gradients: each side adds what its last send lost to the next
+    stochastic_rounding: bool = False  # int4/int2 gradients round stochastically (unbiased)
     delta: bool = False  # activations: send the change since the sample's last send (AQ-SGD)
     delta_cache_mb: float = 64.0  # with delta: decoded samples kept, on both sides
     delta_resume: bool = True  # with delta: the caches outlive the round (false: one session)
@@ -154,6 +155,13 @@ class PipelineConfig:
                 f"pipeline.{name} {value!r} unknown; choose one of {codec_help()}",
             )
         _check(
+            not self.stochastic_rounding or self.plan == "auto" or self._low_bit_gradients(),
+            "pipeline.stochastic_rounding applies to int4/int2 gradients, but they go as "
+            f"{self.gradient_codec or self.uplink_codec} up and "
+            f"{self.gradient_codec or self.downlink_codec} down; set pipeline.gradient_codec "
+            "to int4 or int2, or turn stochastic_rounding off",
+        )
+        _check(
             self.delta_cache_mb > 0,
             f"pipeline.delta_cache_mb must be > 0, got {self.delta_cache_mb}; to turn delta "
             "coding off set pipeline.delta = false",
@@ -173,6 +181,12 @@ class PipelineConfig:
             self.memory_cap_mb >= 0,
             f"pipeline.memory_cap_mb must be >= 0, got {self.memory_cap_mb}",
         )
+
+    def _low_bit_gradients(self) -> bool:
+        """Whether the gradients go as int4/int2 in at least one direction."""
+        ups = self.gradient_codec or self.uplink_codec
+        downs = self.gradient_codec or self.downlink_codec
+        return codec_bits(ups) > 0 or codec_bits(downs) > 0
 
     @property
     def codec_choices(self) -> tuple[str, ...]:

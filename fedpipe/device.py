@@ -340,6 +340,7 @@ class DeviceTrainer:
             downlink_codec=down,
             gradient_codec=grads,
             error_feedback=cfg.pipeline.error_feedback,
+            stochastic_rounding=cfg.pipeline.stochastic_rounding,
             delta_cache_bytes=delta_bytes,
             delta=self.delta_encoder(delta_bytes),
             delta_codec=p.delta_codec,

@@ -46,20 +46,22 @@ ERROR: Kind
 ECHO: Kind
 
 class Tensor(_message.Message):
-    __slots__ = ("codec", "shape", "data", "scales", "group_size", "token_groups")
+    __slots__ = ("codec", "shape", "data", "scales", "group_size", "token_groups", "outliers")
     CODEC_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     SCALES_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKEN_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    OUTLIERS_FIELD_NUMBER: _ClassVar[int]
     codec: Codec
     shape: _containers.RepeatedScalarFieldContainer[int]
     data: bytes
     scales: bytes
     group_size: int
     token_groups: bool
-    def __init__(self, codec: _Optional[_Union[Codec, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., scales: _Optional[bytes] = ..., group_size: _Optional[int] = ..., token_groups: _Optional[bool] = ...) -> None: ...
+    outliers: int
+    def __init__(self, codec: _Optional[_Union[Codec, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., scales: _Optional[bytes] = ..., group_size: _Optional[int] = ..., token_groups: _Optional[bool] = ..., outliers: _Optional[int] = ...) -> None: ...
 
 class StageMessage(_message.Message):
     __slots__ = ("session_id", "step", "microbatch", "kind", "tensor", "labels", "loss_scale", "loss_sum", "tokens", "error", "compute_s", "forward_only", "sample_keys")
@@ -126,7 +128,7 @@ class SplitCut(_message.Message):
     def __init__(self, head_layers: _Optional[int] = ..., tail_layers: _Optional[int] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("device_id", "token", "round", "uplink_codec", "downlink_codec", "microbatch_size", "seq_len", "learning_rate", "weight_decay", "gradient_codec", "split", "frozen_head", "error_feedback", "delta_cache_bytes", "delta_cache_id", "delta_cache_entries", "delta_cache_digest")
+    __slots__ = ("device_id", "token", "round", "uplink_codec", "downlink_codec", "microbatch_size", "seq_len", "learning_rate", "weight_decay", "gradient_codec", "split", "frozen_head", "error_feedback", "delta_cache_bytes", "delta_cache_id", "delta_cache_entries", "delta_cache_digest", "stochastic_rounding", "downlink_codec_name", "gradient_codec_name")
     DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +146,9 @@ class OpenSessionRequest(_message.Message):
     DELTA_CACHE_ID_FIELD_NUMBER: _ClassVar[int]
     DELTA_CACHE_ENTRIES_FIELD_NUMBER: _ClassVar[int]
     DELTA_CACHE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    STOCHASTIC_ROUNDING_FIELD_NUMBER: _ClassVar[int]
+    DOWNLINK_CODEC_NAME_FIELD_NUMBER: _ClassVar[int]
+    GRADIENT_CODEC_NAME_FIELD_NUMBER: _ClassVar[int]
     device_id: str
     token: str
     round: int
@@ -161,7 +166,10 @@ class OpenSessionRequest(_message.Message):
     delta_cache_id: str
     delta_cache_entries: int
     delta_cache_digest: bytes
-    def __init__(self, device_id: _Optional[str] = ..., token: _Optional[str] = ..., round: _Optional[int] = ..., uplink_codec: _Optional[_Union[Codec, str]] = ..., downlink_codec: _Optional[_Union[Codec, str]] = ..., microbatch_size: _Optional[int] = ..., seq_len: _Optional[int] = ..., learning_rate: _Optional[float] = ..., weight_decay: _Optional[float] = ..., gradient_codec: _Optional[_Union[Codec, str]] = ..., split: _Optional[_Union[SplitSpec, _Mapping]] = ..., frozen_head: _Optional[bool] = ..., error_feedback: _Optional[bool] = ..., delta_cache_bytes: _Optional[int] = ..., delta_cache_id: _Optional[str] = ..., delta_cache_entries: _Optional[int] = ..., delta_cache_digest: _Optional[bytes] = ...) -> None: ...
+    stochastic_rounding: bool
+    downlink_codec_name: str
+    gradient_codec_name: str
+    def __init__(self, device_id: _Optional[str] = ..., token: _Optional[str] = ..., round: _Optional[int] = ..., uplink_codec: _Optional[_Union[Codec, str]] = ..., downlink_codec: _Optional[_Union[Codec, str]] = ..., microbatch_size: _Optional[int] = ..., seq_len: _Optional[int] = ..., learning_rate: _Optional[float] = ..., weight_decay: _Optional[float] = ..., gradient_codec: _Optional[_Union[Codec, str]] = ..., split: _Optional[_Union[SplitSpec, _Mapping]] = ..., frozen_head: _Optional[bool] = ..., error_feedback: _Optional[bool] = ..., delta_cache_bytes: _Optional[int] = ..., delta_cache_id: _Optional[str] = ..., delta_cache_entries: _Optional[int] = ..., delta_cache_digest: _Optional[bytes] = ..., stochastic_rounding: _Optional[bool] = ..., downlink_codec_name: _Optional[str] = ..., gradient_codec_name: _Optional[str] = ...) -> None: ...
 
 class OpenSessionReply(_message.Message):
     __slots__ = ("session_id", "split", "max_message_bytes", "delta_resumed", "delta_reset_reason")

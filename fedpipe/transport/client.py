@@ -33,7 +33,12 @@ from fedpipe.split.agreement import SplitLike
 from fedpipe.transport.codec import codec_to_proto
 from fedpipe.transport.delta import DeltaEncoder
 from fedpipe.transport.serde import wire_header
-from fedpipe.transport.stream_codec import StreamCodecs, StreamDecoder, StreamEncoder
+from fedpipe.transport.stream_codec import (
+    StreamCodecs,
+    StreamDecoder,
+    StreamEncoder,
+    rounding_seed,
+)
 
 __all__ = [
     "SessionStats",
@@ -182,6 +187,7 @@ class StageClient:
         delta_cache_bytes: int = 0,
         delta: DeltaEncoder | None = None,
         delta_codec: str = "",
+        stochastic_rounding: bool = False,
         microbatch_size: int = 0,
         seq_len: int = 0,
         link: LinkProfile | str | None = None,
@@ -209,6 +215,7 @@ class StageClient:
         call clears ``delta``'s cache, as the server starts an empty one. None: a cache for
         this session only, which the server keeps nothing of. ``delta_codec`` (if set) codes
         the activations whose rows all go as differences.
+        ``stochastic_rounding`` rounds int4/int2 gradients stochastically on both sides.
         """
         if delta is not None and delta.cache.max_bytes != delta_cache_bytes:
             raise ValueError(
@@ -224,8 +231,11 @@ class StageClient:
             uplink_codec=codec_to_proto(uplink_codec),
             downlink_codec=codec_to_proto(downlink_codec),
             gradient_codec=codec_to_proto(gradient_codec) if gradient_codec else None,
+            downlink_codec_name=downlink_codec,
+            gradient_codec_name=gradient_codec,
             error_feedback=error_feedback,
             delta_cache_bytes=delta_cache_bytes,
+            stochastic_rounding=stochastic_rounding,
             learning_rate=lr,
             weight_decay=weight_decay,
             microbatch_size=microbatch_size,
@@ -254,6 +264,8 @@ class StageClient:
                 error_feedback=error_feedback,
                 delta_cache_bytes=delta_cache_bytes,
                 delta_codec=delta_codec,
+                stochastic=stochastic_rounding,
+                seed=rounding_seed(device_id, round_, "device"),
             ),
             tracer=tracer,
             timeout_s=timeout_s,

@@ -20,6 +20,9 @@ value ``y`` against the sent value ``x`` (taken as fp32):
   size travels in the message's ``group_size``. With ``t`` (``int4t``, ``int2tg32``) a group is
   ``G`` consecutive tokens (rows) of one channel (last dimension) instead of ``G`` consecutive
   values of a row: the message's ``token_groups`` is set and the payload is channel-major.
+  With ``o<K>`` (``int4to``, ``int2o2g128``) the ``K`` values of largest magnitude in each
+  group are sent exactly (6 bytes each: fp32 value, int16 position; the message's
+  ``outliers`` is ``K``) and ``s`` is taken over the group's other values.
 
 Integer tensors (labels, token ids) are not compressed: ``labels_to_proto`` and
 ``labels_from_proto`` carry them as little-endian int64 with ``codec = CODEC_UNSPECIFIED`` (the
@@ -51,10 +54,12 @@ from fedpipe.transport.codec_names import (
     CODECS,
     GROUP_SIZES,
     LOW_BIT,
+    OUTLIER_COUNTS,
     check_codec,
     codec_base,
     codec_group,
     codec_name,
+    codec_outliers,
     codec_token_groups,
 )
 
@@ -104,6 +109,7 @@ _WIRE_DTYPE: dict[str, torch.dtype] = {
 _LABEL_DTYPE = torch.int64
 _SCALE_BYTES = 4  # one fp32 scale per int8 row
 _GROUP_META_BYTES = 8  # low-bit codecs: one fp32 scale and one fp32 offset per group
+_OUTLIER_BYTES = 6  # low-bit codecs' exact values: fp32 value + int16 position in the group
 _INT8_MAX = 127.0
 # upb (protobuf >= 4.21's default) returns a new bytes object on every read of a bytes field, so
 # a decoded tensor may wrap it; the C++ and pure-Python runtimes return the message's own object.
@@ -157,7 +163,7 @@ def encoded_nbytes(shape: Sequence[int], codec: str) -> int:
     numel, base = math.prod(shape), codec_base(codec)
     if base in LOW_BIT:
         groups = lowbit.num_groups(numel, codec_group(codec))
-        return lowbit.packed_nbytes(numel, LOW_BIT[base]) + groups * _GROUP_META_BYTES
+        return lowbit.packed_nbytes(numel, LOW_BIT[base]) + groups * _group_meta_bytes(codec)
     nbytes = numel * _WIRE_DTYPE[base].itemsize
     if base == "int8":
         nbytes += _num_rows(shape) * _SCALE_BYTES
@@ -174,9 +180,14 @@ def payload_nbytes(msg: pb.Tensor) -> int:
     if msg.codec == pb.CODEC_UNSPECIFIED:
         return math.prod(shape) * _LABEL_DTYPE.itemsize
     codec = _FROM_PROTO.get(msg.codec)
-    if codec in LOW_BIT and msg.group_size in GROUP_SIZES:
-        return encoded_nbytes(shape, codec_name(codec, msg.group_size))
+    if codec in LOW_BIT and msg.group_size in GROUP_SIZES and _known_outliers(msg):
+        return encoded_nbytes(shape, codec_name(codec, msg.group_size, outliers=msg.outliers))
     return encoded_nbytes(shape, codec) if codec else math.prod(shape) * 4
+
+
+def _group_meta_bytes(codec: str) -> int:
+    """``scales`` bytes per group of a low-bit codec: scale, offset and exact outliers."""
+    return _GROUP_META_BYTES + codec_outliers(codec) * _OUTLIER_BYTES
 
 
 def _num_rows(shape: Sequence[int]) -> int:
@@ -228,10 +239,15 @@ def tensor_to_wire(
     if base in LOW_BIT:
         group, by_token = codec_group(codec), codec_token_groups(codec)
         values = _channel_major(t) if by_token else t
-        packed, scales, offsets = lowbit.quantize(values, LOW_BIT[base], group, generator=generator)
+        k = codec_outliers(codec)
+        packed, scales, offsets, exact = lowbit.quantize_outliers(
+            values, LOW_BIT[base], group, k, generator=generator
+        )
         meta.group_size = group
         meta.token_groups = by_token
-        meta.scales = _to_bytes(torch.cat([scales, offsets]))
+        meta.outliers = k
+        floats = torch.cat([scales, offsets, exact.values.reshape(-1)])
+        meta.scales = _to_bytes(floats) + _to_bytes(exact.positions)
         return packed.cpu()
     return t.to(_WIRE_DTYPE[base]).contiguous().cpu()
 
@@ -328,10 +344,10 @@ def tensor_from_proto(
         data = msg.data
     if codec in LOW_BIT:
         return _check_finite(_decode_low_bit(msg, data, scales, shape, dtype, name), name)
-    if msg.group_size or msg.token_groups:
+    if msg.group_size or msg.token_groups or msg.outliers:
         raise TensorFormatError(
-            f"{name}: codec {codec.upper()} has no groups, got group_size {msg.group_size} "
-            f"and token_groups {msg.token_groups}"
+            f"{name}: codec {codec.upper()} has no groups, got group_size {msg.group_size}, "
+            f"token_groups {msg.token_groups} and outliers {msg.outliers}"
         )
     _check_nbytes(name, "data", len(data), numel * _WIRE_DTYPE[codec].itemsize, shape, codec)
     if codec == "int8":
@@ -470,17 +486,49 @@ def _decode_low_bit(
             f"{name}: {base.upper()} group_size {group} is not one of "
             f"{', '.join(map(str, GROUP_SIZES))}"
         )
-    codec = codec_name(base, group, msg.token_groups)
+    if not _known_outliers(msg):
+        raise TensorFormatError(
+            f"{name}: {base.upper()} outliers {msg.outliers} per group is not one of "
+            f"0, {', '.join(map(str, OUTLIER_COUNTS))} below group_size {group}"
+        )
+    k = msg.outliers
+    codec = codec_name(base, group, msg.token_groups, k)
     bits, numel = LOW_BIT[base], math.prod(shape)
     groups = lowbit.num_groups(numel, group)
     _check_nbytes(name, "data", len(data), lowbit.packed_nbytes(numel, bits), shape, codec)
-    _check_nbytes(name, "scales", len(scales), groups * _GROUP_META_BYTES, shape, codec)
+    meta_nbytes = groups * _group_meta_bytes(codec)
+    _check_nbytes(name, "scales", len(scales), meta_nbytes, shape, codec)
     if numel == 0:
         return torch.zeros(shape, dtype=dtype)
     packed = _from_bytes(data, torch.uint8, (len(data),))
-    meta = _from_bytes(scales, torch.float32, (2 * groups,))  # scales, then offsets
-    values = lowbit.dequantize(packed, meta[:groups], meta[groups:], bits, group, numel)
+    floats = (2 + k) * groups  # scales, offsets, then the outliers' values
+    meta = _from_bytes(scales[: 4 * floats], torch.float32, (floats,))
+    exact = _exact_values(scales[4 * floats :], meta[2 * groups :], groups, k, group, name)
+    values = lowbit.dequantize(
+        packed, meta[:groups], meta[groups : 2 * groups], bits, group, numel, exact
+    )
     if msg.token_groups:  # channel-major on the wire: back to (rows, channels)
         channels = shape[-1] if shape else 1
         values = values.view(channels, -1).t()
     return values.reshape(shape).to(dtype).contiguous()
+
+
+def _known_outliers(msg: pb.Tensor) -> bool:
+    """Whether a low-bit message's ``outliers`` is 0 or an allowed count below its group."""
+    k = msg.outliers
+    return k == 0 or (k in OUTLIER_COUNTS and k < msg.group_size)
+
+
+def _exact_values(
+    raw: bytes, values: torch.Tensor, groups: int, k: int, group: int, name: str
+) -> lowbit.Outliers | None:
+    """The outliers a peer sent, their positions checked to lie inside their group."""
+    if k == 0:
+        return None
+    positions = _from_bytes(raw, torch.int16, (groups, k))
+    bad = int(((positions < 0) | (positions >= group)).sum())
+    if bad:
+        raise TensorFormatError(
+            f"{name}: {bad} outlier positions lie outside [0, {group}) (group_size {group})"
+        )
+    return lowbit.Outliers(values.view(groups, k), positions)

@@ -30,11 +30,17 @@ from fedpipe.proto import stage_pb2_grpc as pb_grpc
 from fedpipe.split.agreement import check_agreement
 from fedpipe.transport.client import SESSION_HEADER, channel_options
 from fedpipe.transport.codec import codec_from_proto
+from fedpipe.transport.codec_names import check_codec, codec_base
 from fedpipe.transport.delta import CacheIdentity, DeltaCache
 from fedpipe.transport.delta_store import DeltaStore
 from fedpipe.transport.errors import status_for
 from fedpipe.transport.serde import MessageBounds
-from fedpipe.transport.stream_codec import StreamCodecs, StreamDecoder, StreamEncoder
+from fedpipe.transport.stream_codec import (
+    StreamCodecs,
+    StreamDecoder,
+    StreamEncoder,
+    rounding_seed,
+)
 
 __all__ = ["SplitInfo", "StageServer"]
 
@@ -114,6 +120,8 @@ class _StreamOptions:
     delta_cache: DeltaCache | None = field(default=None, repr=False)  # until the stream takes it
     uplink_codec: str = ""
     run_id: str = ""  # the run the session was opened in: its cache goes back only there
+    stochastic: bool = False  # int4/int2 gradients round stochastically (OpenSession)
+    seed: int | None = None  # of that rounding: from (device, round), so a run repeats
 
 
 class _StreamSlots:
@@ -134,6 +142,24 @@ class _StreamSlots:
     def release(self) -> None:
         with self._lock:
             self.live -= 1
+
+
+def _session_codec(name: str, value: int) -> str:
+    """The codec the server sends with: the full name when the device gave one (``int4tg128``:
+    groups, layout, outliers), else the enum's base codec (an older device)."""
+    base = codec_from_proto(value)
+    if not name:
+        return base
+    try:
+        check_codec(name)
+    except ValueError as exc:
+        raise InvalidRequestError(f"OpenSession: {exc}") from None
+    if codec_base(name) != base:
+        raise InvalidRequestError(
+            f"OpenSession: codec name {name!r} is a {codec_base(name)} codec, but its enum "
+            f"says {base}; send the same codec in both fields"
+        )
+    return name
 
 
 class _LinkServicer(pb_grpc.StageLinkServicer):
@@ -183,8 +209,12 @@ class _LinkServicer(pb_grpc.StageLinkServicer):
                 offered=self.split.offered(),
             )
             blocks = self.split.session_blocks(request.split.head_layers, request.split.tail_layers)
-            codec = codec_from_proto(request.downlink_codec or pb.FP32)
-            grad_codec = codec_from_proto(request.gradient_codec) if request.gradient_codec else ""
+            codec = _session_codec(request.downlink_codec_name, request.downlink_codec or pb.FP32)
+            grad_codec = (
+                _session_codec(request.gradient_codec_name, request.gradient_codec)
+                if request.gradient_codec
+                else ""
+            )
             _check_delta_cache(request.delta_cache_bytes, self.max_delta_cache_bytes)
             session_id = self.runtime.open_session(
                 request.device_id,
@@ -199,7 +229,13 @@ class _LinkServicer(pb_grpc.StageLinkServicer):
             )
         except Exception as exc:
             context.abort(status_for(exc), str(exc))
-        options = _StreamOptions(request.error_feedback, request.delta_cache_bytes, run_id=run_id)
+        options = _StreamOptions(
+            request.error_feedback,
+            request.delta_cache_bytes,
+            run_id=run_id,
+            stochastic=request.stochastic_rounding,
+            seed=rounding_seed(request.device_id, request.round, "server"),
+        )
         reply = pb.OpenSessionReply(
             session_id=session_id,
             split=self.split.to_proto(),
@@ -292,7 +328,13 @@ class _LinkServicer(pb_grpc.StageLinkServicer):
         # Per stream: the device's stream lives as long as its session, and so does this state
         # (but a delta cache may come from the device's last session and outlive this one).
         encoder = StreamEncoder(
-            StreamCodecs(codec, grad_codec, error_feedback=options.error_feedback),
+            StreamCodecs(
+                codec,
+                grad_codec,
+                error_feedback=options.error_feedback,
+                stochastic=options.stochastic,
+                seed=options.seed,
+            ),
             session_id=session_id,
         )
         decoder = StreamDecoder(

@@ -19,6 +19,7 @@ Codecs stay plain names (``"int4"``), so a planner can choose them per link.
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, replace
 
 import torch
@@ -30,7 +31,7 @@ from fedpipe.transport.delta import DeltaCache, DeltaDecoder, DeltaEncoder
 from fedpipe.transport.feedback import ErrorFeedback
 from fedpipe.transport.serde import MessageBounds, codec_for, msg_from_wire, msg_to_wire
 
-__all__ = ["StreamCodecs", "StreamDecoder", "StreamEncoder"]
+__all__ = ["StreamCodecs", "StreamDecoder", "StreamEncoder", "rounding_seed"]
 
 _GRADIENTS = (Kind.OUTPUT_GRAD, Kind.INPUT_GRAD)
 
@@ -48,6 +49,12 @@ class StreamCodecs:
     delta_codec: str = ""
     stochastic: bool = False  # gradients round stochastically (int4/int2 only; unbiased)
     seed: int | None = None  # of the stochastic rounding (None: from the OS)
+
+
+def rounding_seed(device_id: str, round_: int, side: str) -> int:
+    """The stochastic-rounding seed of one side (``device`` or ``server``) of a session:
+    stable across processes (not Python's salted ``hash``), so a seeded run repeats."""
+    return zlib.crc32(f"{side}/{device_id}/{round_}".encode())
 
 
 class StreamEncoder:

@@ -250,3 +250,31 @@ def test_the_server_app_carries_cumulative_device_deltas(tmp_path: Path) -> None
     )
     effective = got["l.base_delta"] + 2.0 * got["l.lora_B.weight"] @ got["l.lora_A.weight"]
     torch.testing.assert_close(effective, torch.ones(5, 6) + 2.0 * mean_ba)
+
+
+def test_a_fold_that_a_bf16_base_cannot_hold_is_reported(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from fedpipe.split.aggregation import BaseFold
+
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(32, 64, generator=gen) * 0.05  # SmolLM2-like magnitudes
+    residual = torch.randn(32, 64, generator=gen) * 1e-5  # exact's residual, measured ~1e-5
+    folds = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        linear = torch.nn.Linear(64, 32, bias=False).to(dtype)
+        with torch.no_grad():
+            linear.weight.copy_(weight)
+        folds[dtype] = (BaseFold.of_linears({"l": linear}), linear)
+    fold32, linear32 = folds[torch.float32]
+    fold32.set({"l": residual})
+    assert fold32.kept == 1.0
+    assert torch.allclose(linear32.weight - weight, residual, atol=1e-8)
+    fold16, _ = folds[torch.bfloat16]
+    with caplog.at_level("WARNING", logger="fedpipe.split.aggregation"):
+        fold16.set({"l": residual})
+    assert fold16.kept < 0.5 and "server.dtype = float32" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="fedpipe.split.aggregation"):
+        fold16.set({"l": weight})  # as large as the weights: bf16 holds it to ~0.4%
+    assert fold16.kept > 0.99 and not caplog.text

@@ -17,7 +17,19 @@ from fedpipe.transport.codec import (
     tensor_to_proto,
 )
 
-LOW_BIT = ["int4", "int2", "int4g16", "int2g16", "int4g128", "int2g1024", "int4t", "int2tg16"]
+LOW_BIT = [
+    "int4",
+    "int2",
+    "int4g16",
+    "int2g16",
+    "int4g128",
+    "int2g1024",
+    "int4t",
+    "int2tg16",
+    "int4to",
+    "int2o8g16",
+    "int4tog128",
+]
 
 
 def _bits_group(codec: str) -> tuple[int, int]:
@@ -124,6 +136,14 @@ def _lowbit_msg(
         (_lowbit_msg(group_size=48), r"group_size 48 is not one of"),
         (_lowbit_msg("int8", group_size=64), r"codec INT8 has no groups, got group_size 64"),
         (_lowbit_msg("fp16", token_groups=True), r"FP16 has no groups, .* token_groups True"),
+        (_lowbit_msg("fp32", outliers=1), r"FP32 has no groups, .* outliers 1"),
+        (_lowbit_msg(outliers=3), r"INT4 outliers 3 per group is not one of 0, 1, 2, 4, 8"),
+        (_lowbit_msg("int4to", outliers=0), r"scales has 56 bytes, expected 32 .* as int4t$"),
+        (_lowbit_msg("int4to", outliers=2), r"scales has 56 bytes, expected 80 .* as int4to2$"),
+        (
+            pb.Tensor(codec=pb.INT4, shape=[2**40], group_size=64, outliers=8),
+            r"data has 0 bytes, expected 549755813888",  # refused before any allocation
+        ),
         (
             pb.Tensor(codec=pb.INT2, shape=[2**40], group_size=64),
             r"data has 0 bytes, expected 274877906944",  # refused before any allocation
@@ -139,6 +159,11 @@ def _lowbit_msg(
         "odd-group",
         "int8-group",
         "fp16-tokens",
+        "fp32-outliers",
+        "odd-outliers",
+        "outliers-dropped",
+        "outliers-added",
+        "huge-outliers",
         "huge",
     ],
 )
@@ -171,3 +196,56 @@ def test_token_group_names() -> None:
     msg = tensor_to_proto(torch.randn(2, 8, 64), "int2tg32")
     assert (msg.codec, msg.group_size, msg.token_groups) == (pb.INT2, 32, True)
     assert not tensor_to_proto(torch.randn(2, 64), "int4").token_groups
+
+
+@pytest.mark.parametrize("codec", ["int4o2", "int2to", "int4tog128", "int2o8g16"])
+@pytest.mark.parametrize("shape", [(5,), (3, 70), (2, 64, 24)], ids=str)
+def test_outliers_decode_exactly_and_the_rest_within_half_their_step(
+    codec: str, shape: tuple[int, ...]
+) -> None:
+    bits, group = _bits_group(codec)
+    k = {"o2": 2, "o8": 8}.get(codec[4:6], 1)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(shape, generator=gen)
+    x.view(-1)[:: max(1, x.numel() // 7)] *= 1000.0  # a few huge values
+    msg = pb.Tensor.FromString(tensor_to_proto(x, codec).SerializeToString())
+    assert msg.outliers == k
+    assert len(msg.data) + len(msg.scales) == encoded_nbytes(shape, codec) == payload_nbytes(msg)
+    flat, got = _grouped(x, codec), _grouped(tensor_from_proto(msg), codec)
+    for start in range(0, flat.numel(), group):
+        part, back = flat[start : start + group], got[start : start + group]
+        top = part.abs().topk(min(k, part.numel())).indices
+        assert torch.equal(back[top], part[top])  # sent exactly
+        rest = torch.ones_like(part, dtype=torch.bool).index_fill_(0, top, False)
+        if rest.any():
+            step = float(part[rest].max() - part[rest].min()) / (2**bits - 1)
+            slack = 4e-7 * float(part[rest].abs().max())
+            assert float((back - part)[rest].abs().max()) <= step / 2 * (1 + 1e-5) + slack
+
+
+def test_an_outlier_no_longer_coarsens_its_group() -> None:
+    x = torch.linspace(-1.0, 1.0, 64)
+    x[10] = 500.0  # one attention-sink-like value
+    plain = (tensor_from_proto(tensor_to_proto(x, "int4")) - x).abs().max()
+    exact = (tensor_from_proto(tensor_to_proto(x, "int4o")) - x).abs().max()
+    assert float(plain) > 1.5 and float(exact) <= 1 / 15 * (1 + 1e-5)
+
+
+def test_outlier_positions_outside_their_group_are_refused() -> None:
+    msg = tensor_to_proto(torch.randn(2, 64), "int4o2g32")  # 4 groups of 2 outliers
+    raw = bytearray(msg.scales)
+    positions = torch.frombuffer(raw, dtype=torch.int16, offset=4 * 4 * 4).clone()
+    positions[3] = 32
+    msg.scales = bytes(raw[: 4 * 4 * 4]) + positions.numpy().tobytes()
+    with pytest.raises(TensorFormatError, match=r"1 outlier positions lie outside \[0, 32\)"):
+        tensor_from_proto(msg)
+
+
+def test_outlier_names() -> None:
+    from fedpipe.transport.codec_names import check_codec, codec_name, codec_outliers
+
+    assert [codec_outliers(c) for c in ("int4", "int4to", "int2o4g16", "fp32")] == [0, 1, 4, 0]
+    assert codec_name("int4", 128, True, 2) == "int4to2g128" and codec_name("int4", 64, False, 1)
+    for bad in ("int4o3", "int4o0", "int4ot", "int4o16g16", "int4o8g16x", "int8o"):
+        with pytest.raises(ValueError, match="o<K>"):
+            check_codec(bad)
