@@ -340,7 +340,12 @@ def _add_bench_server(bsub: Any) -> None:
     s.add_argument("--quick", action="store_true", help="CI size: tiny-llama, N 1,2,4, 2 steps")
     s.add_argument("--real", action="store_true", help="real head/tail stages, not generators")
     s.add_argument("--link", help="each device's link (default: 100mbit-5ms; loopback --quick)")
-    s.add_argument("--server-threads", type=int, default=1, help="torch threads of the server")
+    s.add_argument(
+        "--server-threads",
+        type=int,
+        help="torch threads of the server (default: one per core, the load generator shares them;"
+        " fewer pins the load generator to the first core and the server to the next ones)",
+    )
     s.add_argument("--microbatches", type=int, default=2, help="microbatches per device step")
     s.add_argument("--microbatch-size", type=int, default=2, help="sequences per microbatch")
     s.add_argument("--seq-len", type=int, help="tokens per sequence (default: 128; 16 --quick)")

@@ -72,7 +72,9 @@ class ServerBenchSettings:
     shape: LoadShape = field(default_factory=lambda: LoadShape(2, 2, 128, 256))
     emulation: DeviceEmulation = field(default_factory=lambda: DeviceEmulation(0.05, 0.15, 0.10))
     link: str = "100mbit-5ms"
-    server_threads: int = 1
+    # The machine's cores (the "the server gets this machine's cores"): joined matmuls
+    # of a batched call spread over threads where one microbatch's small ones do not.
+    server_threads: int = field(default_factory=lambda: len(os.sched_getaffinity(0)))
     real: bool = False
 
     def __post_init__(self) -> None:
@@ -525,7 +527,7 @@ def make_settings(
     quick: bool = False,
     real: bool = False,
     link: str | None = None,
-    server_threads: int = 1,
+    server_threads: int | None = None,
     microbatches: int = 2,
     microbatch_size: int = 2,
     seq_len: int | None = None,
@@ -550,6 +552,6 @@ def make_settings(
         shape=LoadShape(microbatches, microbatch_size, tokens, int(hf.hidden_size)),
         emulation=base.emulation,
         link=link or base.link,
-        server_threads=server_threads,
+        server_threads=base.server_threads if server_threads is None else server_threads,
         real=real,
     )
