@@ -26,7 +26,10 @@ def test_every_run_is_a_valid_setting_and_codec_runs_are_named_by_codec() -> Non
         grads = run.get("pipeline.gradient_codec")
         ef = "ef" if run.get("pipeline.error_feedback") else ""
         expected = run["pipeline.uplink_codec"] + (f"-{grads}{ef}" if grads else "")
-        assert run["name"] == expected
+        if run.get("pipeline.delta"):  # delta coding's runs: the codecs, then "-delta..."
+            assert run["name"].startswith(f"{expected}-delta")
+        else:
+            assert run["name"] == expected
     names = run_names()
     assert names[:3] == ["centralized", "lossless", "noniid"] and "frozen" in names
 
