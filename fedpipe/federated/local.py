@@ -20,7 +20,6 @@ from fedpipe.data import (
     BlockSampler,
     Scheme,
     default_corpus,
-    held_out_blocks,
     load_documents,
     tokenize_blocks,
     train_eval_split,
@@ -159,7 +158,7 @@ class DeviceWork:
         )
         if partition < 0:
             limit = cfg.train.eval_batches * cfg.train.batch_size
-            self.blocks = held_out_blocks(held_out, tokenizer, cfg.train.seq_len, limit)
+            self.blocks = tokenize_blocks(held_out, tokenizer, cfg.train.seq_len, max_blocks=limit)
             return
         parts = partition_docs(
             train_docs,
