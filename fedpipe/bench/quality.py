@@ -31,6 +31,7 @@ from fedpipe.config import FedpipeConfig
 from fedpipe.data import (
     BlockSampler,
     default_corpus,
+    held_out_blocks,
     load_documents,
     tokenize_blocks,
     train_eval_split,
@@ -323,7 +324,7 @@ def _held_out_loss(model: torch.nn.Module, cfg: FedpipeConfig, tokenizer: Any) -
     """Mean token loss over the held-out blocks the federated evaluator uses."""
     _, held_out = _documents(cfg)
     limit = cfg.train.eval_batches * cfg.train.batch_size
-    blocks = tokenize_blocks(held_out, tokenizer, cfg.train.seq_len, max_blocks=limit)
+    blocks = held_out_blocks(held_out, tokenizer, cfg.train.seq_len, limit)
     total, tokens = 0.0, 0
     for batch in torch.split(blocks, cfg.train.batch_size):
         n = int(batch.shape[0] * (batch.shape[1] - 1))

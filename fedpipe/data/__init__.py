@@ -10,7 +10,7 @@ Typical use (split first so every device is evaluated on the same held-out text)
     batch = BlockSampler(blocks, batch_size=8, seed=device_id).batch(step)
 """
 
-from fedpipe.data.blocks import BlockSampler, render_document, tokenize_blocks
+from fedpipe.data.blocks import BlockSampler, held_out_blocks, render_document, tokenize_blocks
 from fedpipe.data.documents import Document, default_corpus, load_documents
 from fedpipe.data.partition import Scheme, describe, partition, train_eval_split
 
@@ -24,5 +24,6 @@ __all__ = [
     "partition",
     "render_document",
     "tokenize_blocks",
+    "held_out_blocks",
     "train_eval_split",
 ]

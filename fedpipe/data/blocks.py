@@ -16,7 +16,7 @@ import torch
 
 from fedpipe.data.documents import Document
 
-__all__ = ["tokenize_blocks", "render_document", "BlockSampler"]
+__all__ = ["tokenize_blocks", "held_out_blocks", "render_document", "BlockSampler"]
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,27 @@ def tokenize_blocks(
         log.warning("%d tokens are fewer than one block of %d; no blocks", len(ids), seq_len)
     blocks = torch.tensor(ids[: n_blocks * seq_len], dtype=torch.long)
     return blocks.view(n_blocks, seq_len)  # (N, T)
+
+
+def held_out_blocks(
+    docs: Sequence[Document], tokenizer: Any, seq_len: int, n_blocks: int
+) -> torch.Tensor:
+    """``n_blocks`` blocks spread evenly over the token stream of every document in ``docs``.
+
+    An evaluation set must stand for all of the held-out text: the first ``n_blocks`` blocks
+    would be its first documents only (in the bundled corpus, 2-3 chapters of Genesis, which a
+    by-source split puts on one device). Block ``i`` of ``n`` is taken at the middle of the
+    ``i``-th of ``n`` equal spans of the stream, so every part of the text is represented in
+    proportion to its length, and the choice is deterministic. Fewer blocks than asked: all.
+    """
+    if n_blocks < 0:
+        raise ValueError(f"n_blocks must be >= 0, got {n_blocks}")
+    blocks = tokenize_blocks(docs, tokenizer, seq_len)  # (N, T)
+    total = blocks.shape[0]
+    if total <= n_blocks:
+        return blocks
+    picks = [int((i + 0.5) * total / n_blocks) for i in range(n_blocks)]
+    return blocks[picks]
 
 
 def _token_chunks(docs: Sequence[Document], tokenizer: Any) -> Iterator[list[list[int]]]:

@@ -20,6 +20,7 @@ from fedpipe.data import (
     BlockSampler,
     Scheme,
     default_corpus,
+    held_out_blocks,
     load_documents,
     tokenize_blocks,
     train_eval_split,
@@ -158,7 +159,7 @@ class DeviceWork:
         )
         if partition < 0:
             limit = cfg.train.eval_batches * cfg.train.batch_size
-            self.blocks = tokenize_blocks(held_out, tokenizer, cfg.train.seq_len, max_blocks=limit)
+            self.blocks = held_out_blocks(held_out, tokenizer, cfg.train.seq_len, limit)
             return
         parts = partition_docs(
             train_docs,

@@ -19,6 +19,7 @@ from fedpipe.data import (
     Document,
     default_corpus,
     describe,
+    held_out_blocks,
     load_documents,
     partition,
     tokenize_blocks,
@@ -238,6 +239,25 @@ def test_tokenize_blocks_packs_with_eos(tokenizer: PreTrainedTokenizerFast) -> N
     assert tokenize_blocks(long_doc, tokenizer, seq_len=10).shape == (10, 10)
     assert tokenize_blocks(long_doc, tokenizer, seq_len=10, max_blocks=4).shape == (4, 10)
     assert tokenize_blocks([Document(text="a")], tokenizer, seq_len=5).shape == (0, 5)
+
+
+def test_held_out_blocks_spread_over_every_document(tokenizer: PreTrainedTokenizerFast) -> None:
+    """The evaluation set stands for all held-out text, not its first documents (the bundled
+    corpus's first held-out documents are 2-3 chapters of one book)."""
+    letters = "abcdefgh"
+    docs = [Document(text=ch * 39, source=ch) for ch in letters]  # 40 tokens each with eos
+    blocks = held_out_blocks(docs, tokenizer, seq_len=10, n_blocks=8)  # 32 blocks in all
+    assert blocks.shape == (8, 10)
+    ids = {tokenizer.convert_tokens_to_ids(ch): ch for ch in letters}
+    seen = {ids[t] for row in blocks.tolist() for t in row if t in ids}
+    assert seen == set(letters)  # one block from each document's span
+    first = tokenize_blocks(docs, tokenizer, seq_len=10, max_blocks=8)
+    assert {ids[t] for row in first.tolist() for t in row if t in ids} == {"a", "b"}
+    whole = tokenize_blocks(docs, tokenizer, seq_len=10)
+    assert all(any(torch.equal(b, w) for w in whole) for b in blocks)  # real blocks, unchanged
+    assert held_out_blocks(docs, tokenizer, seq_len=10, n_blocks=99).shape == (32, 10)
+    with pytest.raises(ValueError, match="n_blocks"):
+        held_out_blocks(docs, tokenizer, seq_len=10, n_blocks=-1)
 
 
 def test_tokenize_blocks_chat_template_and_fallback(tokenizer: PreTrainedTokenizerFast) -> None:
