@@ -3,7 +3,9 @@
     python benchmarks/gpu_check.py [--devices 1,8,32] [--steps 3] [--budget-s 240]
 
 (with fedpipe installed, or from the repo root with ``PYTHONPATH=.``). Prints one JSON object:
-``results`` holds, per model, number of devices and column (``batched``/``unbatched``),
+``results`` holds, per model, number of devices and column (``batched``, ``unbatched``, and
+``batched-looped``: the batched bank with each session's LoRA term in its own small matmuls
+instead of one ``grouped_mm`` per linear, so the grouped kernel's share of the gain shows),
 ``tokens_per_s`` (tokens through the middle stage's forward and backward per second),
 ``peak_gpu_mb`` (``torch.cuda.max_memory_allocated``) and ``idle`` (1 - GPU time inside compute
 calls / wall; the GPU time comes from CUDA events recorded at each call's start and end, so
@@ -48,7 +50,7 @@ LLAMA_1B: dict[str, Any] = {
     "max_position_embeddings": 2048,
     "attn_implementation": "sdpa",
 }
-COLUMNS = ("unbatched", "batched")
+COLUMNS = ("unbatched", "batched", "batched-looped")
 
 log = logging.getLogger("gpu_check")
 
@@ -98,11 +100,15 @@ MODELS: dict[str, Build] = {
 GPU_MODELS = ("SmolLM2-135M", "llama-1b-random")
 
 
-def _runtime(build: Build, batched: bool, device: torch.device) -> tuple[Any, Any]:
+def _runtime(
+    build: Build, batched: bool, device: torch.device, grouped: str = "auto"
+) -> tuple[Any, Any]:
     """A StageRuntime over the built stage as ``fedpipe server`` builds it, and its probe.
 
     Batched: the batched adapter bank and the batching policy on; unbatched: peft's bank, one
-    message per call (``server.batching = false``). Both copy through the runtime's
+    message per call (``server.batching = false``). ``grouped`` sets the batched bank's LoRA
+    terms (``auto``: ``grouped_mm`` where it applies; ``off``: a loop over sessions). All copy
+    through the runtime's
     :class:`~fedpipe.pipeline.device_copies.DeviceCopies` (pinned buffers, side stream).
     """
     from fedpipe.bench.server_probe import ComputeProbe
@@ -117,6 +123,9 @@ def _runtime(build: Build, batched: bool, device: torch.device) -> tuple[Any, An
     stage, config = build(device, dtype)
     settings = lora_settings(load_config(None, {}))
     bank = adapter_bank(stage, settings, family=model_family(config), batched=batched)
+    runner = getattr(bank, "_runner", None)
+    if runner is not None:
+        runner.grouped = grouped
     runtime = StageRuntime(
         bank,
         mode="u",
@@ -245,7 +254,15 @@ def run(
     rounds = iter(range(1, 10_000))
     for name in models:
         try:
-            built = {c: _runtime(MODELS[name], c == "batched", device) for c in COLUMNS}
+            built = {
+                c: _runtime(
+                    MODELS[name],
+                    c != "unbatched",
+                    device,
+                    grouped="off" if c == "batched-looped" else "auto",
+                )
+                for c in COLUMNS
+            }
         except Exception as exc:  # e.g. SmolLM2's wheel missing on this machine
             results.append({"model": name, "error": f"{type(exc).__name__}: {exc}"})
             continue
@@ -273,8 +290,21 @@ def run(
         "microbatches": MICROBATCHES,
         "steps": steps,
         "batching_available": True,  # kept for readers of older reports
+        "grouped_lora": _grouped_here(device),
         "results": results,
     }
+
+
+def _grouped_here(device: torch.device) -> str:
+    """Whether the ``batched`` column's LoRA terms ran in ``grouped_mm`` here, and if not why."""
+    from fedpipe.config import load_config
+    from fedpipe.device import lora_settings
+    from fedpipe.split.grouped_lora import grouped_lora_supported
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    rank = lora_settings(load_config(None, {})).r
+    why = grouped_lora_supported(torch.empty(1, 576, device=device, dtype=dtype), rank, 576)
+    return why or "used"
 
 
 def main(argv: list[str] | None = None) -> int:

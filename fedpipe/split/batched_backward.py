@@ -32,6 +32,7 @@ from fedpipe.split.batched_blocks import (
     join,
     row_slices,
 )
+from fedpipe.split.grouped_lora import group_offsets, grouped_lora_backward
 
 __all__ = ["Grads", "TapedBlocks", "backward_blocks"]
 
@@ -103,6 +104,7 @@ class _Block:
         self.shapes = [t.shape for t in tapes]
         self.slices: Slices = row_slices([r.h0.shape[0] for r in self.records])
         self.grads = grads
+        self._offs: Tensor | None = None  # grouped_mm's group ends, made once per block
 
     def backward(self, dys: list[Tensor], need_dx: bool) -> list[Tensor]:
         """dL/d(block input) per tape from dL/d(block output); adapter gradients on the side."""
@@ -160,6 +162,12 @@ class _Block:
         ``x`` (the joined input) is made only when some tape's A needs it.
         """
         key = f"{self.prefix}.{name}"
+        applied, lora_dx = self._grouped(key, dy, x, need_dx)
+        if applied:  # every tape's LoRA gradients in grouped matmuls (a GPU)
+            if lora_dx is None:
+                return None
+            base = dy @ linear.weight if into is None else into + dy @ linear.weight
+            return base + lora_dx.to(base.dtype)
         # dx = (into + LoRA terms) + dy W, autograd's order; without ``into``: dy W + LoRA.
         dx = None if not need_dx else dy @ linear.weight if into is None else into
         for rows, adapter, rec in zip(self.slices, self.adapters, self.records, strict=True):
@@ -178,6 +186,43 @@ class _Block:
         if dx is not None and into is not None:
             dx = dx + dy @ linear.weight
         return dx
+
+    def _grouped(
+        self, key: str, dy: Tensor, x: Callable[[], Tensor], need_dx: bool
+    ) -> tuple[bool, Tensor | None]:
+        """Every tape's LoRA gradients of one linear by ``grouped_mm``, added to the grads:
+        (True, their part of dL/dx or None when not needed). (False, None) where the grouped
+        kernel does not apply (grouping off, one tape, a tape without this adapter, the kernel
+        refuses): the caller then loops over the tapes, the exact reference."""
+        if self.runner.grouped == "off" or len(self.slices) < 2:
+            return False, None
+        pairs = [pair for adapter in self.adapters if (pair := adapter.get(key)) is not None]
+        if len(pairs) < len(self.adapters):
+            return False, None
+        sizes = [rows.stop - rows.start for rows in self.slices]
+        if self._offs is None:
+            self._offs = group_offsets(sizes, dy.device)
+        need_a = any(a.requires_grad for a, _ in pairs)
+        got = grouped_lora_backward(
+            dy,
+            join([rec.lows[key] for rec in self.records]),
+            x() if need_a else None,
+            sizes,
+            pairs,
+            self.runner.scale,
+            need_dx=need_dx,
+            force=self.runner.grouped == "force",
+            offs=self._offs,
+        )
+        if got is None:
+            return False, None
+        grads_a, grads_b, d_x = got
+        for i, (a, b) in enumerate(pairs):
+            if b.requires_grad:
+                _add(self.grads, b, grads_b[i].to(b.dtype))
+            if a.requires_grad and grads_a is not None:
+                _add(self.grads, a, grads_a[i].to(a.dtype))
+        return True, d_x
 
     def _attention(self, attn: Any, d_heads: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """dL/d(q, k, v) before rotary, joined (N, width) each, from dL/d(heads)."""

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from fedpipe.split.grouped_lora import group_offsets, grouped_lora
 from fedpipe.split.stages import _window_mask, shifted_loss_sum, sliding_window
 
 if TYPE_CHECKING:
@@ -185,6 +186,12 @@ class BlockRunner:
         # matmuls but pushes the row-wise ops out of the cache (measured: 1024 beat 256, 512
         # and all of 8 x 2 x 128 on small-llama); None: all rows at once, as on a GPU.
         self.cpu_chunk_rows: int | None = 1024
+        # Each group's LoRA term of a linear: "auto" runs every group's in two grouped matmuls
+        # (fedpipe.split.grouped_lora) where the kernel applies (CUDA, bf16, cc >= 9.0) and
+        # loops over the groups elsewhere (the exact reference); "off" always loops; "force"
+        # takes the grouped kernel wherever torch runs it (tests on a CPU).
+        self.grouped: Literal["auto", "off", "force"] = "auto"
+        self._offsets: dict[tuple[int, ...], Tensor] = {}  # group sizes -> offs, per call
 
     def chunk_rows(self, device: torch.device) -> int | None:
         """Rows per run of the backward on ``device`` (None: one run)."""
@@ -198,6 +205,7 @@ class BlockRunner:
         """
         hs = [g.hidden for g in groups]
         adapters = [self.adapter(g.adapter) for g in groups]
+        self._offsets = {}
         with torch.no_grad():
             for index in self.block_indices:
                 # A group with its own block range (a device with another cut) skips the others.
@@ -240,6 +248,8 @@ class BlockRunner:
     ) -> Tensor:
         """Frozen ``linear`` over the joined rows ``x`` plus each group's own LoRA term."""
         y = F.linear(x, linear.weight, linear.bias)  # (N, out): one matmul for every group
+        if self._grouped_term(key, x, y, slices, adapters, lows):
+            return y
         for i, (rows, tensors) in enumerate(zip(slices, adapters, strict=True)):
             pair = tensors.get(key)
             if pair is None:
@@ -250,6 +260,36 @@ class BlockRunner:
             if lows is not None:
                 lows[i][key] = low
         return y
+
+    def _grouped_term(
+        self,
+        key: str,
+        x: Tensor,
+        y: Tensor,
+        slices: Slices,
+        adapters: Sequence[AdapterTensors],
+        lows: Sequence[dict[str, Tensor]] | None,
+    ) -> bool:
+        """Add every group's LoRA term to ``y`` in two grouped matmuls; False where it does not
+        apply (grouping off, one group, a group without this adapter, or the kernel refuses)."""
+        if self.grouped == "off" or len(slices) < 2:
+            return False
+        pairs = [pair for tensors in adapters if (pair := tensors.get(key)) is not None]
+        if len(pairs) < len(adapters):
+            return False
+        sizes = tuple(rows.stop - rows.start for rows in slices)
+        offs = self._offsets.get(sizes)
+        if offs is None:
+            offs = self._offsets[sizes] = group_offsets(sizes, x.device)
+        got = grouped_lora(x, sizes, pairs, self.scale, force=self.grouped == "force", offs=offs)
+        if got is None:
+            return False
+        term, group_lows = got
+        y += term.to(y.dtype)
+        if lows is not None:
+            for i, (low, pair) in enumerate(zip(group_lows, pairs, strict=True)):
+                lows[i][key] = low.to(pair[0].dtype)
+        return True
 
     def _block(
         self,

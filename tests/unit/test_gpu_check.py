@@ -37,13 +37,14 @@ def test_the_loop_measures_both_columns_at_every_n_on_a_cpu() -> None:
     report = _gpu_check().run([1, 2], 1, models=("tiny-llama",), device=torch.device("cpu"))
     assert [r["devices"] for r in report["results"]] == [1, 2]
     for row in report["results"]:
-        for column in ("batched", "unbatched"):
+        for column in ("batched", "unbatched", "batched-looped"):
             figures = row[column]
             assert figures["tokens_per_s"] > 0 and figures["mean_batch"] >= 1.0
             assert 0 < figures["busy_host"] <= 1.0
             assert figures["peak_gpu_mb"] is None and figures["idle"] is None  # no GPU here
             assert figures["copies"]["downloads"] == 0  # a CPU stage: no copies at all
     assert isinstance(report["batching_available"], bool)
+    assert "bfloat16" in report["grouped_lora"]  # says why the kernel did not run here (fp32)
 
 
 def test_rows_past_the_time_budget_are_reported_as_skipped() -> None:
