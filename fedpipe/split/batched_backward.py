@@ -203,17 +203,21 @@ class _Block:
         if self._offs is None:
             self._offs = group_offsets(sizes, dy.device)
         need_a = any(a.requires_grad for a, _ in pairs)
-        got = grouped_lora_backward(
-            dy,
-            join([rec.lows[key] for rec in self.records]),
-            x() if need_a else None,
-            sizes,
-            pairs,
-            self.runner.scale,
-            need_dx=need_dx,
-            force=self.runner.grouped == "force",
-            offs=self._offs,
-        )
+        try:
+            got = grouped_lora_backward(
+                dy,
+                join([rec.lows[key] for rec in self.records]),
+                x() if need_a else None,
+                sizes,
+                pairs,
+                self.runner.scale,
+                need_dx=need_dx,
+                force=self.runner.grouped == "force",
+                offs=self._offs,
+            )
+        except RuntimeError as exc:
+            self.runner.grouped_failed(exc)
+            return False, None
         if got is None:
             return False, None
         grads_a, grads_b, d_x = got

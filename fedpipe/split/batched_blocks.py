@@ -16,6 +16,7 @@ forward calls, block by block; a tape is freed with the session's reference to i
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -29,6 +30,8 @@ from fedpipe.split.stages import _window_mask, shifted_loss_sum, sliding_window
 
 if TYPE_CHECKING:
     from fedpipe.split.multilora import Group
+
+log = logging.getLogger(__name__)
 
 __all__ = ["BlockRunner", "BlockTape", "Tape", "frozen_linear", "frozen_linears"]
 
@@ -261,6 +264,20 @@ class BlockRunner:
                 lows[i][key] = low
         return y
 
+    def grouped_failed(self, exc: RuntimeError) -> None:
+        """The grouped kernel raised where its checks let it run (a layout or a driver the
+        checks do not know): loop over the sessions from now on, said once in the log, rather
+        than fail every call. Under ``force`` (tests) and out of memory the error stands."""
+        if self.grouped == "force" or isinstance(exc, torch.OutOfMemoryError):
+            raise exc
+        log.warning(
+            "server adapters: the grouped LoRA kernel failed (%s: %s); each session's LoRA "
+            "term runs on its own from now on",
+            type(exc).__name__,
+            str(exc).splitlines()[0] if str(exc) else "",
+        )
+        self.grouped = "off"
+
     def _grouped_term(
         self,
         key: str,
@@ -281,7 +298,13 @@ class BlockRunner:
         offs = self._offsets.get(sizes)
         if offs is None:
             offs = self._offsets[sizes] = group_offsets(sizes, x.device)
-        got = grouped_lora(x, sizes, pairs, self.scale, force=self.grouped == "force", offs=offs)
+        try:
+            got = grouped_lora(
+                x, sizes, pairs, self.scale, force=self.grouped == "force", offs=offs
+            )
+        except RuntimeError as exc:
+            self.grouped_failed(exc)
+            return False
         if got is None:
             return False
         term, group_lows = got

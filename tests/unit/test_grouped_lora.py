@@ -188,6 +188,44 @@ def test_the_batched_forward_takes_the_grouped_kernel_and_keeps_each_sessions_nu
         assert torch.equal(g, w)
 
 
+def test_a_kernel_that_fails_where_its_checks_let_it_run_falls_back_once_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A grouped kernel that raises on a GPU (a layout or driver its checks do not know)
+    costs no call: that call and every later one loop over the sessions, with one warning."""
+    folder = resolve_model("tiny-llama", cache_dir=tmp_path)
+    raised: list[str] = []
+
+    def broken(*args: object, **kw: object) -> object:
+        raised.append("forward")
+        raise RuntimeError("grouped_mm: unsupported layout\nmore detail")
+
+    want = _bank_run(folder, "off")
+    monkeypatch.setattr(batched_blocks, "grouped_lora", broken)
+    with caplog.at_level("WARNING", logger="fedpipe.split.batched_blocks"):
+        got = _bank_run(folder, "auto")
+    assert raised == ["forward"]  # tried once, then off for the rest of the bank's life
+    for g, w in zip(got[0] + got[1], want[0] + want[1], strict=True):
+        assert torch.equal(g, w)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "unsupported layout" in warnings[0]
+    assert "more detail" not in warnings[0]  # one line
+    with pytest.raises(RuntimeError, match="unsupported layout"):
+        _bank_run(folder, "force")  # tests see the error
+
+    def broken_back(*args: object, **kw: object) -> object:
+        raised.append("backward")
+        raise RuntimeError("grouped_mm: unsupported layout")
+
+    monkeypatch.setattr(batched_blocks, "grouped_lora", lambda *a, **k: None)  # declines
+    monkeypatch.setattr(batched_backward, "grouped_lora_backward", broken_back)
+    raised.clear()
+    got = _bank_run(folder, "auto")
+    assert raised == ["backward"]
+    for g, w in zip(got[0] + got[1], want[0] + want[1], strict=True):
+        assert torch.equal(g, w)
+
+
 @pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
     reason="needs a CUDA GPU of compute capability 9.0 or newer",
