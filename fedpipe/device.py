@@ -8,7 +8,9 @@ and hands back its adapters and metrics; Flower aggregates the adapters.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import statistics
 import sys
 import time
@@ -206,6 +208,9 @@ class DeviceTrainer:
         # file that keeps them across processes (None: kept in memory only).
         self.delta: DeltaEncoder | None = None
         self.delta_path: Path | None = None
+        # Where the planner's choice of cut outlives this process (a deployed device runs each
+        # round's ClientApp in a new one); None: kept in memory only.
+        self.cut_path: Path | None = None
 
     def _build(self, cut: tuple[int, int]) -> None:
         """This device's stages for ``cut`` (head, tail blocks), with fresh adapters."""
@@ -281,6 +286,51 @@ class DeviceTrainer:
         if self.tail is not None:
             params += [p for p in self.tail.parameters() if p.requires_grad]
         return params
+
+    def remember_cut(self, cut: tuple[int, int]) -> None:
+        """Keep the planner's choice in ``cut_path`` (owner-only, written whole) so that the
+        next round's process starts from it; the model and the offered cuts go with it."""
+        if self.cut_path is None:
+            return
+        record = {
+            "model": self.config.model.name,
+            "cuts": [list(c) for c in self.config.model.offered_cuts],
+            "cut": list(cut),
+        }
+        try:
+            self.cut_path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.cut_path.with_suffix(".tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as out:
+                json.dump(record, out)
+            tmp.replace(self.cut_path)
+        except OSError as exc:  # the choice then holds for this process only
+            log.warning("[device %s] cannot keep the chosen cut: %s", self.device_id, exc)
+
+    def recall_cut(self) -> None:
+        """Take up the cut an earlier round's planner chose (``cut_path``): it applies when
+        this round's adapters load. Ignored unless it was chosen for this model and these
+        offered cuts, and the planner is on."""
+        if self.planner is None or self.cut_path is None or not self.cut_path.exists():
+            return
+        offered = [list(c) for c in self.config.model.offered_cuts]
+        try:
+            record = json.loads(self.cut_path.read_text())
+            cut = tuple(int(v) for v in record["cut"])
+            same = record["model"] == self.config.model.name and record["cuts"] == offered
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("[device %s] ignoring %s: %s", self.device_id, self.cut_path, exc)
+            return
+        if not same or list(cut) not in offered:
+            log.info(
+                "[device %s] %s is from another run's cuts; planning anew",
+                self.device_id,
+                self.cut_path,
+            )
+            return
+        if cut != self.cut:
+            self.planner.next_cut = (cut[0], cut[1])
+            log.info("[device %s] the planner chose cut %d+%d last round", self.device_id, *cut)
 
     def _forget_delta(self) -> None:
         """Drop the delta cache (and its file): the server then resumes nothing either."""

@@ -144,9 +144,11 @@ class DeviceWork:
         self.stage_ca, self.stage_cert, self.stage_key = stage_ca, stage_cert, stage_key
         self.profile = _profile(cfg, partition, profile)
         self.trainer = DeviceTrainer(cfg, device_id=device_id, profile=self.profile)
-        if delta_dir:  # pipeline.delta: the cache outlives this process (a ClientApp's round)
+        if delta_dir:  # the delta cache and the planner's cut outlive this process (a round)
             name = re.sub(r"[^A-Za-z0-9_.-]", "_", device_id)
             self.trainer.delta_path = Path(delta_dir) / f"{name}.delta.safetensors"
+            self.trainer.cut_path = Path(delta_dir) / f"{name}.cut.json"
+            self.trainer.recall_cut()
         tokenizer = load_tokenizer(self.trainer.folder)
         fed = cfg.federated
         if data:  # a deployed device's own data: all of it is its partition

@@ -227,6 +227,7 @@ class DevicePlanner:
         self.cut_plan = plan_step(figures, self._options())
         if self.cut_plan.cut != self.cut:
             self.next_cut = self.cuts[self.cut_plan.cut]
+        self.trainer.remember_cut(self.cuts[self.cut_plan.cut])  # for the next round's process
         log.info(
             "[device %s] best over the offered cuts %s: %s",
             self.trainer.device_id,

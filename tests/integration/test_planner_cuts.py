@@ -8,8 +8,10 @@ and the next round's adapters load into stages built for 1+1, whose session then
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -60,6 +62,47 @@ def test_a_slow_device_moves_to_the_cut_with_fewer_device_blocks() -> None:
         assert set(trainer.adapters()) < set(state)  # its blocks' adapters, of the union
     finally:
         server.stop(grace=None)
+
+
+def test_the_chosen_cut_outlives_the_process_that_chose_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A deployed device runs each round in a new process: the cut its planner chose in round
+    0 must still apply in round 1's process, not only in the process that chose it."""
+    folder = resolve_model("tiny-llama")
+    server = build_stage_server(CONFIG, port=0, folder=folder).start()
+    slow = DeviceProfile("slow", LinkProfile("near", 1000.0, 1000.0, rtt_s=0.001), 10.0)
+    path = tmp_path / "slow.cut.json"
+    try:
+        first = DeviceTrainer(CONFIG, device_id="slow", folder=folder, profile=slow)
+        first.cut_path = path
+        state = initial_device_adapters(CONFIG, folder)
+        first.load_adapters(state)
+        with StageClient(server.address) as client:
+            first.train_round(client, _batches(0), round_=0)
+        assert json.loads(path.read_text())["cut"] == [1, 1]
+        assert path.stat().st_mode & 0o077 == 0  # owner-only
+        del first  # round 0's process ends
+        second = DeviceTrainer(CONFIG, device_id="slow", folder=folder, profile=slow)
+        second.cut_path = path
+        second.recall_cut()
+        assert second.cut == (2, 1)  # built at the configured cut ...
+        second.load_adapters(state)
+        assert second.cut == (1, 1)  # ... and round 1's adapters load at the chosen one
+        with StageClient(server.address) as client:
+            report = second.train_round(client, _batches(1), round_=1)
+        assert report.plan["cut"] == "u:1+1"
+    finally:
+        server.stop(grace=None)
+    # A record for other offered cuts, or one that does not parse, is not taken up.
+    for text in ('{"model": "tiny-llama", "cuts": [[2, 2]], "cut": [2, 2]}', "{not json"):
+        path.write_text(text)
+        other = DeviceTrainer(CONFIG, device_id="slow", folder=folder, profile=slow)
+        other.cut_path = path
+        with caplog.at_level("INFO", logger="fedpipe.device"):
+            other.recall_cut()
+        assert other.planner is not None and other.planner.next_cut is None
+    assert "ignoring" in caplog.text and "another run's cuts" in caplog.text
 
 
 @pytest.mark.parametrize("slow_server", [False, True])
