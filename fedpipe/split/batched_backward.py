@@ -194,7 +194,7 @@ class _Block:
         (True, their part of dL/dx or None when not needed). (False, None) where the grouped
         kernel does not apply (grouping off, one tape, a tape without this adapter, the kernel
         refuses): the caller then loops over the tapes, the exact reference."""
-        if self.runner.grouped == "off" or len(self.slices) < 2:
+        if not self.runner.may_group(dy, len(self.slices)):
             return False, None
         pairs = [pair for adapter in self.adapters if (pair := adapter.get(key)) is not None]
         if len(pairs) < len(self.adapters):

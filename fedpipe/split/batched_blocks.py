@@ -264,6 +264,13 @@ class BlockRunner:
                 lows[i][key] = low
         return y
 
+    def may_group(self, x: Tensor, groups: int) -> bool:
+        """Whether to try the grouped kernel for ``groups`` groups of ``x`` (a CPU never does
+        unless forced: the loop there is exact and costs nothing extra)."""
+        if self.grouped == "off" or groups < 2:
+            return False
+        return self.grouped == "force" or x.device.type == "cuda"
+
     def grouped_failed(self, exc: RuntimeError) -> None:
         """The grouped kernel raised where its checks let it run (a layout or a driver the
         checks do not know): loop over the sessions from now on, said once in the log, rather
@@ -289,7 +296,7 @@ class BlockRunner:
     ) -> bool:
         """Add every group's LoRA term to ``y`` in two grouped matmuls; False where it does not
         apply (grouping off, one group, a group without this adapter, or the kernel refuses)."""
-        if self.grouped == "off" or len(slices) < 2:
+        if not self.may_group(x, len(slices)):
             return False
         pairs = [pair for tensors in adapters if (pair := tensors.get(key)) is not None]
         if len(pairs) < len(adapters):
