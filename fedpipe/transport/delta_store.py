@@ -14,6 +14,9 @@ authenticated id, and the device's next session may resume it (``OpenSession``):
 - **Bounded.** Each cache is at most ``server.max_delta_cache_mb`` (checked at OpenSession);
   the store holds at most ``server.delta_store_mb`` in all and evicts the devices whose
   caches were kept longest ago. A cache in use by a live session is not in the store.
+- **Closed sessions only.** A cache is kept when the session's stream has been read to its end,
+  and may resume only after the device closed the session (``CloseSession``): a stream the
+  device cancelled can end on the server like a clean half-close.
 - **Per run.** A new run (``BeginRound`` with another ``run_id``) empties the store, and a
   session opened in one run cannot put its cache back into another.
 """
@@ -23,7 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fedpipe.transport.delta import CacheIdentity, DeltaCache
 
@@ -38,6 +41,10 @@ class _Kept:
 
     cache: DeltaCache
     codec: str  # the uplink codec of the session that filled it
+    session_id: str = ""  # the session that filled it
+    # Whether that session was closed by the device (CloseSession). A stream the device
+    # cancelled can end on the server like a clean half-close; only the close says it was.
+    closed: bool = True
 
 
 @dataclass(frozen=True)
@@ -90,8 +97,12 @@ class DeltaStore:
             return Resumed(kept.cache, resumed=True)
         return Resumed(DeltaCache(max_bytes, cache_id=wanted.cache_id), False, reason)
 
-    def keep(self, device_id: str, cache: DeltaCache, *, codec: str, run_id: str) -> None:
-        """Keep ``device_id``'s cache after a clean session of ``run_id``; evict the oldest."""
+    def keep(
+        self, device_id: str, cache: DeltaCache, *, codec: str, run_id: str, session_id: str = ""
+    ) -> None:
+        """Keep ``device_id``'s cache after its stream of ``run_id`` was read to the end; evict
+        the oldest. With ``session_id`` it resumes only once :meth:`confirm` says the device
+        closed that session (without: at once)."""
         if not cache.cache_id:
             return  # the device keeps no cache across sessions: nothing to resume
         with self._lock:
@@ -101,7 +112,7 @@ class DeltaStore:
             if cache.nbytes > self.max_bytes:
                 log.info("delta cache of %s (%d bytes) exceeds the store", device_id, cache.nbytes)
                 return
-            self._kept[device_id] = _Kept(cache, codec)
+            self._kept[device_id] = _Kept(cache, codec, session_id, closed=not session_id)
             total = sum(k.cache.nbytes for k in self._kept.values())
             while total > self.max_bytes:
                 evicted, old = self._kept.popitem(last=False)
@@ -109,6 +120,15 @@ class DeltaStore:
                 log.info(
                     "delta store full: evicted %s's cache (%d bytes)", evicted, old.cache.nbytes
                 )
+
+    def confirm(self, session_id: str) -> bool:
+        """The device closed ``session_id`` (CloseSession): its kept cache may resume."""
+        with self._lock:
+            for device_id, kept in self._kept.items():
+                if kept.session_id == session_id:
+                    self._kept[device_id] = replace(kept, closed=True)
+                    return True
+        return False
 
     def get(self, device_id: str) -> DeltaCache | None:
         """``device_id``'s kept cache, if any (to inspect it: a session must ``take`` it)."""
@@ -125,6 +145,11 @@ def _mismatch(kept: _Kept | None, wanted: CacheIdentity, max_bytes: int, codec: 
         return "the device's cache is empty"
     if kept is None:
         return "the server holds no cache for this device (restarted, evicted or new run)"
+    if not kept.closed:
+        return (
+            "the server holds no cache from a closed session: the device's last session "
+            "ended without CloseSession (it failed or vanished)"
+        )
     have = kept.cache.identity
     if have.cache_id != wanted.cache_id:
         return "the device's cache is another one than the server's (device restarted?)"

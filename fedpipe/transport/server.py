@@ -293,6 +293,7 @@ class _LinkServicer(pb_grpc.StageLinkServicer):
             steps = self.runtime.close_session(request.session_id)
         except Exception as exc:
             context.abort(status_for(exc), str(exc))
+        self.store.confirm(request.session_id)  # a session the device closed: resumable
         return pb.CloseSessionReply(steps=steps)
 
     def Exchange(
@@ -387,6 +388,7 @@ class _LinkServicer(pb_grpc.StageLinkServicer):
                 decoder.delta.cache,
                 codec=options.uplink_codec,
                 run_id=options.run_id,
+                session_id=handle.info.session_id,  # resumable once the device closes it
             )
         handle.finish()  # half-closed: end the replies after those to what it sent
 

@@ -177,6 +177,38 @@ def test_a_failed_session_is_not_resumed(server: StageServer, folder) -> None:  
     _resets(server, trainer, "holds no cache", 3)
 
 
+def test_a_stream_read_to_its_end_without_close_session_is_not_resumed(
+    server: StageServer, folder
+) -> None:  # type: ignore[no-untyped-def]
+    """A stream the device cancelled can end on the server like a clean half-close; only the
+    device's CloseSession says the session ended well. Without it the kept cache does not
+    resume, whatever the stream's end looked like (deterministic: the stream here half-closes
+    cleanly and only the CloseSession is missing)."""
+    trainer = _device(folder)
+    _round(server, trainer, 1)
+    with StageClient(server.address) as client:
+        client.stub.CloseSession = lambda *a, **k: None  # type: ignore[method-assign]
+        trainer.train_round(client, _batches(), round_=2)
+    report = _resets(server, trainer, "ended without CloseSession", 3)
+    assert "holds no cache" in report.delta_reset_reason
+    warm = _round(server, trainer, 4)  # round 3 was closed: round 4 resumes it
+    assert warm.delta_resumed is True
+
+
+def test_the_store_resumes_a_session_only_once_it_is_confirmed_closed() -> None:
+    store = DeltaStore(1 << 20)
+    store.begin_run("r")
+    cache = DeltaCache(1 << 16, cache_id="c1")
+    cache.put(1, torch.ones(2, 4))
+    store.keep("d1", cache, codec="int8", run_id="r", session_id="s1")
+    got = store.take("d1", cache.identity, max_bytes=1 << 16, codec="int8")
+    assert not got.resumed and "without CloseSession" in got.reason
+    store.keep("d1", cache, codec="int8", run_id="r", session_id="s2")
+    assert not store.confirm("s1")  # another session's close confirms nothing
+    assert store.confirm("s2")
+    assert store.take("d1", cache.identity, max_bytes=1 << 16, codec="int8").resumed
+
+
 def test_a_changed_codec_resets(server: StageServer, folder) -> None:  # type: ignore[no-untyped-def]
     trainer = _device(folder)
     _round(server, trainer, 1)
