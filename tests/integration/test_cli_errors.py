@@ -93,11 +93,19 @@ def test_unregistered_node_key_is_one_line(tmp_path: Path) -> None:
     assert "refused this SuperNode: register its public key" in errors[0]
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_says_where_the_run_stopped_and_how_to_resume(tmp_path: Path) -> None:
     argv = ["simulate", *TINY, "--rounds", "3", "--runs-dir", str(tmp_path), "--name", "r"]
     first_checkpoint = tmp_path / "r" / "checkpoints" / "round-0001"
     with (tmp_path / "err.txt").open("w+") as err:
-        proc = subprocess.Popen([*FEDPIPE, *argv], stdout=subprocess.DEVNULL, stderr=err)  # noqa: S603
+        # Ctrl-C as a terminal sends it: a process started from a background job (CI scripts,
+        # `cmd &`) inherits SIGINT ignored, and Python then keeps it ignored.
+        proc = subprocess.Popen(  # noqa: S603
+            [*FEDPIPE, *argv], stdout=subprocess.DEVNULL, stderr=err, preexec_fn=_default_sigint
+        )
         try:
             deadline = time.monotonic() + 400
             while not first_checkpoint.is_dir():
