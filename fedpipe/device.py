@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import statistics
 import sys
 import time
@@ -20,6 +19,7 @@ from pathlib import Path
 import torch
 
 from fedpipe.config import FedpipeConfig
+from fedpipe.federated.runfolder import write_atomic
 from fedpipe.link import ComputeThrottle, DeviceProfile, LinkProfile, RealClock
 from fedpipe.models import load_config, model_family, model_fingerprint, resolve_model
 from fedpipe.pipeline.device_runtime import DeviceRuntime, StepResult
@@ -298,12 +298,7 @@ class DeviceTrainer:
             "cut": list(cut),
         }
         try:
-            self.cut_path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.cut_path.with_suffix(".tmp")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as out:
-                json.dump(record, out)
-            tmp.replace(self.cut_path)
+            write_atomic(self.cut_path, json.dumps(record))  # mkstemp: owner-only
         except OSError as exc:  # the choice then holds for this process only
             log.warning("[device %s] cannot keep the chosen cut: %s", self.device_id, exc)
 

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-__all__ = ["Checkpoint", "RunFolder"]
+__all__ = ["Checkpoint", "RunFolder", "write_atomic"]
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ class RunFolder:
     # -- settings -----------------------------------------------------------------------------
     def save_settings(self, flat: dict[str, Any]) -> Path:
         """Record the run's resolved settings (``{"section.key": value}``), atomically."""
-        _write_atomic(self.settings_path, json.dumps(flat, indent=2, sort_keys=True) + "\n")
+        write_atomic(self.settings_path, json.dumps(flat, indent=2, sort_keys=True) + "\n")
         return self.settings_path
 
     def load_settings(self) -> dict[str, Any] | None:
@@ -255,7 +255,7 @@ class RunFolder:
     def write_summary(self, summary: dict) -> Path:
         """Write summary.json (indented) atomically; return its path."""
         text = json.dumps(summary, indent=2, default=_json_default) + "\n"
-        _write_atomic(self.summary_path, text)
+        write_atomic(self.summary_path, text)
         return self.summary_path
 
     def __repr__(self) -> str:
@@ -281,7 +281,7 @@ def _state_json(state: dict) -> str:
         ) from e
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str) -> None:
     """Write ``text`` to a temporary file beside ``path``, fsync it, rename it into place."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.stem}-", suffix=path.suffix, dir=path.parent)
