@@ -24,12 +24,12 @@ import logging
 import sys
 from typing import Any
 
+import fedpipe_bench.quality as quality
 import torch
 
-import fedpipe.bench.quality as quality
-import fedpipe.split.adapters as adapters
+import fedpipe.lora.peft_bank as adapters
 from fedpipe.config import FedpipeConfig, parse_overrides
-from fedpipe.split.aggregation import aggregate_adapters
+from fedpipe.lora.aggregation import aggregate_adapters
 
 _A, _B = ".lora_A.weight", ".lora_B.weight"
 ROWS: list[dict[str, Any]] = []

@@ -29,16 +29,9 @@ from typing import Any
 import torch
 from transformers import LlamaConfig
 
+from fedpipe.lora import AdapterBank, BatchedAdapterBank, Group, LoraSettings
 from fedpipe.models import load_config, resolve_model
-from fedpipe.split import (
-    AdapterBank,
-    BatchedAdapterBank,
-    Group,
-    LoraSettings,
-    MiddleStage,
-    build_stage,
-    plan_split,
-)
+from fedpipe.split import MiddleStage, build_stage, plan_split
 
 SETTINGS = LoraSettings(r=8, alpha=16, seed=0)
 

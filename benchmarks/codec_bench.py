@@ -42,7 +42,7 @@ from fedpipe.models import load_config, resolve_model
 from fedpipe.models.loading import load_tokenizer
 from fedpipe.split import plan_split
 from fedpipe.split.build import build_device_stages, build_stage
-from fedpipe.transport.codec import CODECS, encoded_nbytes, tensor_from_proto, tensor_to_proto
+from fedpipe.wire.tensors import CODECS, encoded_nbytes, tensor_from_proto, tensor_to_proto
 
 BENCH_CODECS = (
     *CODECS,

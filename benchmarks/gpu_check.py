@@ -16,13 +16,13 @@ Models: SmolLM2-135M (the bundled ``default``, split 2 + 2, 26 middle blocks) an
 Llama-family model of about 1B parameters (hidden 2048, 16 blocks, 32 heads, 8 KV heads; random
 init, nothing downloaded; 12 middle blocks). Both compute in bf16 (``server.dtype``).
 
-No gRPC: N sessions are opened on a real :class:`~fedpipe.pipeline.server_runtime.StageRuntime`
+No gRPC: N sessions are opened on a real :class:`~fedpipe.server.runtime.StageRuntime`
 built as ``fedpipe server`` builds it (batched: the batched adapter bank and policy; unbatched:
 peft's bank, one message per call) and driven in-process, step by step: every session's
 activations, then every session's output gradients, then the step ends, so the runtime always
 holds N sessions' work (a saturated server: what batching can gain at most). Each message
 carries a fresh fp32 CPU tensor, as the transport decodes it, so the runtime's copy path runs
-(``fedpipe.pipeline.device_copies``: pinned buffers, uploads on a side stream started at
+(``fedpipe.server.device_copies``: pinned buffers, uploads on a side stream started at
 submit, replies copied back on it); ``copies`` counts what it did in the timed steps
 (``prefetch_hits``: uploads done ahead of the worker; ``uploads_on_worker``: the rest).
 """
@@ -62,8 +62,8 @@ def _folder_stage(name: str) -> Build:
     """The middle stage (split 2 + 2) of a model fedpipe resolves by ``name``."""
 
     def build(device: torch.device, dtype: torch.dtype) -> tuple[torch.nn.Module, Any]:
+        from fedpipe.cli.preflight import default_split
         from fedpipe.models import load_config, resolve_model
-        from fedpipe.preflight import default_split
         from fedpipe.split import build_stage, plan_split
 
         folder = resolve_model(name)
@@ -109,15 +109,16 @@ def _runtime(
     message per call (``server.batching = false``). ``grouped`` sets the batched bank's LoRA
     terms (``auto``: ``grouped_mm`` where it applies; ``off``: a loop over sessions). All copy
     through the runtime's
-    :class:`~fedpipe.pipeline.device_copies.DeviceCopies` (pinned buffers, side stream).
+    :class:`~fedpipe.server.device_copies.DeviceCopies` (pinned buffers, side stream).
     """
-    from fedpipe.bench.server_probe import ComputeProbe
+    from fedpipe_bench.server_probe import ComputeProbe
+
     from fedpipe.config import load_config
-    from fedpipe.device import lora_settings
+    from fedpipe.lora import adapter_bank, lora_settings
     from fedpipe.models.loading import model_family
-    from fedpipe.pipeline.batch_policy import BatchPolicy
-    from fedpipe.pipeline.server_runtime import RuntimeLimits, StageRuntime
-    from fedpipe.split import adapter_bank
+    from fedpipe.server.batch_policy import BatchPolicy
+    from fedpipe.server.runtime import StageRuntime
+    from fedpipe.server.sessions import RuntimeLimits
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     stage, config = build(device, dtype)
@@ -141,7 +142,7 @@ def _runtime(
 
 
 def _take(handle: Any, kind: Any) -> None:
-    from fedpipe.pipeline.messages import StageMsg
+    from fedpipe.messages import StageMsg
 
     reply = handle.next_reply(timeout=300)
     if not isinstance(reply, StageMsg) or reply.kind is not kind:
@@ -166,7 +167,7 @@ def _inputs(n: int, hidden: int) -> Inputs:
 
 def _step(handles: list[Any], step: int, inputs: Inputs) -> None:
     """One step of every session: all activations, then all gradients, then the step end."""
-    from fedpipe.pipeline.messages import Kind, StageMsg
+    from fedpipe.messages import Kind, StageMsg
 
     for kind, reply, part in (
         (Kind.ACTIVATION, Kind.OUTPUT, 0),
@@ -196,7 +197,7 @@ def _copy_counts(runtime: Any) -> dict[str, int]:
 
 def measure(runtime: Any, probe: Any, n: int, round_: int, steps: int) -> dict[str, Any]:
     """``n`` sessions, one warm-up step, then ``steps`` timed steps."""
-    from fedpipe.bench.server_probe import window_stats
+    from fedpipe_bench.server_probe import window_stats
 
     cuda = runtime.device.type == "cuda"
     handles = []
@@ -298,8 +299,8 @@ def run(
 def _grouped_here(device: torch.device) -> str:
     """Whether the ``batched`` column's LoRA terms ran in ``grouped_mm`` here, and if not why."""
     from fedpipe.config import load_config
-    from fedpipe.device import lora_settings
-    from fedpipe.split.grouped_lora import grouped_lora_supported
+    from fedpipe.lora import lora_settings
+    from fedpipe.lora.kernels import grouped_lora_supported
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     rank = lora_settings(load_config(None, {})).r

@@ -17,10 +17,10 @@ import time
 import torch
 
 from fedpipe.config import FedpipeConfig, ModelConfig, PipelineConfig, ServerConfig, TrainConfig
-from fedpipe.device import DeviceTrainer
-from fedpipe.serving import build_runtime
-from fedpipe.transport.client import StageClient
-from fedpipe.transport.server import StageServer
+from fedpipe.edge.trainer import DeviceTrainer
+from fedpipe.server.build import build_runtime
+from fedpipe.server.stage_server import StageServer
+from fedpipe.wire.link_client import StageClient
 
 STEPS_PER_BLOCK, BLOCKS, LINK = 5, 6, "100mbit-100ms"
 

@@ -23,9 +23,9 @@ from concurrent import futures
 import grpc
 import torch
 
-from fedpipe.pipeline.messages import Kind, StageMsg
-from fedpipe.transport.client import EXCHANGE_METHOD, channel_options
-from fedpipe.transport.serde import MessageBounds, msg_from_wire, msg_to_wire
+from fedpipe.messages import Kind, StageMsg
+from fedpipe.wire.channels import EXCHANGE_METHOD, channel_options
+from fedpipe.wire.serde import MessageBounds, msg_from_wire, msg_to_wire
 
 SHAPE = (8, 512, 576)  # SmolLM2-135M: microbatch 8, 512 tokens, hidden 576
 _PLAIN = "/bench.Plain/Echo"

@@ -12,12 +12,12 @@ from pathlib import Path
 
 from fedpipe.config import load_config
 from fedpipe.data import BlockSampler, default_corpus, tokenize_blocks
-from fedpipe.device import DeviceTrainer
-from fedpipe.federated.plots import plot_timeline
+from fedpipe.edge.trainer import DeviceTrainer
 from fedpipe.link import parse_device_profile
 from fedpipe.models import load_tokenizer
-from fedpipe.serving import build_stage_server
-from fedpipe.transport.client import StageClient
+from fedpipe.runs.plots import plot_timeline
+from fedpipe.server.build import build_stage_server
+from fedpipe.wire.link_client import StageClient
 
 
 def main() -> None:

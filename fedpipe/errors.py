@@ -9,11 +9,13 @@ __all__ = [
     "InvalidRequestError",
     "MessageTooLargeError",
     "ModelFileError",
+    "RunStateError",
     "SessionStateError",
     "SplitMismatchError",
     "StageCapacityError",
     "StageLinkError",
     "StreamReplacedError",
+    "TensorFormatError",
     "UnknownSessionError",
 ]
 
@@ -64,5 +66,14 @@ class ModelFileError(FedpipeError, ValueError):
     """A model file is missing, truncated or corrupt; the message names the file (one line)."""
 
 
+class RunStateError(FedpipeError):
+    """A round-control call the StageServer cannot serve: it lacks the run's state (it restarted
+    mid-run) or the round was not begun on it (FAILED_PRECONDITION)."""
+
+
 class SplitMismatchError(FedpipeError):
     """Device and StageServer hold different models or cuts (FAILED_PRECONDITION)."""
+
+
+class TensorFormatError(ValueError):
+    """A tensor message that cannot be decoded as expected (bad codec, shape, or byte count)."""

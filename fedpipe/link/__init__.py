@@ -4,10 +4,14 @@ that delivers items when the emulated link would, and a compute throttle for slo
 Pure Python (no gRPC, no torch), so any layer can use it.
 """
 
-from fedpipe.link.clock import Clock, FakeClock, RealClock
-from fedpipe.link.delay_line import DelayLine, DelayLineClosed, DelayLineStats
-from fedpipe.link.direction import DuplexLink, LinkDirection, LinkStats, Transfer
-from fedpipe.link.profiles import (
+from fedpipe.config.profile_spec import (
+    parse_device_profile,
+    parse_device_profiles,
+    parse_link,
+    parse_links,
+    split_specs,
+)
+from fedpipe.config.profiles import (
     DEVICE_PROFILES,
     REFERENCE_LINKS,
     DeviceProfile,
@@ -19,13 +23,9 @@ from fedpipe.link.profiles import (
     get_link,
     link_names,
 )
-from fedpipe.link.spec import (
-    parse_device_profile,
-    parse_device_profiles,
-    parse_link,
-    parse_links,
-    split_specs,
-)
+from fedpipe.link.clock import Clock, FakeClock, RealClock
+from fedpipe.link.delay_line import DelayLine, DelayLineClosed, DelayLineStats
+from fedpipe.link.direction import DuplexLink, LinkDirection, LinkStats, Transfer
 from fedpipe.link.throttle import ComputeThrottle, ThrottleStats
 
 __all__ = [

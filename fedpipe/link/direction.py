@@ -18,8 +18,8 @@ import threading
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from fedpipe.link.profiles import Direction, LinkProfile
-from fedpipe.link.spec import parse_link
+from fedpipe.config.profile_spec import parse_link
+from fedpipe.config.profiles import Direction, LinkProfile
 
 __all__ = ["DuplexLink", "LinkDirection", "LinkStats", "Transfer"]
 

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from fedpipe.errors import ModelFileError
+from fedpipe.models.cache import cache_root
 from fedpipe.models.weights import WeightFiles
 
 __all__ = ["FINGERPRINT_FILE", "model_fingerprint", "normalized_config"]
@@ -64,8 +65,6 @@ def model_fingerprint(folder: Path) -> str:
 
 
 def _cache_files(folder: Path) -> list[Path]:
-    from fedpipe.models.registry import cache_root  # registry imports this module
-
     key = hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:24]
     return [folder / FINGERPRINT_FILE, cache_root() / "fingerprints" / f"{key}.json"]
 

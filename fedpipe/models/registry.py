@@ -30,12 +30,13 @@ from transformers import (
 )
 
 from fedpipe.errors import ModelFileError
+from fedpipe.models.cache import cache_root
+from fedpipe.models.fingerprint import model_fingerprint
 from fedpipe.models.tokenizer import BYTE_VOCAB_SIZE, build_byte_tokenizer
 
 __all__ = [
     "NAMED_CONFIGS",
     "DEFAULT_GGUF",
-    "cache_root",
     "check_gguf",
     "resolve_model",
     "named_config",
@@ -108,14 +109,6 @@ def named_config(name: str) -> PreTrainedConfig:
     return NAMED_CONFIGS[name]()
 
 
-def cache_root(cache_dir: Path | None = None) -> Path:
-    """The cache folder: ``cache_dir``, else $FEDPIPE_CACHE, else ~/.cache/fedpipe."""
-    if cache_dir is not None:
-        return Path(cache_dir)
-    env = os.environ.get("FEDPIPE_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "fedpipe"
-
-
 def resolve_model(spec: str, *, cache_dir: Path | None = None) -> Path:
     """Return a local HF folder (config.json, fp32 model.safetensors, tokenizer) for ``spec``."""
     models_dir = cache_root(cache_dir) / "models"
@@ -147,8 +140,6 @@ def _cached(final: Path, write: Callable[[Path], None]) -> Path:
     tmp = final.parent / f".tmp-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         write(tmp)
-        from fedpipe.models.fingerprint import model_fingerprint  # it imports cache_root
-
         model_fingerprint(tmp)  # hashed once, cached beside the weights (renames keep mtimes)
         try:
             os.rename(tmp, final)

@@ -3,7 +3,7 @@
 A device sends the server two things that carry its text: the head's activations (the tokens it
 read) and, in the U-shaped split, the gradient of its loss with respect to the tail's input (the
 labels, i.e. the next tokens). :class:`LinkDefence` is the ``transform_up(kind, tensor)`` hook
-that :class:`fedpipe.pipeline.device_runtime.DeviceRuntime` calls just before sending either.
+that :class:`fedpipe.edge.runtime.DeviceRuntime` calls just before sending either.
 
 Clipping is per token: every token's C-dimensional vector is scaled down to L2 norm at most
 ``clip``. Per token rather than per sample because hidden-state norms differ across positions by
@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from fedpipe.config import PrivacyConfig
-from fedpipe.pipeline.messages import Kind
+from fedpipe.messages import Kind
 
 __all__ = ["ChannelNoise", "LinkDefence", "clip_per_token"]
 

@@ -15,7 +15,7 @@ from typing import Protocol
 from fedpipe.errors import SplitMismatchError
 from fedpipe.split.plan import SplitPlan
 
-__all__ = ["SplitLike", "SplitTerms", "check_agreement"]
+__all__ = ["SplitInfo", "SplitLike", "SplitTerms", "check_agreement"]
 
 
 class SplitLike(Protocol):
@@ -56,6 +56,35 @@ class SplitTerms:
             mode=plan.mode,
             hidden_size=hidden_size,
         )
+
+
+@dataclass(frozen=True)
+class SplitInfo:
+    """What devices must know of the server's half (sent back on OpenSession)."""
+
+    model: str
+    num_layers: int
+    head_layers: int
+    tail_layers: int
+    mode: str
+    hidden_size: int
+    dtype: str
+    fingerprint: str = ""  # sha256 over the model's config and base weights
+    max_positions: int = 0  # longest sequence the model's positions cover (0: unknown)
+    vocab_size: int = 0
+    cuts: tuple[tuple[int, int], ...] = ()  # (head, tail) cuts offered; () = only the one above
+
+    def offered(self) -> tuple[tuple[int, int], ...]:
+        """The cuts a device may open a session with (the server's own cut at least)."""
+        return self.cuts or ((self.head_layers, self.tail_layers),)
+
+    def session_blocks(self, head: int, tail: int) -> tuple[int, ...] | None:
+        """The server blocks a session of cut (head, tail) runs; None when it is all of them."""
+        lowest = min(h for h, _ in self.offered())
+        stage_tail = 0 if self.mode == "two" else min(t for _, t in self.offered())
+        if (head, tail) == (lowest, stage_tail):
+            return None
+        return tuple(range(head, self.num_layers - (0 if self.mode == "two" else tail)))
 
 
 def check_agreement(

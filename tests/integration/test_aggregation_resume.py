@@ -11,13 +11,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from fedpipe_bench.quality import QUICK_SIZE, run_rounds
 
-from fedpipe.bench.quality import QUICK_SIZE, run_rounds
 from fedpipe.config import FedpipeConfig
-from fedpipe.federated.control import StageControlClient
-from fedpipe.federated.local import DeviceWork, RunSettings, evaluate_split
-from fedpipe.federated.runfolder import RunFolder
-from fedpipe.serving import build_stage_server
+from fedpipe.fl.device_work import DeviceWork, RunSettings, evaluate_split
+from fedpipe.runs.folder import RunFolder
+from fedpipe.server.build import build_stage_server
+from fedpipe.wire.control_client import StageControlClient
 
 
 def _config(mode: str) -> FedpipeConfig:

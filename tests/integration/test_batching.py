@@ -15,12 +15,12 @@ from waits import wait_for
 
 from fedpipe.config import FedpipeConfig, ServerConfig
 from fedpipe.errors import InvalidRequestError
+from fedpipe.lora import AdapterBank, BatchedAdapterBank
+from fedpipe.messages import Kind, StageMsg
 from fedpipe.models import resolve_model
-from fedpipe.pipeline.messages import Kind, StageMsg
-from fedpipe.pipeline.server_runtime import StreamHandle
-from fedpipe.pipeline.trace import Tracer
-from fedpipe.serving import build_runtime
-from fedpipe.split import AdapterBank, BatchedAdapterBank
+from fedpipe.server.build import build_runtime
+from fedpipe.server.streams import StreamHandle
+from fedpipe.trace import Tracer
 
 TIMEOUT = 30.0
 SHAPES = {"a": (1, 9), "b": (3, 16), "c": (2, 5)}  # rows, tokens: they differ within a call

@@ -19,8 +19,8 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from fedpipe.federated.certs import make_test_certificates
-from fedpipe.federated.processes import Certificates, start_superlink
+from fedpipe.auth.certs import make_test_certificates
+from fedpipe.launch.processes import Certificates, start_superlink
 
 pytestmark = pytest.mark.slow
 

@@ -18,15 +18,22 @@ import pytest
 import torch
 
 from fedpipe.config import FedpipeConfig, ModelConfig, PipelineConfig, TrainConfig
-from fedpipe.device import DeviceTrainer, lora_settings
+from fedpipe.edge.trainer import DeviceTrainer
+from fedpipe.lora import (
+    apply_lora,
+    load_lora_state_dict,
+    lora_parameters,
+    lora_settings,
+    lora_state_dict,
+)
+from fedpipe.lora.aggregation import adapter_block
 from fedpipe.models import load_causal_lm, model_family, resolve_model
 from fedpipe.proto import stage_pb2 as pb
 from fedpipe.proto import stage_pb2_grpc as pb_grpc
-from fedpipe.serving import build_runtime
-from fedpipe.split import apply_lora, load_lora_state_dict, lora_parameters, lora_state_dict
-from fedpipe.split.aggregation import adapter_block
-from fedpipe.transport.client import StageClient, split_to_proto
-from fedpipe.transport.server import StageServer
+from fedpipe.server.build import build_runtime
+from fedpipe.server.stage_server import StageServer
+from fedpipe.wire.link_client import StageClient
+from fedpipe.wire.serde import split_to_proto
 
 LR = 1e-2
 BATCH, SEQ = 4, 16

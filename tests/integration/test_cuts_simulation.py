@@ -15,9 +15,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from fedpipe.cli.commands import simulate
 from fedpipe.config import FedpipeConfig, load_config
-from fedpipe.federated.commands import simulate
-from fedpipe.split.aggregation import adapter_block
+from fedpipe.lora.aggregation import adapter_block
 
 pytestmark = pytest.mark.slow
 
@@ -38,8 +38,8 @@ SETTINGS = {
 def _replay_round_one(config: FedpipeConfig) -> tuple[dict, dict]:  # type: ignore[type-arg]
     """Each partition's round-1 adapters on both sides, recomputed on a private StageServer
     (training depends only on seed, partition and round)."""
-    from fedpipe.federated.local import DeviceWork
-    from fedpipe.serving import build_stage_server
+    from fedpipe.fl.device_work import DeviceWork
+    from fedpipe.server.build import build_stage_server
 
     server = build_stage_server(config, port=0).start()
     device_side, server_side = {}, {}

@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from fedpipe.federated.engines import flower_processes_under, free_port
+from fedpipe.launch.engines import flower_processes_under, free_port
 
 pytestmark = pytest.mark.slow
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from test_deployment import SMALL, Started
 
-from fedpipe.federated.engines import flower_processes_under, free_port
+from fedpipe.launch.engines import flower_processes_under, free_port
 
 pytestmark = pytest.mark.slow
 

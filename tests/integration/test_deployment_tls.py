@@ -18,8 +18,8 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from fedpipe.federated.certs import make_test_certificates
-from fedpipe.federated.processes import free_port
+from fedpipe.auth.certs import make_test_certificates
+from fedpipe.launch.processes import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 
 from fedpipe.config import FedpipeConfig, ModelConfig, PipelineConfig, TrainConfig
-from fedpipe.device import DeviceTrainer
-from fedpipe.serving import build_runtime
-from fedpipe.transport.client import StageClient
-from fedpipe.transport.server import StageServer
+from fedpipe.edge.trainer import DeviceTrainer
+from fedpipe.server.build import build_runtime
+from fedpipe.server.stage_server import StageServer
+from fedpipe.wire.link_client import StageClient
 
 BATCH, SEQ, MICRO = 4, 16, 4
 

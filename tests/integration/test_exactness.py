@@ -12,14 +12,20 @@ import pytest
 import torch
 
 from fedpipe.config import FedpipeConfig, ModelConfig, PipelineConfig, TrainConfig
-from fedpipe.device import DeviceTrainer, lora_settings
+from fedpipe.edge.runtime import DeviceRuntime
+from fedpipe.edge.schedules import SCHEDULES
+from fedpipe.edge.trainer import DeviceTrainer
+from fedpipe.lora import (
+    apply_lora,
+    load_lora_state_dict,
+    lora_parameters,
+    lora_settings,
+    lora_state_dict,
+)
 from fedpipe.models import load_causal_lm, model_family, resolve_model
-from fedpipe.pipeline.device_runtime import DeviceRuntime
-from fedpipe.pipeline.schedule import SCHEDULES
-from fedpipe.serving import build_runtime
-from fedpipe.split import apply_lora, load_lora_state_dict, lora_parameters, lora_state_dict
-from fedpipe.transport.client import StageClient
-from fedpipe.transport.server import StageServer
+from fedpipe.server.build import build_runtime
+from fedpipe.server.stage_server import StageServer
+from fedpipe.wire.link_client import StageClient
 
 LR = 1e-2
 BATCH, SEQ = 8, 16

@@ -15,14 +15,14 @@ import pytest
 import torch
 
 from fedpipe.config import FedpipeConfig, ModelConfig, PipelineConfig, TrainConfig
-from fedpipe.device import DeviceTrainer
+from fedpipe.edge.runtime import StepResult
+from fedpipe.edge.trainer import DeviceTrainer
 from fedpipe.errors import StageLinkError
+from fedpipe.messages import Kind, StageMsg
 from fedpipe.models import resolve_model
-from fedpipe.pipeline.device_runtime import StepResult
-from fedpipe.pipeline.messages import Kind, StageMsg
-from fedpipe.serving import build_stage_server
-from fedpipe.transport.client import StageClient, StageSession
-from fedpipe.transport.server import StageServer
+from fedpipe.server.build import build_stage_server
+from fedpipe.server.stage_server import StageServer
+from fedpipe.wire.link_client import StageClient, StageSession
 
 torch.set_num_threads(1)
 BATCH, SEQ = 4, 8

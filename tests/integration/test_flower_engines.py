@@ -17,7 +17,7 @@ import pytest
 from flwr.cli.config_utils import load_and_validate
 from flwr.common.config import parse_config_args
 
-from fedpipe.federated.engines import (
+from fedpipe.launch.engines import (
     ManagedProcess,
     flower_processes_under,
     flwr_run,
@@ -173,7 +173,7 @@ def test_an_interrupted_command_is_killed_not_left_running(tmp_path: Path) -> No
     import sys
     import threading
 
-    from fedpipe.federated.engines import _run_logged
+    from fedpipe.launch.engines import _run_logged
 
     def interrupt(*_: object) -> None:
         raise KeyboardInterrupt

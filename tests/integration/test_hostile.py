@@ -27,15 +27,16 @@ from safetensors.torch import load as st_load
 from waits import wait_for
 
 from fedpipe.config import FedpipeConfig, ModelConfig, PipelineConfig, ServerConfig, TrainConfig
-from fedpipe.device import split_terms
+from fedpipe.edge.trainer import split_terms
+from fedpipe.messages import StageMsg
 from fedpipe.models import resolve_model
-from fedpipe.pipeline.messages import StageMsg
 from fedpipe.proto import stage_pb2 as pb
 from fedpipe.proto import stage_pb2_grpc as pb_grpc
-from fedpipe.serving import build_stage_server
-from fedpipe.transport.client import SESSION_HEADER, split_to_proto
-from fedpipe.transport.codec import labels_to_proto, tensor_to_proto
-from fedpipe.transport.server import StageServer
+from fedpipe.server.build import build_stage_server
+from fedpipe.server.stage_server import StageServer
+from fedpipe.wire.channels import SESSION_HEADER
+from fedpipe.wire.serde import split_to_proto
+from fedpipe.wire.tensors import labels_to_proto, tensor_to_proto
 
 MB, SEQ, HIDDEN = 2, 16, 64  # tiny-llama: hidden 64, 512 positions, vocab 258
 RPC_TIMEOUT = 20.0
@@ -346,7 +347,7 @@ def _commit_with_a_poisoned_adapter(
         round=7,
         finished=[pb.DeviceWeight(device_id=d, weight=1.0) for d in ("healthy", "poisoned")],
     )
-    with caplog.at_level(logging.WARNING, logger="fedpipe.pipeline.server_runtime"):
+    with caplog.at_level(logging.WARNING, logger="fedpipe.server.runtime"):
         reply = control.CommitRound(request, timeout=RPC_TIMEOUT)
     assert (reply.merged, reply.discarded) == (1, 1)
     assert list(reply.dropped) == ["poisoned"]
@@ -362,8 +363,8 @@ def _commit_with_a_poisoned_adapter(
 
 
 def test_device_side_decode_refuses_non_finite_replies() -> None:
-    from fedpipe.transport.codec import TensorFormatError
-    from fedpipe.transport.serde import msg_from_proto
+    from fedpipe.errors import TensorFormatError
+    from fedpipe.wire.serde import msg_from_proto
 
     reply = _msg(pb.OUTPUT, tensor=torch.tensor([[[1.0, float("nan")]]]))
     with pytest.raises(TensorFormatError, match="1 of 2 values are NaN or Inf"):
@@ -509,7 +510,7 @@ def test_idle_streams_past_the_cap_are_refused_and_health_answers(folder) -> Non
             stub = pb_grpc.StageLinkStub(chan)
             sessions = [_open(stub, f"idle-{i}") for i in range(total)]
             streams = [_Stream(stub, s) for s in sessions[:cap]]
-            wait_for(lambda: busy._link.slots.live == cap, f"{cap} live streams")
+            wait_for(lambda: busy._host.link.slots.live == cap, f"{cap} live streams")
             streams += [_Stream(stub, s) for s in sessions[cap:]]
             for stream in streams[cap:]:
                 error = stream.error()
@@ -520,7 +521,7 @@ def test_idle_streams_past_the_cap_are_refused_and_health_answers(folder) -> Non
             )
             assert health.status == health_pb2.HealthCheckResponse.SERVING
             streams[0].close()  # a slot frees up; a device uses it
-            wait_for(lambda: busy._link.slots.live < cap, "a free stream slot")
+            wait_for(lambda: busy._host.link.slots.live < cap, "a free stream slot")
             stream = _Stream(stub, _open(stub, "worker"))
             try:
                 _step(stream, seed=4)
@@ -559,11 +560,11 @@ def test_idle_stream_and_session_expire_with_a_log_line(
 _KILLED_DEVICE = textwrap.dedent(
     """
     import sys, time, torch
-    from fedpipe.pipeline.messages import Kind, StageMsg
+    from fedpipe.messages import Kind, StageMsg
     from fedpipe.config import FedpipeConfig, ModelConfig
-    from fedpipe.device import split_terms
+    from fedpipe.edge.trainer import split_terms
     from fedpipe.models import resolve_model
-    from fedpipe.transport.client import StageClient
+    from fedpipe.wire.link_client import StageClient
     config = FedpipeConfig(model=ModelConfig(tail_layers=1))
     split = split_terms(config, resolve_model("tiny-llama"))
     client = StageClient(sys.argv[1])

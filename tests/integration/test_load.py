@@ -8,8 +8,7 @@ reordered under load. The server's resident memory stays flat from step 5 on.
 from __future__ import annotations
 
 import pytest
-
-from fedpipe.bench.load import run_load
+from fedpipe_bench.load import run_load
 
 
 @pytest.mark.slow

@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 from test_deployment import FEDPIPE, SMALL, Started
 
-from fedpipe.federated.engines import free_port
+from fedpipe.launch.engines import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -238,7 +238,7 @@ def _check_devices_kept_out(roots: list[Path], secret_file: Path) -> None:
 
 def test_stage_server_killed_mid_round_and_the_run_resumed(tmp_path: Path) -> None:
     """SIGKILL the StageServer in round 2; the run stops; a new one + `run --resume` finish it."""
-    from fedpipe.federated.processes import start_superlink
+    from fedpipe.launch.processes import start_superlink
 
     started = Started(tmp_path)
     secret_file = tmp_path / "keys" / "secret"

@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from fedpipe.config import FedpipeConfig, ModelConfig, PipelineConfig, TrainConfig
-from fedpipe.device import DeviceTrainer, initial_device_adapters
+from fedpipe.edge.trainer import DeviceTrainer, initial_device_adapters
 from fedpipe.link import DeviceProfile, LinkProfile
 from fedpipe.models import resolve_model
-from fedpipe.serving import build_stage_server
-from fedpipe.transport.client import StageClient
+from fedpipe.server.build import build_stage_server
+from fedpipe.wire.link_client import StageClient
 
 BATCH, SEQ = 4, 16
 CONFIG = FedpipeConfig(
@@ -99,7 +99,7 @@ def test_the_chosen_cut_outlives_the_process_that_chose_it(
         path.write_text(text)
         other = DeviceTrainer(CONFIG, device_id="slow", folder=folder, profile=slow)
         other.cut_path = path
-        with caplog.at_level("INFO", logger="fedpipe.device"):
+        with caplog.at_level("INFO", logger="fedpipe.edge.trainer"):
             other.recall_cut()
         assert other.planner is not None and other.planner.next_cut is None
     assert "ignoring" in caplog.text and "another run's cuts" in caplog.text
@@ -107,7 +107,7 @@ def test_the_chosen_cut_outlives_the_process_that_chose_it(
 
 @pytest.mark.parametrize("slow_server", [False, True])
 def test_figures_for_cut_move_compute_between_the_sides(slow_server: bool) -> None:
-    from fedpipe.planner.plan import (
+    from fedpipe.edge.planner.plan import (
         LinkFigures,
         Measured,
         OpTimes,

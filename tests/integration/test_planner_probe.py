@@ -14,14 +14,15 @@ import pytest
 import torch
 
 from fedpipe.config import FedpipeConfig, PipelineConfig, TrainConfig
-from fedpipe.device import DeviceTrainer
+from fedpipe.edge.planner.measure import probe_link, time_codecs, time_device_ops
+from fedpipe.edge.trainer import DeviceTrainer
 from fedpipe.link import DeviceProfile, LinkProfile
+from fedpipe.messages import Kind, StageMsg
 from fedpipe.models import resolve_model
-from fedpipe.pipeline.messages import Kind, StageMsg
-from fedpipe.planner.measure import probe_link, time_codecs, time_device_ops
-from fedpipe.serving import build_stage_server
-from fedpipe.transport.client import StageClient
-from fedpipe.transport.server import MAX_ECHOES, StageServer
+from fedpipe.server.build import build_stage_server
+from fedpipe.server.stage_server import StageServer
+from fedpipe.server.streams import MAX_ECHOES
+from fedpipe.wire.link_client import StageClient
 
 BATCH, SEQ, HIDDEN = 4, 16, 64  # tiny-llama's hidden size is 64
 CONFIG = FedpipeConfig(
@@ -158,9 +159,9 @@ def test_auto_plans_keeps_the_loss_and_replans_when_the_link_drifts(
 
 
 def test_calibration_rescales_every_size_by_what_the_run_took() -> None:
-    from fedpipe.pipeline.trace import Event
-    from fedpipe.planner.measure import calibrate
-    from fedpipe.planner.plan import LinkFigures, Measured, OpTimes
+    from fedpipe.edge.planner.measure import calibrate
+    from fedpipe.edge.planner.plan import LinkFigures, Measured, OpTimes
+    from fedpipe.trace import Event
 
     figures = Measured(
         batch_size=4,

@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from fedpipe.federated.processes import free_port, start_superlink
+from fedpipe.launch.processes import free_port, start_superlink
 
 pytestmark = pytest.mark.slow
 
@@ -127,7 +127,7 @@ def test_a_bench_server_dies_with_a_bench_killed_by_sigkill(tmp_path: Path) -> N
     """A benchmark's StageServer child must not outlive a bench that was SIGKILLed."""
     script = (
         "import time\n"
-        "from fedpipe.bench.load import ServerProcess\n"
+        "from fedpipe_bench.load import ServerProcess\n"
         "server = ServerProcess()\n"
         "print(server.proc.pid, flush=True)\n"
         "time.sleep(600)\n"

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from fedpipe.config import FedpipeConfig, ModelConfig, PipelineConfig, ServerConfig, TrainConfig
-from fedpipe.device import DeviceTrainer
-from fedpipe.serving import build_runtime, cpu_has_native_bf16, pick_device
-from fedpipe.transport.client import StageClient
-from fedpipe.transport.server import StageServer
+from fedpipe.edge.trainer import DeviceTrainer
+from fedpipe.server.build import build_runtime, cpu_has_native_bf16, pick_device
+from fedpipe.server.stage_server import StageServer
+from fedpipe.wire.link_client import StageClient
 
 # One step's loss of a bf16 server against an fp32 one (relative). Measured: 1e-5 (tiny-llama),
 # 8e-5 (small-llama), 3e-4 (SmolLM2-135M, 2+2 device layers, random tokens).

@@ -27,9 +27,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from fedpipe.cli.commands import _report, simulate
 from fedpipe.config import FedpipeConfig, load_config
-from fedpipe.federated.commands import _report, simulate
-from fedpipe.federated.engines import flower_processes_under
+from fedpipe.launch.engines import flower_processes_under
 
 pytestmark = pytest.mark.slow
 
@@ -96,9 +96,9 @@ def _replay_round_one(config: FedpipeConfig, kill_partition: int) -> tuple[dict,
     can be recomputed here. Returns per partition the device adapters and the server-side
     adapter of its session (read from the server before the round is committed).
     """
-    from fedpipe.device import DeviceFailure
-    from fedpipe.federated.local import DeviceWork
-    from fedpipe.serving import build_stage_server
+    from fedpipe.edge.trainer import DeviceFailure
+    from fedpipe.fl.device_work import DeviceWork
+    from fedpipe.server.build import build_stage_server
 
     server = build_stage_server(config, port=0).start()
     device_side, server_side = {}, {}

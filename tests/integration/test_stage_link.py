@@ -19,17 +19,19 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from waits import wait_for
 
+from fedpipe.auth.tokens import issue_token
 from fedpipe.config import FedpipeConfig, PipelineConfig, ServerConfig, TrainConfig
-from fedpipe.device import DeviceTrainer, split_terms
-from fedpipe.federated.tokens import issue_token
+from fedpipe.edge.trainer import DeviceTrainer, split_terms
+from fedpipe.messages import Kind, StageMsg
 from fedpipe.models import resolve_model
-from fedpipe.pipeline.messages import Kind, StageMsg
-from fedpipe.pipeline.server_runtime import StageRuntime
 from fedpipe.proto import stage_pb2 as pb
 from fedpipe.proto import stage_pb2_grpc as pb_grpc
-from fedpipe.serving import build_stage_server
-from fedpipe.transport.client import SESSION_HEADER, StageClient, split_to_proto
-from fedpipe.transport.server import StageServer
+from fedpipe.server.build import build_stage_server
+from fedpipe.server.runtime import StageRuntime
+from fedpipe.server.stage_server import StageServer
+from fedpipe.wire.channels import SESSION_HEADER
+from fedpipe.wire.link_client import StageClient
+from fedpipe.wire.serde import split_to_proto
 
 BATCH, SEQ, HIDDEN = 4, 16, 64  # tiny-llama's hidden size is 64
 CONFIG = FedpipeConfig(
@@ -339,7 +341,7 @@ def _refused(stub: pb_grpc.StageLinkStub, device_id: str, message: str, **kw) ->
 
 
 def _check_tokens(stub: pb_grpc.StageLinkStub, address: str) -> None:
-    from fedpipe.federated.control import StageControlClient
+    from fedpipe.wire.control_client import StageControlClient
 
     def token(round_: int, device_id: str = "t1", secret: str = SECRET, run: str = "run") -> str:
         return issue_token(secret, run_id=run, round=round_, device_id=device_id)
@@ -374,8 +376,8 @@ def _check_tokens(stub: pb_grpc.StageLinkStub, address: str) -> None:
 def test_control_reset_restores_the_initial_server_adapter() -> None:
     """A new run on a long-lived StageServer starts from the initial adapter, not the last run's."""
     from fedpipe.config import load_config
-    from fedpipe.federated.control import StageControlClient
-    from fedpipe.serving import build_stage_server
+    from fedpipe.server.build import build_stage_server
+    from fedpipe.wire.control_client import StageControlClient
 
     secret = "a-control-secret-for-tests"
     server = build_stage_server(

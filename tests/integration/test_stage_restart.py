@@ -18,11 +18,11 @@ import grpc
 import pytest
 
 from fedpipe.config import FedpipeConfig
-from fedpipe.device import split_terms
-from fedpipe.federated.control import StageControlClient
+from fedpipe.edge.trainer import split_terms
 from fedpipe.models import resolve_model
-from fedpipe.serving import build_stage_server
-from fedpipe.transport.client import StageClient
+from fedpipe.server.build import build_stage_server
+from fedpipe.wire.control_client import StageControlClient
+from fedpipe.wire.link_client import StageClient
 
 CONFIG = FedpipeConfig().with_overrides({"model.name": "tiny-llama"})
 SECRET = "a-secret-for-the-restart-tests"
@@ -56,7 +56,7 @@ class _Retries(logging.Handler):
 @pytest.fixture
 def retries() -> Iterator[_Retries]:
     handler = _Retries()
-    logger = logging.getLogger("fedpipe.transport.client")
+    logger = logging.getLogger("fedpipe.wire.channels")
     logger.addHandler(handler)
     old = logger.level
     logger.setLevel(logging.WARNING)

@@ -17,13 +17,13 @@ import grpc
 import pytest
 import torch
 
+from fedpipe.auth.certs import make_test_certificates
+from fedpipe.auth.tokens import issue_token
 from fedpipe.config import FedpipeConfig, load_config
-from fedpipe.device import DeviceTrainer
-from fedpipe.federated.certs import make_test_certificates
-from fedpipe.federated.control import StageControlClient
-from fedpipe.federated.tokens import issue_token
-from fedpipe.serving import build_stage_server
-from fedpipe.transport.client import StageClient
+from fedpipe.edge.trainer import DeviceTrainer
+from fedpipe.server.build import build_stage_server
+from fedpipe.wire.control_client import StageControlClient
+from fedpipe.wire.link_client import StageClient
 
 SECRET = "a-secret-for-the-tls-tests"
 SMALL = {
@@ -138,7 +138,7 @@ def test_plaintext_stage_link_warns_at_start(caplog: pytest.LogCaptureFixture) -
     config = FedpipeConfig().with_overrides(SMALL)
     for host, warned in (("0.0.0.0", True), ("127.0.0.1", False)):
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="fedpipe.transport.server"):
+        with caplog.at_level(logging.WARNING, logger="fedpipe.server.stage_server"):
             server = build_stage_server(
                 config.with_overrides({"server.host": host}), port=0
             ).start()
@@ -158,7 +158,7 @@ def test_tls_settings_that_go_together_are_config_errors() -> None:
 
 
 def test_device_without_its_own_ca_is_told_to_pass_stage_ca() -> None:
-    from fedpipe.federated.local import DeviceWork
+    from fedpipe.fl.device_work import DeviceWork
 
     config = load_config(None, {**SMALL, "server.tls_ca": "/on/the/server/host/ca.pem"})
     work = DeviceWork(config, device_id="d", partition=0, num_partitions=1)

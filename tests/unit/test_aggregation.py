@@ -16,12 +16,13 @@ import pytest
 import torch
 
 from fedpipe.config import FederatedConfig, FedpipeConfig, ModelConfig
-from fedpipe.device import DeviceTrainer
+from fedpipe.edge.trainer import DeviceTrainer
+from fedpipe.lora import AdapterBank, LoraSettings
+from fedpipe.lora.aggregation import aggregate_adapters, stack_adapters
+from fedpipe.lora.base import lora_layers
+from fedpipe.lora.batched_bank import BatchedAdapterBank
 from fedpipe.models import load_config, resolve_model
-from fedpipe.split import AdapterBank, LoraSettings, build_stage, plan_split
-from fedpipe.split.aggregation import aggregate_adapters, stack_adapters
-from fedpipe.split.lora import lora_layers
-from fedpipe.split.multilora import BatchedAdapterBank
+from fedpipe.split import build_stage, plan_split
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(1)
@@ -221,9 +222,9 @@ def test_the_server_app_carries_cumulative_device_deltas(tmp_path: Path) -> None
 
     from flwr.app import ArrayRecord, MetricRecord
 
-    from fedpipe.federated.apps import _aggregate_exactly, _held, _Rounds
-    from fedpipe.federated.local import RunSettings
-    from fedpipe.federated.runfolder import RunFolder
+    from fedpipe.fl.apps import _aggregate_exactly, _held, _Rounds
+    from fedpipe.fl.device_work import RunSettings
+    from fedpipe.runs.folder import RunFolder
 
     gen = torch.Generator().manual_seed(0)
     template = {
@@ -255,7 +256,7 @@ def test_the_server_app_carries_cumulative_device_deltas(tmp_path: Path) -> None
 def test_a_fold_that_a_bf16_base_cannot_hold_is_reported(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from fedpipe.split.aggregation import BaseFold
+    from fedpipe.lora.aggregation import BaseFold
 
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(32, 64, generator=gen) * 0.05  # SmolLM2-like magnitudes
@@ -271,10 +272,10 @@ def test_a_fold_that_a_bf16_base_cannot_hold_is_reported(
     assert fold32.kept == 1.0
     assert torch.allclose(linear32.weight - weight, residual, atol=1e-8)
     fold16, _ = folds[torch.bfloat16]
-    with caplog.at_level("WARNING", logger="fedpipe.split.aggregation"):
+    with caplog.at_level("WARNING", logger="fedpipe.lora.aggregation"):
         fold16.set({"l": residual})
     assert fold16.kept < 0.5 and "server.dtype = float32" in caplog.text
     caplog.clear()
-    with caplog.at_level("WARNING", logger="fedpipe.split.aggregation"):
+    with caplog.at_level("WARNING", logger="fedpipe.lora.aggregation"):
         fold16.set({"l": weight})  # as large as the weights: bf16 holds it to ~0.4%
     assert fold16.kept > 0.99 and not caplog.text

@@ -13,16 +13,16 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from fedpipe.config import FedpipeConfig, ModelConfig, PipelineConfig, TrainConfig
-from fedpipe.device import DeviceTrainer
+from fedpipe.edge.trainer import DeviceTrainer
 from fedpipe.errors import SplitMismatchError
 from fedpipe.models import model_fingerprint, resolve_model
 from fedpipe.models.fingerprint import FINGERPRINT_FILE
 from fedpipe.proto import stage_pb2 as pb
 from fedpipe.proto import stage_pb2_grpc as pb_grpc
-from fedpipe.serving import build_stage_server
+from fedpipe.server.build import build_stage_server
+from fedpipe.server.stage_server import StageServer
 from fedpipe.split import SplitTerms, check_agreement
-from fedpipe.transport.client import StageClient
-from fedpipe.transport.server import StageServer
+from fedpipe.wire.link_client import StageClient
 
 torch.set_num_threads(1)
 BATCH, SEQ = 2, 8

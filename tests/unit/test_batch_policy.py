@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from fedpipe.pipeline.batch_policy import (
+from fedpipe.server.batch_policy import (
     BatchPolicy,
     Item,
     Lane,
@@ -20,7 +20,7 @@ from fedpipe.pipeline.batch_policy import (
     SessionView,
     plan_batch,
 )
-from fedpipe.pipeline.fair_queue import FairQueue, Snapshot
+from fedpipe.server.fair_queue import FairQueue, Snapshot
 
 Q = FairQueue[str, Item]
 
@@ -42,7 +42,7 @@ def _take(q: Q, policy: BatchPolicy) -> tuple[list[tuple[str, Item]], Plan]:
 
 
 def test_the_policy_module_does_not_import_torch() -> None:
-    code = "import sys, fedpipe.pipeline.batch_policy; print('torch' in sys.modules)"
+    code = "import sys, fedpipe.server.batch_policy; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

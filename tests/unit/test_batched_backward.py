@@ -18,17 +18,10 @@ import pytest
 import torch
 from transformers import MistralConfig
 
+from fedpipe.lora import AdapterBank, BatchedAdapterBank, Group, LoraSettings
+from fedpipe.lora.batched_blocks import Tape
 from fedpipe.models import load_config, resolve_model
-from fedpipe.split import (
-    AdapterBank,
-    BatchedAdapterBank,
-    Group,
-    LoraSettings,
-    MiddleStage,
-    build_stage,
-    plan_split,
-)
-from fedpipe.split.batched_blocks import Tape
+from fedpipe.split import MiddleStage, build_stage, plan_split
 
 torch.set_num_threads(1)
 SETTINGS = LoraSettings(r=4, alpha=8, seed=3, targets=("q_proj", "v_proj", "o_proj", "up_proj"))

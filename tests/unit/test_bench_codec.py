@@ -9,7 +9,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from fedpipe.transport.codec import CODECS
+from fedpipe.wire.tensors import CODECS
 
 
 def _bench() -> ModuleType:

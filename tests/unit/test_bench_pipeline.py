@@ -9,17 +9,17 @@ import subprocess
 import sys
 
 import pytest
-
-from fedpipe.bench.bound import Components, pipeline_bound
-from fedpipe.bench.pipeline import (
+from fedpipe_bench.pipeline import (
     NOISE_THRESHOLD,
     PhasedChannel,
     noise_report,
     round_robin,
     solo_components,
 )
+
+from fedpipe.edge.planner.bound import Components, pipeline_bound
 from fedpipe.link import LinkProfile
-from fedpipe.pipeline.messages import Kind, StageMsg
+from fedpipe.messages import Kind, StageMsg
 
 
 def test_round_robin_runs_every_schedule_at_a_step_before_the_next_step() -> None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from fedpipe_bench.privacy import DEFENCE, QUICK, run_privacy_bench
 
-from fedpipe.bench.privacy import DEFENCE, QUICK, run_privacy_bench
-from fedpipe.cli_parser import build_parser
+from fedpipe.cli.parser import build_parser
 
 ROW_KEYS = {
     "head_layers",
@@ -22,7 +22,7 @@ ROW_KEYS = {
 
 def test_cli_registers_the_bench() -> None:
     args = build_parser().parse_args(["bench", "privacy", "--quick", "--json"])
-    assert args.func == "fedpipe.cli:cmd_bench_privacy" and args.quick and args.json
+    assert args.func == "fedpipe_bench.commands:cmd_bench_privacy" and args.quick and args.json
 
 
 @pytest.mark.slow

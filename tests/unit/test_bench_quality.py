@@ -9,8 +9,8 @@ import subprocess
 import sys
 
 import pytest
+from fedpipe_bench.quality import COMPRESSION, EXTRA_RUNS, RUNS, over_seeds, run_names
 
-from fedpipe.bench.quality import COMPRESSION, EXTRA_RUNS, RUNS, over_seeds, run_names
 from fedpipe.config import FedpipeConfig
 
 FIELDS = {"name", "eval_loss", "eval_ppl", "bytes_up", "bytes_down", "bytes_per_token", "wall_s"}

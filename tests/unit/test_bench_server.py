@@ -11,9 +11,8 @@ from typing import Any
 
 import pytest
 import torch
-
-from fedpipe.bench.load import LoadShape
-from fedpipe.bench.server import (
+from fedpipe_bench.load import LoadShape
+from fedpipe_bench.server import (
     ServerBenchSettings,
     _runtime_settings,
     column_figures,
@@ -23,8 +22,9 @@ from fedpipe.bench.server import (
     n_star_model,
     predicted_mb_per_s,
 )
-from fedpipe.bench.server_probe import ComputeProbe, window_stats
-from fedpipe.pipeline.messages import Kind, StageMsg
+from fedpipe_bench.server_probe import ComputeProbe, window_stats
+
+from fedpipe.messages import Kind, StageMsg
 
 CONTRACT = {"mb_per_s", "tokens_per_s", "step_p50_s", "step_p95_s", "busy", "mean_batch"}
 
@@ -90,7 +90,7 @@ def test_column_figures_hold_the_contract_from_spans_and_calls() -> None:
 
 def test_batching_switch_degrades_to_unbatched_where_the_runtime_lacks_it() -> None:
     settings, available = _runtime_settings(True)
-    if importlib.util.find_spec("fedpipe.pipeline.batch_policy") is None:
+    if importlib.util.find_spec("fedpipe.server.batch_policy") is None:
         assert (settings, available) == ({}, False)
     else:  # after the batched runtime is merged: one setting turns it on and off
         assert available and settings == {"server.batching": True}
@@ -99,7 +99,7 @@ def test_batching_switch_degrades_to_unbatched_where_the_runtime_lacks_it() -> N
 
 def _runtime() -> Any:
     from fedpipe.config import load_config
-    from fedpipe.serving import build_runtime
+    from fedpipe.server.build import build_runtime
 
     runtime, _ = build_runtime(load_config(None, {"model.name": "tiny-llama"}))
     return runtime
@@ -167,7 +167,7 @@ def test_probe_counts_the_messages_of_one_batched_call() -> None:
 def test_bad_flags_fail_before_any_server_starts(
     flags: list[str], says: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from fedpipe.cli import EXIT_SETTINGS, main
+    from fedpipe.cli.main import EXIT_SETTINGS, main
 
     assert main(["bench", "server", "--quick", *flags]) == EXIT_SETTINGS
     err = capsys.readouterr().err.strip().splitlines()
@@ -187,7 +187,7 @@ def test_a_server_starved_of_its_core_is_noticed() -> None:
 def test_a_server_with_a_thread_per_core_gets_every_core_and_pins_nothing() -> None:
     """--server-threads N on an N-core machine: the server runs on all N cores (it once got
     cores[1:1+N], i.e. one core for two threads) and the load generator is left unpinned."""
-    from fedpipe.bench.server import _pin
+    from fedpipe_bench.server import _pin
 
     before = os.sched_getaffinity(0)
     cpus = sorted(before)

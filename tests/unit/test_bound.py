@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from fedpipe.bench.bound import (
+from fedpipe.edge.planner.bound import (
     Components,
     bound_terms,
     link_occupancy,

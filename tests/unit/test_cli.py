@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from fedpipe import __version__
-from fedpipe.cli import EXIT_SETTINGS, _interrupted, describe_error, main
-from fedpipe.cli_parser import build_parser
-from fedpipe.federated.processes import ProcessStartError
+from fedpipe.cli.main import EXIT_SETTINGS, _interrupted, describe_error, main
+from fedpipe.cli.parser import build_parser
+from fedpipe.launch.processes import ProcessStartError
 
 COMMANDS = [
     ["simulate"],
@@ -42,7 +42,7 @@ def _error_line(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
 def test_help_of_every_command_imports_no_torch() -> None:
     script = f"""
 import contextlib, io, sys
-from fedpipe.cli import main
+from fedpipe.cli.main import main
 for argv in [[], *{COMMANDS!r}]:
     out = io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
@@ -123,7 +123,7 @@ def test_old_spellings_still_work_with_a_notice(
 
 
 def test_old_server_flags_compose_the_new_addresses() -> None:
-    from fedpipe.cli import _server_plan
+    from fedpipe.cli.main import _server_plan
     from fedpipe.config import FedpipeConfig
 
     args = build_parser().parse_args(
@@ -243,7 +243,7 @@ def test_a_wrong_secret_is_refused_before_the_run(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     from fedpipe.config import load_config
-    from fedpipe.serving import build_stage_server
+    from fedpipe.server.build import build_stage_server
 
     server = build_stage_server(load_config(), secret="r" * 32, port=0).start()
     try:

@@ -10,11 +10,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from fedpipe.errors import TensorFormatError
 from fedpipe.proto import stage_pb2 as pb
-from fedpipe.transport.codec import (
+from fedpipe.wire.tensors import (
     CODECS,
     MAX_NDIM,
-    TensorFormatError,
     bytes_per_value,
     codec_from_proto,
     codec_to_proto,

@@ -9,13 +9,14 @@ import pytest
 import torch
 
 from fedpipe.config import FedpipeConfig, PipelineConfig, TrainConfig
-from fedpipe.device import DeviceTrainer, split_terms
+from fedpipe.edge.trainer import DeviceTrainer, split_terms
 from fedpipe.models import resolve_model
 from fedpipe.proto import stage_pb2 as pb
 from fedpipe.proto import stage_pb2_grpc as pb_grpc
-from fedpipe.serving import build_stage_server
-from fedpipe.transport.client import StageClient, split_to_proto
-from fedpipe.transport.server import StageServer
+from fedpipe.server.build import build_stage_server
+from fedpipe.server.stage_server import StageServer
+from fedpipe.wire.link_client import StageClient
+from fedpipe.wire.serde import split_to_proto
 
 BATCH, SEQ = 4, 16
 PIPELINE = PipelineConfig(microbatches=2, schedule="gpipe", timeout_s=20.0)

@@ -15,7 +15,7 @@ from fedpipe.config import (
     load_config,
     parse_overrides,
 )
-from fedpipe.pipeline.schedule import SCHEDULES
+from fedpipe.edge.schedules import SCHEDULES
 
 TOML = """
 [model]

@@ -18,18 +18,10 @@ from flwr.app import ArrayRecord, MetricRecord, RecordDict
 
 from fedpipe.config import FedpipeConfig, ModelConfig, parse_cuts
 from fedpipe.errors import SplitMismatchError
+from fedpipe.lora import AdapterBank, BatchedAdapterBank, Group, LoraSettings
+from fedpipe.lora.aggregation import adapter_block, aggregate_adapters, aggregate_held
 from fedpipe.models import load_config, resolve_model
-from fedpipe.split import (
-    AdapterBank,
-    BatchedAdapterBank,
-    Group,
-    LoraSettings,
-    SplitTerms,
-    build_stage,
-    check_agreement,
-    plan_split,
-)
-from fedpipe.split.aggregation import adapter_block, aggregate_adapters, aggregate_held
+from fedpipe.split import SplitTerms, build_stage, check_agreement, plan_split
 
 torch.set_num_threads(1)
 SETTINGS = LoraSettings(r=4, alpha=8, seed=3)
@@ -280,9 +272,9 @@ def test_device_adapters_of_different_cuts_average_per_block(tmp_path: Path) -> 
     from flwr.serverapp.strategy import FedAvg
 
     from fedpipe.config import FederatedConfig
-    from fedpipe.federated.apps import _aggregate_exactly, _held, _pad_to_union, _Rounds
-    from fedpipe.federated.local import RunSettings
-    from fedpipe.federated.runfolder import RunFolder
+    from fedpipe.fl.apps import _aggregate_exactly, _held, _pad_to_union, _Rounds
+    from fedpipe.fl.device_work import RunSettings
+    from fedpipe.runs.folder import RunFolder
 
     gen = torch.Generator().manual_seed(0)
 
@@ -325,9 +317,9 @@ def test_device_adapters_of_different_cuts_average_per_block(tmp_path: Path) -> 
 
 
 def test_fedpipe_client_cut_flag_reaches_the_node_config_and_is_checked() -> None:
-    from fedpipe.cli_parser import build_parser
-    from fedpipe.federated.commands import _client_plan, _node_config
-    from fedpipe.preflight import SettingsError, check_client
+    from fedpipe.cli.commands import _client_plan, _node_config
+    from fedpipe.cli.parser import build_parser
+    from fedpipe.cli.preflight import SettingsError, check_client
 
     args = build_parser().parse_args(["client", "--superlink", "127.0.0.1:9", "--cut", "2+1"])
     assert _node_config(_client_plan(args))["cut"] == "2+1"
@@ -340,7 +332,7 @@ def test_fedpipe_client_cut_flag_reaches_the_node_config_and_is_checked() -> Non
 
 
 def test_the_server_refuses_an_offered_cut_that_leaves_it_no_block(folder: Path) -> None:
-    from fedpipe.serving import build_runtime
+    from fedpipe.server.build import build_runtime
 
     config = FedpipeConfig().with_overrides({"model.cuts": "3+1"})
     with pytest.raises(ValueError, match="model.cuts: cut 3\\+1 does not fit: .* leave 0 of 4"):

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedpipe.pipeline.messages import Kind, StageMsg
+from fedpipe.compress.delta import DELTA_BIT, DeltaCache
+from fedpipe.errors import TensorFormatError
+from fedpipe.messages import Kind, StageMsg
 from fedpipe.proto import stage_pb2 as pb
-from fedpipe.transport.codec import TensorFormatError
-from fedpipe.transport.delta import DELTA_BIT, DeltaCache
-from fedpipe.transport.serde import msg_from_wire, msg_to_wire, wire_nbytes
-from fedpipe.transport.stream_codec import StreamCodecs, StreamDecoder, StreamEncoder
+from fedpipe.wire.serde import msg_from_wire, msg_to_wire, wire_nbytes
+from fedpipe.wire.stream_codec import StreamCodecs, StreamDecoder, StreamEncoder
 
 T, C = 8, 64
 ROW_BYTES = T * C * 4

@@ -11,19 +11,19 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from fedpipe_bench.quality import EXTRA_RUNS, run_quality_bench
 
-from fedpipe.bench.quality import EXTRA_RUNS, run_quality_bench
+from fedpipe.compress.delta import DeltaCache, DeltaEncoder
 from fedpipe.config import FedpipeConfig, PipelineConfig, ServerConfig, TrainConfig
-from fedpipe.device import DeviceFailure, DeviceTrainer, RoundReport
-from fedpipe.federated.control import StageControlClient
-from fedpipe.federated.report import report_lines
-from fedpipe.federated.summary import build_summary
+from fedpipe.edge.trainer import DeviceFailure, DeviceTrainer, RoundReport
 from fedpipe.models import resolve_model
-from fedpipe.serving import build_stage_server
-from fedpipe.transport.client import StageClient
-from fedpipe.transport.delta import DeltaCache, DeltaEncoder
-from fedpipe.transport.delta_store import DeltaStore
-from fedpipe.transport.server import StageServer
+from fedpipe.runs.report import report_lines
+from fedpipe.runs.summary import build_summary
+from fedpipe.server.build import build_stage_server
+from fedpipe.server.delta_store import DeltaStore
+from fedpipe.server.stage_server import StageServer
+from fedpipe.wire.control_client import StageControlClient
+from fedpipe.wire.link_client import StageClient
 
 BATCH, SEQ = 4, 16
 ROWS_PER_SESSION = 2 * BATCH  # two steps of four samples
@@ -278,8 +278,8 @@ def test_a_device_process_per_round_resumes_from_its_file(
 
 
 def test_a_clientapp_keeps_its_cache_file_on_its_own_host(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    from fedpipe.federated.apps import _delta_dir
-    from fedpipe.federated.local import RunSettings
+    from fedpipe.fl.apps import _delta_dir
+    from fedpipe.fl.device_work import RunSettings
 
     monkeypatch.setenv("FLWR_HOME", str(tmp_path / "home"))
     assert _delta_dir({"delta-dir": "/d"}, RunSettings(dir=str(tmp_path))) == "/d"

@@ -14,19 +14,14 @@ import pytest
 import torch
 
 from fedpipe.errors import InvalidRequestError
+from fedpipe.lora import GLOBAL_ADAPTER, BatchedAdapterBank, Group, LoraSettings
+from fedpipe.messages import Kind, StageMsg
 from fedpipe.models import load_config, resolve_model
-from fedpipe.pipeline.device_copies import DeviceCopies, PinnedPool
-from fedpipe.pipeline.messages import Kind, StageMsg
-from fedpipe.pipeline.server_runtime import RuntimeLimits, StageRuntime
-from fedpipe.pipeline.stage_executor import StageExecutor
-from fedpipe.split import (
-    GLOBAL_ADAPTER,
-    BatchedAdapterBank,
-    Group,
-    LoraSettings,
-    build_stage,
-    plan_split,
-)
+from fedpipe.server.device_copies import DeviceCopies, PinnedPool
+from fedpipe.server.executor import StageExecutor
+from fedpipe.server.runtime import StageRuntime
+from fedpipe.server.sessions import RuntimeLimits
+from fedpipe.split import build_stage, plan_split
 
 CPU = torch.device("cpu")
 SETTINGS = LoraSettings(r=4, alpha=8, seed=3)

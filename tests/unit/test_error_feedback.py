@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedpipe.pipeline.messages import Kind, StageMsg
-from fedpipe.transport.stream_codec import StreamCodecs, StreamDecoder, StreamEncoder
+from fedpipe.messages import Kind, StageMsg
+from fedpipe.wire.stream_codec import StreamCodecs, StreamDecoder, StreamEncoder
 
 
 def _sent_sum(codec: str, grads: list[torch.Tensor], *, feedback: bool) -> torch.Tensor:

@@ -8,8 +8,8 @@ import grpc
 import pytest
 
 import fedpipe.errors
-from fedpipe.transport.codec import TensorFormatError as CodecTensorFormatError
-from fedpipe.transport.errors import (
+from fedpipe.errors import TensorFormatError as CodecTensorFormatError
+from fedpipe.wire.status import (
     AuthError,
     MessageTooLargeError,
     SessionStateError,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from fedpipe.pipeline.fair_queue import FairQueue
+from fedpipe.server.fair_queue import FairQueue
 
 
 def _drain(q: FairQueue[str, int]) -> list[tuple[str, int]]:

@@ -2,7 +2,7 @@
 
 import torch
 
-from fedpipe.device import _add_proximal_term
+from fedpipe.edge.trainer import _add_proximal_term
 
 
 def test_proximal_term_pulls_towards_the_round_start() -> None:

@@ -12,11 +12,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import fedpipe.split.batched_backward as batched_backward
-import fedpipe.split.batched_blocks as batched_blocks
+import fedpipe.lora.batched_backward as batched_backward
+import fedpipe.lora.batched_blocks as batched_blocks
+from fedpipe.lora import BatchedAdapterBank, Group, LoraSettings
+from fedpipe.lora.kernels import grouped_lora, grouped_lora_backward, grouped_lora_supported
 from fedpipe.models import load_config, resolve_model
-from fedpipe.split import BatchedAdapterBank, Group, LoraSettings, build_stage, plan_split
-from fedpipe.split.grouped_lora import grouped_lora, grouped_lora_backward, grouped_lora_supported
+from fedpipe.split import build_stage, plan_split
 
 SIZES = [1, 16, 5, 42]  # rows per group: sizes differ, one group has a single row
 
@@ -208,7 +209,7 @@ def test_a_kernel_that_fails_where_its_checks_let_it_run_falls_back_once_and_say
         lambda self, x, groups: self.grouped != "off" and groups > 1,
     )
     monkeypatch.setattr(batched_blocks, "grouped_lora", broken)
-    with caplog.at_level("WARNING", logger="fedpipe.split.batched_blocks"):
+    with caplog.at_level("WARNING", logger="fedpipe.lora.batched_blocks"):
         got = _bank_run(folder, "auto")
     assert raised == ["forward"]  # tried once, then off for the rest of the bank's life
     for g, w in zip(got[0] + got[1], want[0] + want[1], strict=True):

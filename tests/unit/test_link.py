@@ -562,7 +562,7 @@ def test_a_link_name_typo_suggests_and_lists_the_names() -> None:
 
 def test_profiles_setting_accepts_inline_specs_and_refuses_typos() -> None:
     from fedpipe.config import FederatedConfig
-    from fedpipe.federated.local import _profile
+    from fedpipe.fl.device_work import _profile
 
     config = FedpipeConfig(federated=FederatedConfig(profiles="phone-lte,up=10,down=25,rtt=50ms"))
     assert _profile(config, 0, None) is get_device_profile("phone-lte")
@@ -581,7 +581,7 @@ def test_the_emulator_takes_a_link_name_or_spec() -> None:
 def test_bench_pipeline_refuses_a_bad_link_before_starting(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from fedpipe.cli import main
+    from fedpipe.cli.main import main
 
     assert main(["bench", "pipeline", "--model", "tiny-llama", "--links", "up=10,dwn=25"]) == 2
     assert "unknown key 'dwn'; valid keys are up, down, bw" in capsys.readouterr().err

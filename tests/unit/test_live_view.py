@@ -7,8 +7,8 @@ from pathlib import Path
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from fedpipe.federated.rounds import clean_reason, identity_from_reason
-from fedpipe.federated.tensorboard import Board
+from fedpipe.fl.rounds import clean_reason, identity_from_reason
+from fedpipe.runs.tensorboard import Board
 
 
 def _scalars(acc: EventAccumulator, tag: str) -> list[tuple[int, float]]:
@@ -65,7 +65,7 @@ def test_flower_error_reasons_name_the_device() -> None:
 
 
 def test_device_book_names_known_devices_and_counts_the_others() -> None:
-    from fedpipe.federated.rounds import DeviceBook, DeviceInfo
+    from fedpipe.fl.rounds import DeviceBook, DeviceInfo
 
     book = DeviceBook()
     book.known[7] = DeviceInfo(1, "phone-lte")
@@ -93,7 +93,7 @@ class _Nodes:
 def test_a_device_gone_for_good_costs_one_connect_wait() -> None:
     import pytest
 
-    from fedpipe.federated.rounds import DeviceBook, RoundGrid, StopRun
+    from fedpipe.fl.rounds import DeviceBook, RoundGrid, StopRun
 
     records: list[dict] = []
     nodes = _Nodes([1, 2])

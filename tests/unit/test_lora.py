@@ -8,19 +8,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedpipe.models import load_causal_lm, load_config, resolve_model
-from fedpipe.split import (
+from fedpipe.lora import (
     AdapterBank,
     LoraSettings,
     apply_lora,
     average_state_dicts,
-    build_device_stages,
-    build_stage,
     load_lora_state_dict,
     lora_state_dict,
-    plan_split,
 )
-from fedpipe.split.lora import lora_layers
+from fedpipe.lora.base import lora_layers
+from fedpipe.models import load_causal_lm, load_config, resolve_model
+from fedpipe.split import build_device_stages, build_stage, plan_split
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(1)

@@ -7,15 +7,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fedpipe.compress import lowbit
+from fedpipe.errors import TensorFormatError
 from fedpipe.proto import stage_pb2 as pb
-from fedpipe.transport import lowbit
-from fedpipe.transport.codec import (
-    TensorFormatError,
-    encoded_nbytes,
-    payload_nbytes,
-    tensor_from_proto,
-    tensor_to_proto,
-)
+from fedpipe.wire.tensors import encoded_nbytes, payload_nbytes, tensor_from_proto, tensor_to_proto
 
 LOW_BIT = [
     "int4",
@@ -242,7 +237,7 @@ def test_outlier_positions_outside_their_group_are_refused() -> None:
 
 
 def test_outlier_names() -> None:
-    from fedpipe.transport.codec_names import check_codec, codec_name, codec_outliers
+    from fedpipe.config.codecs import check_codec, codec_name, codec_outliers
 
     assert [codec_outliers(c) for c in ("int4", "int4to", "int2o4g16", "fp32")] == [0, 1, 4, 0]
     assert codec_name("int4", 128, True, 2) == "int4to2g128" and codec_name("int4", 64, False, 1)

@@ -217,7 +217,7 @@ def test_cli_prints_a_broken_model_in_one_line(
 ) -> None:
     import shutil
 
-    from fedpipe.cli import main
+    from fedpipe.cli.main import main
 
     folder = tmp_path / "broken"
     shutil.copytree(resolve_model("tiny-llama", cache_dir=cache), folder)

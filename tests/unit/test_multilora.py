@@ -16,17 +16,9 @@ import pytest
 import torch
 from transformers import MistralConfig
 
+from fedpipe.lora import AdapterBank, BatchedAdapterBank, Group, LoraSettings, adapter_bank
 from fedpipe.models import load_config, resolve_model
-from fedpipe.split import (
-    AdapterBank,
-    BatchedAdapterBank,
-    Group,
-    LoraSettings,
-    MiddleStage,
-    adapter_bank,
-    build_stage,
-    plan_split,
-)
+from fedpipe.split import MiddleStage, build_stage, plan_split
 
 torch.set_num_threads(1)
 SETTINGS = LoraSettings(r=4, alpha=8, seed=3)

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fedpipe.bench.bound import in_flight_cap, pipeline_bound, predict_step, sequential_model
-from fedpipe.planner.plan import (
+from fedpipe.edge.planner.bound import in_flight_cap, pipeline_bound, predict_step, sequential_model
+from fedpipe.edge.planner.plan import (
     LinkFigures,
     Measured,
     OpTimes,
@@ -183,7 +183,7 @@ def test_the_planner_needs_no_torch() -> None:
     import subprocess
     import sys
 
-    code = "import sys, fedpipe.planner; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, fedpipe.edge.planner; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -15,9 +15,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from fedpipe.config import load_config
-from fedpipe.federated.processes import explain_failure
-from fedpipe.preflight import (
+from fedpipe.cli.preflight import (
     SettingsError,
     check_data,
     check_partition,
@@ -28,6 +26,8 @@ from fedpipe.preflight import (
     probe_tls,
     split_address,
 )
+from fedpipe.config import load_config
+from fedpipe.launch.processes import explain_failure
 
 
 def _self_signed(folder: Path) -> tuple[Path, Path]:
@@ -175,8 +175,8 @@ def test_flower_failures_are_explained(log: str, meaning: str) -> None:
 
 
 def test_links_take_names_and_inline_specs() -> None:
+    from fedpipe.cli.preflight import check_links
     from fedpipe.link import split_specs as split_links
-    from fedpipe.preflight import check_links
 
     assert split_links("1gbit-5ms,up=10,down=25,rtt=50ms") == [
         "1gbit-5ms",

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from dp_accounting.rdp import rdp_privacy_accountant
+from fedpipe_bench.privacy_traffic import record_training
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.serverapp.strategy import (
     DifferentialPrivacyClientSideFixedClipping,
@@ -23,12 +24,10 @@ from flwr.serverapp.strategy import (
 from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 from flwr.supercore.task_identity import TaskIdentity
 
-from fedpipe.bench.privacy_traffic import record_training
 from fedpipe.config import FedpipeConfig, PrivacyConfig, load_config
-from fedpipe.federated.report import report_lines
-from fedpipe.federated.summary import build_summary
+from fedpipe.fl.adapter_dp import adapter_clipping_mod, with_adapter_dp
+from fedpipe.messages import Kind
 from fedpipe.models import resolve_model
-from fedpipe.pipeline.messages import Kind
 from fedpipe.privacy import (
     ChannelNoise,
     LinkAccountant,
@@ -37,7 +36,8 @@ from fedpipe.privacy import (
     releases_so_far,
     sample_noise_multiplier,
 )
-from fedpipe.privacy.adapters import adapter_clipping_mod, with_adapter_dp
+from fedpipe.runs.report import report_lines
+from fedpipe.runs.summary import build_summary
 
 
 # -- clipping and noise ------------------------------------------------------------------------

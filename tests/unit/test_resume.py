@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from fedpipe.cli.commands import simulate
 from fedpipe.config import FedpipeConfig, load_config
-from fedpipe.federated.commands import simulate
-from fedpipe.federated.resume import ResumeRefused, resume_settings
-from fedpipe.federated.runfolder import RunFolder
+from fedpipe.runs.folder import RunFolder
+from fedpipe.runs.resume import ResumeRefused, resume_settings
 
 SAVED = load_config(
     None, {"federated.num_devices": 8, "federated.rounds": 2, "model.lora_r": 4}

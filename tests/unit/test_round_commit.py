@@ -15,11 +15,11 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, MetricRecord
 
-from fedpipe.federated.apps import _Rounds
-from fedpipe.federated.control import Committed
-from fedpipe.federated.local import RunSettings
-from fedpipe.federated.rounds import DeviceBook, RoundGrid, StopRun
-from fedpipe.federated.runfolder import RunFolder
+from fedpipe.fl.apps import _Rounds
+from fedpipe.fl.device_work import RunSettings
+from fedpipe.fl.rounds import DeviceBook, RoundGrid, StopRun
+from fedpipe.runs.folder import RunFolder
+from fedpipe.wire.control_client import Committed
 
 
 class _Control:

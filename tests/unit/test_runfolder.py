@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedpipe.federated.runfolder import Checkpoint, RunFolder
-from fedpipe.pipeline.trace import Event
+from fedpipe.runs.folder import Checkpoint, RunFolder
+from fedpipe.trace import Event
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -90,7 +90,7 @@ def test_latest_skips_tmp_incomplete_and_corrupt(
     torn = ckpts / "round-0003" / "device.safetensors"
     torn.write_bytes(torn.read_bytes()[:20])
 
-    with caplog.at_level(logging.WARNING, logger="fedpipe.federated.runfolder"):
+    with caplog.at_level(logging.WARNING, logger="fedpipe.runs.folder"):
         latest = run.latest_checkpoint()
     assert latest is not None and latest.round == 1
     assert "round 3" in caplog.text and "corrupt" in caplog.text
@@ -164,7 +164,7 @@ def _is_png(path: Path) -> bool:
 
 
 def test_plots_write_pngs(tmp_path: Path) -> None:
-    from fedpipe.federated import plots
+    from fedpipe.runs import plots
 
     rounds = [{"round": 0, "eval_loss": 5.0}] + [
         {"round": r, "train_loss": 5.0 - r * 0.4, "eval_loss": 5.1 - r * 0.4} for r in (1, 2, 3)
@@ -192,7 +192,7 @@ def test_plots_write_pngs(tmp_path: Path) -> None:
 
 
 def test_plots_with_no_data(tmp_path: Path) -> None:
-    from fedpipe.federated import plots
+    from fedpipe.runs import plots
 
     assert _is_png(plots.plot_losses([], tmp_path / "a.png"))
     assert _is_png(plots.plot_timeline([], tmp_path / "b.png"))
@@ -202,7 +202,7 @@ def test_plots_with_no_data(tmp_path: Path) -> None:
 def test_plots_module_imports_no_matplotlib() -> None:
     import subprocess
 
-    code = "import fedpipe.federated.plots, sys; print('matplotlib' in sys.modules)"
+    code = "import fedpipe.runs.plots, sys; print('matplotlib' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -242,7 +242,7 @@ def test_settings_round_trip(tmp_path: Path) -> None:
 
 
 def test_plots_mark_failed_devices(tmp_path: Path) -> None:
-    from fedpipe.federated import plots
+    from fedpipe.runs import plots
 
     rounds = [
         {"round": 0, "eval_loss": 5.0},

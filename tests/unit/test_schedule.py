@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fedpipe.pipeline.schedule import SCHEDULES, Action, Op, Schedule, make_schedule
+from fedpipe.edge.schedules import SCHEDULES, Action, Op, Schedule, make_schedule
 
 MS = range(1, 9)
 TAIL = [True, False]

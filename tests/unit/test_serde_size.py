@@ -10,11 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedpipe.errors import InvalidRequestError
-from fedpipe.pipeline.messages import Kind, StageMsg
+from fedpipe.errors import InvalidRequestError, TensorFormatError
+from fedpipe.messages import Kind, StageMsg
 from fedpipe.proto import stage_pb2 as pb
-from fedpipe.transport.codec import CODECS, TensorFormatError
-from fedpipe.transport.serde import (
+from fedpipe.wire.serde import (
     MessageBounds,
     msg_from_proto,
     msg_from_wire,
@@ -23,6 +22,7 @@ from fedpipe.transport.serde import (
     wire_header,
     wire_nbytes,
 )
+from fedpipe.wire.tensors import CODECS
 
 ROOT = Path(__file__).resolve().parents[2]
 

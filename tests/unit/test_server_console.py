@@ -6,13 +6,13 @@ import logging
 
 import pytest
 
-from fedpipe.cli import _print_round_lines
+from fedpipe.cli.main import _print_round_lines
 
 
 def test_server_prints_its_round_lines_and_warnings_only(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    server_log = logging.getLogger("fedpipe.transport.server")
+    server_log = logging.getLogger("fedpipe.server.stage_server")
     root_level, handlers = logging.getLogger().level, list(server_log.handlers)
     logging.getLogger().setLevel(logging.WARNING)  # as `fedpipe server` without -v
     try:

@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 
 from fedpipe.config import ServerConfig, load_config
-from fedpipe.pipeline.server_runtime import RuntimeLimits
-from fedpipe.serving import runtime_limits
+from fedpipe.server.build import runtime_limits
+from fedpipe.server.sessions import RuntimeLimits
 
 
 def test_defaults_reach_the_runtime() -> None:

@@ -13,11 +13,12 @@ import pytest
 import torch
 
 from fedpipe.errors import InvalidRequestError, SessionStateError, StageCapacityError
+from fedpipe.lora import AdapterBank, BatchedAdapterBank, LoraSettings
+from fedpipe.messages import Kind, StageMsg
 from fedpipe.models import load_config, resolve_model
-from fedpipe.pipeline.messages import Kind, StageMsg
-from fedpipe.pipeline.server_runtime import SessionInfo
-from fedpipe.pipeline.stage_executor import StageExecutor
-from fedpipe.split import AdapterBank, BatchedAdapterBank, LoraSettings, build_stage, plan_split
+from fedpipe.server.executor import StageExecutor
+from fedpipe.server.sessions import SessionInfo
+from fedpipe.split import build_stage, plan_split
 
 torch.set_num_threads(1)
 SETTINGS = LoraSettings(r=4, alpha=8, seed=3)

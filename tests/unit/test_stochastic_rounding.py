@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from fedpipe.config import FedpipeConfig
-from fedpipe.device import DeviceTrainer
+from fedpipe.edge.trainer import DeviceTrainer
+from fedpipe.messages import Kind, StageMsg
 from fedpipe.models import resolve_model
-from fedpipe.pipeline.messages import Kind, StageMsg
-from fedpipe.serving import build_stage_server
-from fedpipe.transport.client import StageClient
-from fedpipe.transport.server import StageServer
-from fedpipe.transport.stream_codec import StreamCodecs, StreamDecoder, StreamEncoder
+from fedpipe.server.build import build_stage_server
+from fedpipe.server.stage_server import StageServer
+from fedpipe.wire.link_client import StageClient
+from fedpipe.wire.stream_codec import StreamCodecs, StreamDecoder, StreamEncoder
 
 SIZE = {
     "train.batch_size": 4,

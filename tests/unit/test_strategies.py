@@ -6,7 +6,7 @@ import pytest
 from flwr.app import ArrayRecord, ConfigRecord
 from flwr.serverapp.strategy import FedAdam, FedAvg, FedAvgM, FedProx, FedYogi
 
-from fedpipe.federated.strategies import STRATEGIES, make_strategy
+from fedpipe.fl.strategies import STRATEGIES, make_strategy
 
 
 @pytest.mark.parametrize(

@@ -6,10 +6,10 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-from fedpipe.federated.commands import nest
-from fedpipe.federated.report import LiveReport, format_record, report_lines
-from fedpipe.federated.runfolder import RunFolder
-from fedpipe.federated.summary import build_summary, judge
+from fedpipe.cli.commands import nest
+from fedpipe.runs.folder import RunFolder
+from fedpipe.runs.report import LiveReport, format_record, report_lines
+from fedpipe.runs.summary import build_summary, judge
 
 
 def _train(round_: int, partition: int, loss: float, up: int, down: int) -> dict:

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from fedpipe.errors import AuthError
-from fedpipe.federated.callauth import CONTROL_HEADER, ControlVerifier, sign_call
-from fedpipe.federated.tokens import (
+from fedpipe.auth.calls import CONTROL_HEADER, ControlVerifier, sign_call
+from fedpipe.auth.tokens import (
     CLOCK_SKEW_S,
     InvalidTokenError,
     TokenClaims,
@@ -15,6 +14,7 @@ from fedpipe.federated.tokens import (
     new_secret,
     verify_token,
 )
+from fedpipe.errors import AuthError
 
 SECRET = new_secret()
 NOW = 1_800_000_000.0
@@ -165,7 +165,7 @@ def test_stale_and_unsigned_calls_are_refused() -> None:
 
 # -- who reads the secret ------------------------------------------------------------------------
 def test_only_the_server_side_reads_the_secret_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from fedpipe.federated.local import run_settings, server_run_settings
+    from fedpipe.fl.device_work import run_settings, server_run_settings
 
     secret_file = tmp_path / "server-host-only" / "secret"  # absent, as on a device's host
     run_config = {"run.secret-file": str(secret_file), "run.id": "r"}

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fedpipe.pipeline.trace import Tracer, readable_name
+from fedpipe.trace import Tracer, readable_name
 
 
 def test_readable_names() -> None:

@@ -1,0 +1,330 @@
+"""The ``fedpipe bench`` commands: their flags, their runs, their tables.
+
+Registered through the ``fedpipe.bench`` entry point (pyproject.toml), so that ``fedpipe bench``
+finds them without the product importing this package. Building the parser imports nothing
+heavy; each command imports its bench when it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from fedpipe.cli import config_from_args
+from fedpipe.cli.parser import add_command, add_settings
+from fedpipe.config import parse_overrides
+
+__all__ = ["register"]
+
+_HERE = "fedpipe_bench.commands"
+
+
+def register(bsub: Any) -> None:
+    """Add every benchmark to ``fedpipe bench`` (the entry point of group ``fedpipe.bench``)."""
+    q = add_command(
+        bsub, "pipeline", f"{_HERE}:cmd_bench_pipeline", "schedules x links vs the bound"
+    )
+    add_settings(q, model_default="small-llama, split 2 + 2 (fewer for smaller models)")
+    q.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    q.add_argument(
+        "--links",
+        help="comma-separated link names or inline specs, e.g. 1gbit-5ms,up=10,down=25,rtt=50ms "
+        "(default: the reference links)",
+    )
+    q.add_argument("--schedules", help="comma-separated schedules (default: all)")
+    q.add_argument("--microbatches", type=int, default=8, help="microbatches per step")
+    q.add_argument("--batch-size", type=int, default=16, help="sequences per step")
+    q.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
+    codecs = ["fp32", "bf16", "fp16", "int8", "int4", "int2"]
+    q.add_argument("--codec", default="fp32", choices=codecs, help="activation codec")
+    q.add_argument("--gradient-codec", choices=codecs, help="codec of gradients (default: --codec)")
+    q.add_argument("--steps", type=int, default=4, help="measured steps per schedule (median)")
+    q.add_argument("--warmup", type=int, default=1, help="unmeasured steps first")
+    qb = add_command(bsub, "quality", f"{_HERE}:cmd_bench_quality", "held-out loss vs centralized")
+    qb.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    qb.add_argument("--quick", action="store_true", help="a tiny random model (CI, seconds)")
+    qb.add_argument("--runs", help="comma-separated run names (default: all but noniid-stack)")
+    qb.add_argument(
+        "--seeds", type=int, default=1, help="train each run N times (model.seed + 0..N-1)"
+    )
+    qb.add_argument(
+        "--set",
+        action="append",
+        metavar="SECTION.KEY=VALUE",
+        help="override one setting of every run (repeatable), e.g. federated.rounds=5",
+    )
+    pl = add_command(
+        bsub, "plan", f"{_HERE}:cmd_bench_plan", "the planner's predicted vs measured step"
+    )
+    add_settings(pl, model_default="small-llama, split 2 + 2 (fewer for smaller models)")
+    pl.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    pl.add_argument("--links", help="comma-separated links (default: the reference links)")
+    pl.add_argument("--microbatches", type=int, default=8, help="microbatches of the first step")
+    pl.add_argument("--batch-size", type=int, default=16, help="sequences per step")
+    pl.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
+    pl.add_argument("--codecs", default="fp32", help="codecs the planner may pick (fp32 always)")
+    pl.add_argument("--steps", type=int, default=4, help="measured steps per session (median)")
+    pl.add_argument("--warmup", type=int, default=1, help="unmeasured steps after planning")
+    pl.add_argument("--sessions", type=int, default=2, help="sessions per link (rounds)")
+    r = add_command(bsub, "memory", f"{_HERE}:cmd_bench_memory", "device memory vs the whole model")
+    add_settings(r, model_default="default (SmolLM2-135M-Instruct)")
+    v = add_command(
+        bsub, "privacy", f"{_HERE}:cmd_bench_privacy", "attacks on the stage link vs defences"
+    )
+    v.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    v.add_argument("--quick", action="store_true", help="tiny model, one cut, one defence (CI)")
+    _add_bench_server(bsub)
+
+
+def _add_bench_server(bsub: Any) -> None:
+    s = add_command(bsub, "server", f"{_HERE}:cmd_bench_server", "N devices vs one StageServer")
+    s.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    s.add_argument(
+        "--model",
+        help="tiny-llama | small-llama | SmolLM2 (default: small-llama; tiny-llama with --quick)",
+    )
+    s.add_argument("--devices", help="comma-separated N (default: 1,2,4,8,16,32; 1,2,4 --real)")
+    s.add_argument("--steps", type=int, help="measured steps per device (default: 3; 2 --quick)")
+    s.add_argument("--warmup", type=int, default=1, help="unmeasured steps first")
+    s.add_argument("--quick", action="store_true", help="CI size: tiny-llama, N 1,2,4, 2 steps")
+    s.add_argument("--real", action="store_true", help="real head/tail stages, not generators")
+    s.add_argument("--link", help="each device's link (default: 100mbit-5ms; loopback --quick)")
+    s.add_argument(
+        "--server-threads",
+        type=int,
+        help="torch threads of the server (default: one per core, the load generator shares them;"
+        " fewer pins the load generator to the first core and the server to the next ones)",
+    )
+    s.add_argument("--microbatches", type=int, default=2, help="microbatches per device step")
+    s.add_argument("--microbatch-size", type=int, default=2, help="sequences per microbatch")
+    s.add_argument("--seq-len", type=int, help="tokens per sequence (default: 128; 16 --quick)")
+
+
+def _split_given(args: argparse.Namespace) -> bool:
+    """Whether ``--set`` or ``--config`` chose the split (else the bench picks one)."""
+    keys = set(parse_overrides(args.set or []))
+    if args.config is not None and Path(args.config).is_file():
+        with open(args.config, "rb") as fh:
+            keys |= {f"model.{k}" for k in tomllib.load(fh).get("model", {})}
+    return bool(keys & {"model.head_layers", "model.tail_layers"})
+
+
+def cmd_bench_pipeline(args: argparse.Namespace) -> int:
+    """`fedpipe bench pipeline`: schedules x links against the pipeline bound."""
+    from fedpipe.cli.preflight import check_links, check_model, default_split, model_layers
+
+    model = {"small": "small-llama", None: "small-llama"}.get(args.model, args.model)
+    flags: dict[str, Any] = {"model.name": model}
+    if not _split_given(args):  # 2 + 2 blocks, fewer where the model is too small for that
+        side = default_split(model_layers(model)[0])
+        flags |= {"model.head_layers": side, "model.tail_layers": side}
+    flags |= {"train.batch_size": args.batch_size, "train.seq_len": args.seq_len}
+    flags["pipeline.microbatches"] = args.microbatches
+    flags["pipeline.uplink_codec"] = args.codec
+    flags["pipeline.downlink_codec"] = args.codec
+    flags["pipeline.gradient_codec"] = args.gradient_codec
+    config = config_from_args(args, **flags)
+    from fedpipe.link import REFERENCE_LINKS, split_specs
+    from fedpipe_bench.pipeline import BENCH_SCHEDULES, run_pipeline_bench
+
+    links = split_specs(args.links) if args.links else list(REFERENCE_LINKS)
+    schedules = args.schedules.split(",") if args.schedules else list(BENCH_SCHEDULES)
+    check_links(links)
+    check_model(config)
+    unknown = [s for s in schedules if s not in BENCH_SCHEDULES]
+    if unknown:
+        raise ValueError(f"--schedules: unknown {unknown}; choose from {list(BENCH_SCHEDULES)}")
+    report = run_pipeline_bench(
+        config, links=links, schedules=schedules, steps=args.steps, warmup=args.warmup
+    )
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        _print_bench_table(report)
+    return 0
+
+
+def _print_bench_table(report: dict[str, Any]) -> None:
+    print(
+        f"model {report['model']} ({report['split']}), batch {report['batch']}, "
+        f"M={report['microbatches']}, {report['pinning']}"
+    )
+    print(
+        f"{'link':>18} {'T_seq s':>8} {'T_whole s':>9} {'T_pipe s':>9} {'T_bound s':>10} "
+        f"{'in-run':>7} {'speedup':>8} {'efficiency':>10} {'ceiling':>8}  best / bound term"
+    )
+    for e in report["links"]:
+        print(
+            f"{e['link']:>18} {e['t_seq_s']:>8.3f} {e['t_seq_whole_s']:>9.3f} "
+            f"{e['t_pipe_s']:>9.3f} {e['t_bound_s']:>10.3f} {e['t_bound_inrun_s']:>7.3f} "
+            f"{e['speedup']:>8.2f} {e['efficiency']:>10.2f} {e['ceiling']:>8.2f}  "
+            f"{e['best_schedule']} / {e['bound_term']}" + ("  (noisy)" if e["noisy"] else "")
+        )
+
+
+def cmd_bench_server(args: argparse.Namespace) -> int:
+    """`fedpipe bench server`: N devices against one StageServer, batching off and on."""
+    from fedpipe_bench.server import make_settings, run_server_bench
+
+    devices = _int_list(args.devices, "--devices") if args.devices else None
+    settings = make_settings(
+        model=args.model,
+        devices=devices,
+        steps=args.steps,
+        warmup=args.warmup,
+        quick=args.quick,
+        real=args.real,
+        link=args.link,
+        server_threads=args.server_threads,
+        microbatches=args.microbatches,
+        microbatch_size=args.microbatch_size,
+        seq_len=args.seq_len,
+    )
+    report = run_server_bench(settings)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        _print_server_table(report)
+    return 0
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"{flag}: expected comma-separated whole numbers, got {text!r}") from None
+
+
+def _print_server_table(report: dict[str, Any]) -> None:
+    print(
+        f"model {report['model']} ({report['split']}), microbatch {report['microbatch']} x "
+        f"{report['microbatches']}, link {report['link']}, {report['pinning']['text']}; "
+        f"N* {report['n_star']} (knee: {report['knee']})"
+    )
+    print(
+        f"{'N':>4} {'column':>9} {'mb/s':>8} {'tokens/s':>9} {'p50 s':>7} {'p95 s':>7} "
+        f"{'busy':>5} {'batch':>5} {'model mb/s':>10}"
+    )
+    for row in report["rows"]:
+        for column in ("unbatched", "batched"):
+            f = row[column]
+            print(
+                f"{row['devices']:>4} {column:>9} {f['mb_per_s']:>8.2f} {f['tokens_per_s']:>9.0f} "
+                f"{f['step_p50_s']:>7.3f} {f['step_p95_s']:>7.3f} {f['busy']:>5.2f} "
+                f"{f['mean_batch']:>5.2f} {row['predicted_mb_per_s']:>10.2f}"
+            )
+
+
+def cmd_bench_quality(args: argparse.Namespace) -> int:
+    """`fedpipe bench quality`: held-out loss and bytes of fedpipe's runs against centralized."""
+    overrides = parse_overrides(args.set or [])
+    from fedpipe_bench.quality import run_quality_bench
+
+    names = [n.strip() for n in args.runs.split(",") if n.strip()] if args.runs else None
+    report = run_quality_bench(quick=args.quick, names=names, overrides=overrides, seeds=args.seeds)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"model {report['model']}, {report['devices']} devices, {report['rounds']} rounds")
+    print(f"seeds {report['seeds']}: eval loss is their mean, std over them")
+    print(
+        f"{'run':>14} {'eval loss':>9} {'std':>7} {'ppl':>8} {'bytes/token':>11} "
+        f"{'wall s':>7} {'steps':>5}"
+    )
+    for r in report["runs"]:
+        print(
+            f"{r['name']:>14} {r['eval_loss']:>9.4f} {r['eval_loss_std']:>7.4f} "
+            f"{r['eval_ppl']:>8.2f} {r['bytes_per_token']:>11.1f} {r['wall_s']:>7.1f} "
+            f"{r['steps']:>5}"
+        )
+    return 0
+
+
+def cmd_bench_plan(args: argparse.Namespace) -> int:
+    """`fedpipe bench plan`: the planner's predicted step time against the measured one."""
+    from fedpipe.cli.preflight import check_links, check_model, default_split, model_layers
+
+    model = {"small": "small-llama", None: "small-llama"}.get(args.model, args.model)
+    flags: dict[str, Any] = {"model.name": model}
+    if not _split_given(args):  # as `bench pipeline`: 2 + 2 blocks where the model allows
+        side = default_split(model_layers(model)[0])
+        flags |= {"model.head_layers": side, "model.tail_layers": side}
+    flags |= {"train.batch_size": args.batch_size, "train.seq_len": args.seq_len}
+    flags |= {"pipeline.microbatches": args.microbatches, "pipeline.plan": "auto"}
+    flags |= {
+        "pipeline.plan_codecs": args.codecs,
+        "train.local_steps": 2 + args.warmup + args.steps,
+    }
+    config = config_from_args(args, **flags)
+    from fedpipe.link import REFERENCE_LINKS, split_specs
+    from fedpipe_bench.plan import run_plan_bench
+
+    links = split_specs(args.links) if args.links else list(REFERENCE_LINKS)
+    check_links(links)
+    check_model(config)
+    report = run_plan_bench(
+        config, links=links, steps=args.steps, warmup=args.warmup, sessions=args.sessions
+    )
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(
+        f"model {report['model']} ({report['split']}), batch {report['batch']}, {report['pinning']}"
+    )
+    print(f"{'link':>18} {'plan':>28} {'predicted s':>12} {'measured s':>11} {'error':>7}")
+    for e in report["links"]:
+        p = e["plan"]
+        text = f"{p.get('schedule')} M={p.get('microbatches')} {p.get('codec')}"
+        print(
+            f"{e['link']:>18} {text:>28} {e['predicted_s']:>12.3f} {e['measured_s']:>11.3f} "
+            f"{e['error']:>+7.1%}"
+        )
+    return 0
+
+
+def cmd_bench_memory(args: argparse.Namespace) -> int:
+    """`fedpipe bench memory`: what the device side holds against the whole model."""
+    from fedpipe.cli.preflight import check_model
+
+    config = config_from_args(args, **{"model.name": args.model or "default"})
+    check_model(config)
+    from fedpipe.models import load_config as load_hf_config
+    from fedpipe.models import resolve_model
+    from fedpipe.split import device_memory_report, plan_split
+
+    folder = resolve_model(config.model.name)
+    plan = plan_split(
+        load_hf_config(folder),
+        head_layers=config.model.head_layers,
+        tail_layers=config.model.tail_layers,
+        mode=config.model.split,  # type: ignore[arg-type]
+    )
+    report = device_memory_report(folder, plan)
+    print(json.dumps({"model": config.model.name, **report}, indent=2))
+    return 0
+
+
+def cmd_bench_privacy(args: argparse.Namespace) -> int:
+    """`fedpipe bench privacy`: an honest-but-curious server's attacks against each defence."""
+    from fedpipe_bench.privacy import DEFAULT, QUICK, run_privacy_bench
+
+    logging.getLogger("fedpipe_bench.privacy").setLevel(logging.INFO)  # progress on stderr
+    report = run_privacy_bench(QUICK if args.quick else DEFAULT)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"{'head':>4} {'defence':>8} {'strength':>8} {'recon':>6} {'label':>6} "
+          f"{'eval loss':>9} {'cost %':>7} {'epsilon':>9}")  # fmt: skip
+    for row in report["rows"]:
+        eps = "-" if row["epsilon"] is None else f"{row['epsilon']:.3g}"
+        name = "none" if row["defence"] == "none" else "noise"
+        print(
+            f"{row['head_layers']:>4} {name:>8} {row['strength']:>8.3g} "
+            f"{row['reconstruction_acc']:>6.3f} {row['label_acc']:>6.3f} {row['eval_loss']:>9.4f} "
+            f"{row['eval_loss_cost_pct']:>7.2f} {eps:>9}"
+        )
+    return 0

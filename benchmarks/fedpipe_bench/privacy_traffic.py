@@ -1,0 +1,180 @@
+"""A real fedpipe training run with a wiretap on the server's side of the stage link.
+
+The honest-but-curious server of ``fedpipe bench privacy`` keeps a copy of everything the
+device sends it and of what it sends back. The tap wraps the StageServer's runtime from the
+outside (:class:`TappedRuntime`): the transport hands each decoded device message to
+``StreamHandle.submit`` and takes each reply from ``StreamHandle.next_reply``, so the tap sees
+exactly what crossed the wire, after the device's defences and the codecs, and the runtime and
+transport stay untouched.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from fedpipe.config import FedpipeConfig
+from fedpipe.edge.runtime import DeviceRuntime
+from fedpipe.edge.trainer import DeviceTrainer
+from fedpipe.messages import Kind, StageMsg
+from fedpipe.privacy import LinkDefence
+from fedpipe.server.build import build_runtime
+from fedpipe.server.runtime import StageRuntime
+from fedpipe.server.stage_server import StageServer
+from fedpipe.server.streams import StreamHandle
+from fedpipe.wire.link_client import StageClient
+
+__all__ = ["RunResult", "Tap", "TappedRuntime", "record_training"]
+
+Key = tuple[int, int]  # (step, microbatch)
+
+
+@dataclass
+class Tap:
+    """What the server saw of the training sessions of ``device_id`` (evaluation is skipped)."""
+
+    device_id: str
+    activations: dict[Key, torch.Tensor] = field(default_factory=dict)  # uplink (b, T, C)
+    outputs: dict[Key, torch.Tensor] = field(default_factory=dict)  # downlink (b, T, C)
+    output_grads: dict[Key, torch.Tensor] = field(default_factory=dict)  # uplink (b, T, C)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def see(self, device_id: str, msg: StageMsg) -> None:
+        """Keep a copy of a training message's tensor, filed by kind and (step, microbatch)."""
+        if device_id != self.device_id or msg.forward_only or msg.tensor is None:
+            return
+        book = {
+            Kind.ACTIVATION: self.activations,
+            Kind.OUTPUT: self.outputs,
+            Kind.OUTPUT_GRAD: self.output_grads,
+        }.get(msg.kind)
+        if book is not None:
+            with self.lock:
+                book[(msg.step, msg.microbatch)] = msg.tensor.detach().float().clone()
+
+
+class _TappedHandle:
+    """A StreamHandle whose traffic both ways goes past the tap first."""
+
+    def __init__(self, handle: StreamHandle, tap: Tap) -> None:
+        self._handle, self._tap = handle, tap
+
+    def submit(self, msg: StageMsg) -> None:
+        self._tap.see(self._handle.info.device_id, msg)
+        self._handle.submit(msg)
+
+    def next_reply(self, timeout: float) -> object | None:
+        item = self._handle.next_reply(timeout)
+        if isinstance(item, StageMsg):
+            self._tap.see(self._handle.info.device_id, item)
+        return item
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._handle, name)
+
+
+class TappedRuntime:
+    """A StageRuntime seen through a tap: ``attach`` hands out tapped stream handles."""
+
+    def __init__(self, runtime: StageRuntime, tap: Tap) -> None:
+        self._runtime, self._tap = runtime, tap
+
+    def attach(self, session_id: str) -> _TappedHandle:
+        return _TappedHandle(self._runtime.attach(session_id), self._tap)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._runtime, name)
+
+
+@dataclass
+class RunResult:
+    """One recorded training run: the tap, the device's batches and the held-out loss after."""
+
+    tap: Tap
+    batches: list[dict[str, torch.Tensor]]
+    train_loss: float
+    eval_loss: float  # fedpipe's evaluator: clean activations
+    eval_loss_defended: float  # through the defended link, as the device itself would infer
+
+
+def record_training(
+    cfg: FedpipeConfig,
+    folder: Path,
+    batches: list[dict[str, torch.Tensor]],
+    eval_blocks: torch.Tensor,
+    *,
+    defence_seed: int | None = None,
+) -> RunResult:
+    """Train one device for ``len(batches)`` steps over loopback gRPC, tapped at the server.
+
+    A fresh server runtime and device (same initial adapters every call) per run; after the
+    steps the server merges the device's adapter (as a committed round does) and the split
+    model is evaluated on ``eval_blocks`` through the same server by an evaluator session.
+    """
+    tap = Tap("device-0")
+    runtime, split = build_runtime(cfg, folder=folder)
+    server = StageServer(cast(StageRuntime, TappedRuntime(runtime, tap)), split, port=0)
+    server.start()
+    try:
+        trainer = DeviceTrainer(cfg, device_id=tap.device_id, folder=folder)
+        if trainer.defence is not None and defence_seed is not None:
+            for channel in trainer.defence.channels.values():
+                channel.generator.manual_seed(defence_seed)
+        with StageClient(server.address) as client:
+            report = trainer.train_round(client, batches, round_=0)
+        examples = sum(int(b["input_ids"].shape[0]) for b in batches)
+        runtime.commit_round(0, {tap.device_id: float(examples)})
+        eval_loss = _evaluate(trainer, trainer.head, server.address, eval_blocks, cfg)
+        defended = eval_loss
+        if trainer.defence is not None:
+            head = _DefendedHead(trainer.head, trainer.defence)
+            defended = _evaluate(trainer, head, server.address, eval_blocks, cfg)
+    finally:
+        server.stop(grace=None)
+    return RunResult(tap, batches, report.mean_loss, eval_loss, defended)
+
+
+class _DefendedHead(nn.Module):
+    """The device's head with the link's defence on its output (for evaluation through it)."""
+
+    def __init__(self, head: nn.Module, defence: LinkDefence) -> None:
+        super().__init__()
+        self.head, self.defence = head, defence
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.defence(Kind.ACTIVATION, self.head(input_ids))
+
+
+def _evaluate(
+    trainer: DeviceTrainer,
+    head: nn.Module,
+    address: str,
+    blocks: torch.Tensor,
+    cfg: FedpipeConfig,
+) -> float:
+    """Held-out mean token loss of the split model (device adapters + merged server adapter)."""
+    loss_sum, tokens = 0.0, 0
+    with StageClient(address) as client:
+        session = client.open_session(
+            device_id="evaluator", round_=1, timeout_s=cfg.pipeline.timeout_s, split=trainer.split
+        )
+        with session:
+            runtime = DeviceRuntime(
+                head,
+                trainer.tail,
+                session,
+                optimizer=None,
+                microbatches=cfg.pipeline.microbatches,
+            )
+            for batch in torch.split(blocks, cfg.train.batch_size):
+                part_sum, part_tokens = runtime.evaluate(
+                    {"input_ids": batch, "labels": batch}, step=0
+                )
+                loss_sum, tokens = loss_sum + part_sum, tokens + part_tokens
+    return loss_sum / tokens if tokens else math.nan

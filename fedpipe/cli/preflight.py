@@ -1,0 +1,467 @@
+"""Checks that run before any process starts, so a bad setting costs a second, not a run.
+
+Each command calls its `check_*` function right after its settings are loaded. A failed check
+raises `SettingsError` with one line that names the setting, the value and what to change;
+`fedpipe.cli.main` prints that line and exits with status 2. Without these checks the same
+mistakes surface 30 s later inside Flower's processes, as tracebacks in their logs, while the
+run itself reports "0.0% lower" and exits 0.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import socket
+import ssl
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fedpipe.config import FedpipeConfig
+from fedpipe.errors import FedpipeError
+
+__all__ = [
+    "SettingsError",
+    "check_client",
+    "check_data",
+    "check_file",
+    "check_model",
+    "check_port_free",
+    "check_profiles",
+    "check_run",
+    "check_server",
+    "check_simulate",
+    "check_strategy",
+    "did_you_mean",
+    "probe_tls",
+]
+
+log = logging.getLogger(__name__)
+
+
+class SettingsError(FedpipeError, ValueError):
+    """A setting that cannot work; its message is one line saying what to change."""
+
+
+def did_you_mean(value: str, choices: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for the closest choice, or ``""`` when none is close."""
+    close = difflib.get_close_matches(value, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def check_file(path: str | Path, flag: str, what: str) -> Path:
+    """``path`` as a resolved Path that exists, or a SettingsError naming ``flag``."""
+    resolved = Path(path).expanduser()
+    if not resolved.is_file():
+        raise SettingsError(f"{flag}: {what} {path} does not exist or is not a file")
+    return resolved.resolve()
+
+
+# -- names --------------------------------------------------------------------------------------
+def check_profiles(names: Sequence[str], setting: str) -> None:
+    """Every entry is a device profile, a link name or an inline spec (`up=10,rtt=50ms`)."""
+    from fedpipe.link import parse_device_profile
+
+    for name in names:
+        try:
+            parse_device_profile(name)
+        except ValueError as exc:
+            raise SettingsError(f"{setting}: {exc}".replace("\n", " ")) from None
+
+
+def check_links(names: Sequence[str]) -> None:
+    """Every entry is a named link or an inline spec (`up=10,down=25,rtt=50ms`)."""
+    from fedpipe.link import link_names, parse_link
+
+    for name in names:
+        try:
+            parse_link(name)
+        except ValueError as exc:
+            hint = did_you_mean(name, link_names())
+            raise SettingsError(f"--links: {exc}{hint}".replace("\n", " ")) from None
+
+
+def check_strategy(name: str) -> None:
+    """``federated.strategy`` is one fedpipe knows how to build."""
+    from fedpipe.fl.strategies import STRATEGIES
+
+    if name.strip().lower() not in STRATEGIES:
+        raise SettingsError(
+            f"federated.strategy: unknown strategy {name!r}{did_you_mean(name, STRATEGIES)}; "
+            f"choose from {', '.join(STRATEGIES)}"
+        )
+
+
+# -- data ---------------------------------------------------------------------------------------
+def check_data(path: str, setting: str) -> list[Any]:
+    """The documents at ``path`` ("" = the bundled corpus); missing or empty data is an error."""
+    from fedpipe.data import default_corpus, load_documents
+
+    if not path:
+        return default_corpus()
+    if not Path(path).expanduser().exists():
+        raise SettingsError(f"{setting}: {path} does not exist; give a text/JSONL file or folder")
+    try:
+        docs = load_documents(Path(path).expanduser())
+    except ValueError as exc:
+        raise SettingsError(f"{setting}: {exc}") from None
+    if not docs:
+        raise SettingsError(f"{setting}: {path} holds no text (empty file or only blank records)")
+    return docs
+
+
+def check_partition(config: FedpipeConfig, docs: Sequence[Any], devices: int) -> None:
+    """The held-out split and the partition of the rest over ``devices`` both work."""
+    from fedpipe.data import partition, train_eval_split
+
+    fed, where = config.federated, config.federated.data or "the bundled corpus"
+    try:
+        train, _ = train_eval_split(docs, eval_fraction=fed.eval_fraction, seed=config.model.seed)
+        partition(
+            train,
+            devices,
+            scheme=fed.partition,  # type: ignore[arg-type]  # validated by FederatedConfig
+            alpha=fed.dirichlet_alpha,
+            seed=config.model.seed,
+        )
+    except ValueError as exc:
+        raise SettingsError(_partition_advice(config, docs, devices, where, exc)) from None
+
+
+def _partition_advice(
+    config: FedpipeConfig, docs: Sequence[Any], devices: int, where: str, exc: ValueError
+) -> str:
+    sources = len({d.source for d in docs})
+    if config.federated.partition == "by-source" and sources < devices:
+        return (
+            f"{where} has {sources} source(s) (files, books or records' 'source') for {devices} "
+            f"devices under federated.partition=by-source, which gives each device whole "
+            f"sources; use --devices {sources} or fewer, or --set federated.partition=iid "
+            "(or dirichlet), or one file per device in a folder"
+        )
+    return f"{where} cannot be split over {devices} devices: {exc}"
+
+
+# -- model --------------------------------------------------------------------------------------
+def model_layers(name: str) -> tuple[int, int]:
+    """(blocks, max positions) of model ``name`` (built or converted once into the cache)."""
+    from fedpipe.models import load_config, resolve_model
+
+    try:
+        hf = load_config(resolve_model(name))
+    except (ValueError, OSError) as exc:
+        raise SettingsError(f"model.name: {exc}".replace("\n", " ")) from None
+    positions = getattr(hf, "max_position_embeddings", None) or getattr(hf, "n_positions", 0)
+    return int(hf.num_hidden_layers), int(positions or 0)
+
+
+def check_model(config: FedpipeConfig) -> int:
+    """The split fits the model (the server keeps >= 1 block) and seq_len fits its positions."""
+    model = config.model
+    layers, positions = model_layers(model.name)
+    tail = 0 if model.split == "two" else model.tail_layers
+    if model.head_layers + tail > layers - 1:
+        raise SettingsError(
+            f"model.head_layers ({model.head_layers}) + model.tail_layers ({tail}) leave no "
+            f"block of {model.name}'s {layers} for the server; keep their sum <= {layers - 1}, "
+            f"e.g. --set model.head_layers=1 --set model.tail_layers=1"
+        )
+    if positions and config.train.seq_len > positions:
+        raise SettingsError(
+            f"train.seq_len ({config.train.seq_len}) exceeds {model.name}'s {positions} "
+            f"positions; use --set train.seq_len={positions} or less"
+        )
+    return layers
+
+
+def default_split(layers: int, wanted: int = 2) -> int:
+    """Blocks per device side (head and tail alike) that leave the server at least one."""
+    return max(1, min(wanted, (layers - 1) // 2))
+
+
+# -- network ------------------------------------------------------------------------------------
+def split_address(address: str, flag: str) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port`` too) -> (host, port), or a SettingsError naming ``flag``."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise SettingsError(f"{flag}: expected HOST:PORT (e.g. 127.0.0.1:8000), got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+def check_port_free(host: str, port: int, flag: str) -> None:
+    """Nothing listens on ``host:port`` (port 0 = any free port, always fine)."""
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is not "busy"
+        try:
+            sock.bind((host, port))
+        except PermissionError:
+            raise SettingsError(
+                f"{flag}: port {port} needs privileges on this machine; use a port >= 1024"
+            ) from None
+        except OSError as exc:
+            raise SettingsError(
+                f"{flag}: {host}:{port} is not free ({exc.strerror}{_holder(port)}); "
+                "choose another port or stop that process"
+            ) from None
+
+
+def _holder(port: int) -> str:
+    """``; held by pid N (name)`` when this user may see who listens on ``port``."""
+    import psutil
+
+    try:
+        for conn in psutil.net_connections(kind="inet"):
+            if conn.laddr and conn.laddr.port == port and conn.status == "LISTEN" and conn.pid:
+                return f"; held by pid {conn.pid} ({psutil.Process(conn.pid).name()})"
+    except (psutil.Error, OSError):
+        pass
+    return ""
+
+
+def probe_tls(host: str, port: int, timeout_s: float = 3.0) -> bool | None:
+    """True if ``host:port`` completes a TLS handshake, False if it answers in plaintext,
+    None if nothing answers. Certificates are not checked: this only asks which protocol."""
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    context.set_alpn_protocols(["h2", "http/1.1"])
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as raw:
+            try:
+                with context.wrap_socket(raw, server_hostname=host):
+                    return True
+            except (ssl.SSLError, ConnectionResetError, TimeoutError):
+                return False
+    except OSError:
+        return None
+
+
+def check_tls_matches(
+    address: str, ca: str | None, flag: str, what: str, *, required: bool = False
+) -> None:
+    """A TLS server needs ``--tls-ca``; a plaintext one must not get it. A server that does
+    not answer is an error when ``required``, else a warning (it may start later)."""
+    host, port = split_address(address, flag)
+    speaks_tls = probe_tls(host, port)
+    if speaks_tls is None:
+        message = f"no {what} answers at {address}"
+        if required:
+            raise SettingsError(f"{message}: start it first, or fix {flag}")
+        log.warning("%s yet; waiting for it", message)
+    if speaks_tls and not ca:
+        raise SettingsError(
+            f"the {what} at {address} serves TLS: give the CA that signed its certificate "
+            "with --tls-ca FILE"
+        )
+    if speaks_tls is False and ca:
+        raise SettingsError(
+            f"the {what} at {address} serves plaintext, not TLS: drop --tls-ca, or start it "
+            "with --tls-cert/--tls-key"
+        )
+
+
+# -- per command ---------------------------------------------------------------------------------
+def _check_common(config: FedpipeConfig) -> None:
+    from fedpipe.link import split_specs
+
+    check_profiles(split_specs(config.federated.profiles), "federated.profiles")
+    check_strategy(config.federated.strategy)
+
+
+def check_simulate(config: FedpipeConfig) -> None:
+    """Names, data, partition feasibility, model and split of a simulation."""
+    _check_common(config)
+    docs = check_data(config.federated.data, "federated.data")
+    check_partition(config, docs, config.federated.num_devices)
+    check_model(config)
+
+
+@dataclass(frozen=True)
+class RunTarget:
+    """Where `fedpipe run` sends its run, and with which credentials."""
+
+    superlink: str
+    stage_server: str
+    secret_file: Path | None
+    superlink_ca: str | None
+    stage_ca: str | None
+
+
+def check_run(config: FedpipeConfig, target: RunTarget) -> None:
+    """Like a simulation, plus: the SuperLink and StageServer answer, in the right protocol,
+    and the StageServer accepts the secret."""
+    _check_common(config)
+    docs = check_data(config.federated.data, "federated.data")
+    try:  # devices without --data take partition i of this data
+        check_partition(config, docs, config.federated.num_devices)
+    except SettingsError as exc:
+        log.warning("devices started without --data will fail: %s", exc)
+    check_model(config)
+    if target.secret_file is not None:
+        check_file(target.secret_file, "--secret-file", "secret file")
+    for ca in (target.superlink_ca, target.stage_ca):
+        if ca:
+            check_file(ca, "--tls-ca", "CA certificate")
+    check_tls_matches(
+        target.stage_server, target.stage_ca, "--stage-server", "StageServer", required=True
+    )
+    check_stage_secret(target, config.server.client_identity())
+    check_tls_matches(
+        target.superlink, target.superlink_ca, "--superlink", "SuperLink", required=True
+    )
+
+
+def check_stage_secret(
+    target: RunTarget, identity: tuple[bytes | None, bytes | None] = (None, None)
+) -> None:
+    """Ask the StageServer (a read-only, signed control call) whether it accepts the secret.
+
+    A fresh StageServer answers FAILED_PRECONDITION (no run's adapter yet) only after it checked
+    the call's signature, so that answer, too, says the secret is right.
+    """
+    import grpc  # deferred: gRPC loads only for the commands that reach a server
+
+    from fedpipe.wire.control_client import StageControlClient
+
+    secret = target.secret_file.read_text().strip() if target.secret_file else ""
+    ca = Path(target.stage_ca).expanduser().read_bytes() if target.stage_ca else None
+    address = target.stage_server
+    client = StageControlClient(
+        address,
+        secret,
+        root_certificates=ca,
+        certificate_chain=identity[0],
+        private_key=identity[1],
+    )
+    try:
+        client.check_access(timeout=10)
+    except grpc.RpcError as exc:
+        raise SettingsError(_stage_refusal(address, exc, target)) from None
+    finally:
+        client.close()
+
+
+def _stage_refusal(address: str, exc: Any, target: RunTarget) -> str:
+    import grpc
+
+    code = exc.code()
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        given = f"the secret in {target.secret_file}" if target.secret_file else "no secret"
+        return (
+            f"the StageServer at {address} refused {given}: pass the same --secret-file that "
+            "`fedpipe server` was started with"
+        )
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return (
+            f"no StageServer answers at {address} ({exc.details()}): start `fedpipe server` "
+            "there or fix --stage-server"
+        )
+    return f"the StageServer at {address} answered {code.name}: {exc.details()}"
+
+
+@dataclass(frozen=True)
+class ServerPlan:
+    """What `fedpipe server` is about to start."""
+
+    stage_host: str
+    stage_port: int
+    superlink: str | None  # host:port of a SuperLink to start, or None
+    tls_ca: str | None
+    tls_cert: str | None
+    tls_key: str | None
+    node_auth: bool
+
+
+def check_server(config: FedpipeConfig, plan: ServerPlan) -> None:
+    """Ports free, TLS files present and complete, node auth only with TLS, model and split."""
+    for flag, path in (("--tls-ca", plan.tls_ca), ("--tls-cert", plan.tls_cert)):
+        if path:
+            check_file(path, flag, "certificate")
+    if plan.tls_key:
+        check_file(plan.tls_key, "--tls-key", "private key")
+    if bool(plan.tls_cert) != bool(plan.tls_key):
+        raise SettingsError("--tls-cert and --tls-key go together: give both or neither")
+    if plan.superlink is not None and plan.tls_cert and not plan.tls_ca:
+        raise SettingsError(
+            "a TLS SuperLink needs its CA too: add --tls-ca FILE (the CA that signed --tls-cert)"
+        )
+    if plan.node_auth and not plan.tls_cert:
+        raise SettingsError(
+            "--node-auth needs TLS (Flower refuses node auth in plaintext): add --tls-ca, "
+            "--tls-cert and --tls-key"
+        )
+    if config.server.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SettingsError(
+                "--device cuda: torch sees no CUDA GPU here; use --device auto (CUDA when "
+                "present, else CPU) or --device cpu"
+            )
+    check_port_free(plan.stage_host, plan.stage_port, "--stage-server")
+    if plan.superlink is not None:
+        host, port = split_address(plan.superlink, "--superlink")
+        check_port_free(host, port, "--superlink")
+    check_model(config)
+
+
+@dataclass(frozen=True)
+class ClientPlan:
+    """What `fedpipe client` is about to start."""
+
+    superlink: str
+    stage_server: str | None
+    partition_id: int
+    num_partitions: int
+    profile: str
+    data: str | None
+    supernode_port: int | None
+    superlink_ca: str | None
+    stage_ca: str | None
+    auth_key: str | None
+    stage_cert: str | None = None  # mutual TLS on the stage link: this device's certificate
+    stage_key: str | None = None
+    cut: str = ""  # this device's head+tail blocks ("" = the run's)
+
+
+def _check_cut(cut: str) -> None:
+    from fedpipe.config import parse_cuts
+
+    try:
+        if len(parse_cuts(cut, "--cut")) > 1:
+            raise ValueError(f"--cut {cut!r}: a device runs one cut, such as 2+1")
+    except ValueError as exc:
+        raise SettingsError(str(exc)) from None
+
+
+def check_client(plan: ClientPlan) -> None:
+    """Partition, profile, data, key and CA files, its own port, and the servers' protocols."""
+    if not 0 <= plan.partition_id < plan.num_partitions:
+        raise SettingsError(
+            f"--partition-id {plan.partition_id} is outside 0..{plan.num_partitions - 1} "
+            f"(--num-partitions {plan.num_partitions})"
+        )
+    check_profiles([plan.profile], "--profile")
+    _check_cut(plan.cut)
+    if plan.data:
+        check_data(plan.data, "--data")
+    for ca in (plan.superlink_ca, plan.stage_ca):
+        if ca:
+            check_file(ca, "--tls-ca", "CA certificate")
+    if plan.auth_key:
+        check_file(plan.auth_key, "--auth-key", "private key")
+    if bool(plan.stage_cert) != bool(plan.stage_key):
+        raise SettingsError("--tls-cert and --tls-key go together: give both or neither")
+    if plan.stage_cert:
+        check_file(plan.stage_cert, "--tls-cert", "client certificate")
+        check_file(plan.stage_key or "", "--tls-key", "private key")
+    split_address(plan.superlink, "--superlink")
+    if plan.supernode_port:
+        check_port_free("127.0.0.1", plan.supernode_port, "--supernode-port")
+    check_tls_matches(plan.superlink, plan.superlink_ca, "--superlink", "SuperLink")
+    if plan.stage_server:
+        check_tls_matches(plan.stage_server, plan.stage_ca, "--stage-server", "StageServer")

@@ -1,0 +1,603 @@
+"""Typed, validated settings, and the one place that maps TOML, CLI flags and Flower keys to them.
+
+Every setting has a dotted name (``section.key``, e.g. ``pipeline.microbatches``); the same
+names are used in TOML files (``[pipeline] microbatches = 8``), in ``--set`` flags
+(``--set pipeline.microbatches=8``) and in Flower's run config, so a value means the same
+thing wherever it is given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import tomllib
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, get_type_hints
+
+from fedpipe.config.codecs import check_codec, codec_bits, codec_help
+from fedpipe.config.profile_spec import parse_device_profiles
+
+__all__ = [
+    "AGGREGATIONS",
+    "SCHEDULE_NAMES",
+    "FedpipeConfig",
+    "FederatedConfig",
+    "ModelConfig",
+    "PipelineConfig",
+    "PrivacyConfig",
+    "ServerConfig",
+    "TrainConfig",
+    "format_cut",
+    "load_config",
+    "parse_cuts",
+    "parse_overrides",
+]
+
+AGGREGATIONS = ("separate", "exact", "ffa", "stack")  # see fedpipe.lora.aggregation
+# The device schedules (fedpipe.edge.schedules builds them; a test keeps the two in step).
+SCHEDULE_NAMES = ("sequential", "gpipe", "1f1b", "greedy")
+_BOOLS = {"1": True, "true": True, "yes": True, "on": True}
+_BOOLS |= {"0": False, "false": False, "no": False, "off": False}
+
+
+def _is_codec(name: str) -> bool:
+    try:
+        check_codec(name)
+    except ValueError:
+        return False
+    return True
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def parse_cuts(text: str, key: str) -> tuple[tuple[int, int], ...]:
+    """``"1+1, 2+2"`` -> ((1, 1), (2, 2)); a bare ``"2"`` means no tail blocks (mode "two")."""
+    out: list[tuple[int, int]] = []
+    for item in (c.strip() for c in text.split(",")):
+        if not item:
+            continue
+        head, _, tail = item.partition("+")
+        try:
+            cut = (int(head), int(tail or 0))
+        except ValueError:
+            raise ValueError(
+                f"{key}: {item!r} is not a cut; write head+tail block counts such as 2+1"
+            ) from None
+        _check(
+            cut[0] >= 1 and cut[1] >= 0,
+            f"{key}: cut {item!r} needs head >= 1 and tail >= 0 blocks",
+        )
+        out.append(cut)
+    return tuple(out)
+
+
+def format_cut(cut: tuple[int, int]) -> str:
+    """(2, 1) -> ``"2+1"``, the form ``model.cuts`` and ``federated.device_cuts`` take."""
+    return f"{cut[0]}+{cut[1]}"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which model, where it is cut, and the LoRA adapters trained on it."""
+
+    name: str = "tiny-llama"  # tiny-llama | tiny-gpt2 | small-llama | default | HF folder | .gguf
+    head_layers: int = 1
+    tail_layers: int = 1
+    split: str = "u"  # "u": labels stay on the device; "two": the server computes the loss
+    # Cuts the StageServer offers besides head_layers+tail_layers: "H+T" pairs, comma-separated
+    # (e.g. "1+1,2+2"); the server holds every block they need, each device picks one.
+    cuts: str = ""
+    lora_r: int = 8
+    lora_alpha: int = 16
+    lora_targets: str = ""  # comma-separated module names; "" = the family's default
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check(self.split in ("u", "two"), f"model.split must be 'u' or 'two', got {self.split!r}")
+        _check(self.head_layers >= 1, f"model.head_layers must be >= 1, got {self.head_layers}")
+        _check(self.tail_layers >= 0, f"model.tail_layers must be >= 0, got {self.tail_layers}")
+        _check(self.lora_r >= 1, f"model.lora_r must be >= 1, got {self.lora_r}")
+        parse_cuts(self.cuts, "model.cuts")
+
+    @property
+    def offered_cuts(self) -> tuple[tuple[int, int], ...]:
+        """(head, tail) pairs the server offers: head_layers+tail_layers first, then ``cuts``."""
+        listed = parse_cuts(self.cuts, "model.cuts")
+        return tuple(dict.fromkeys(((self.head_layers, self.tail_layers), *listed)))
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """How a step is cut into microbatches and scheduled, and how tensors are encoded."""
+
+    microbatches: int = 4
+    schedule: str = "greedy"  # sequential | gpipe | 1f1b | greedy
+    max_in_flight: int = 0  # 0 = no cap (greedy) or min(M, 4) (1f1b)
+    uplink_codec: str = "fp32"
+    downlink_codec: str = "fp32"
+    gradient_codec: str = ""  # "" = each direction's codec; e.g. int8 activations, bf16 grads
+    error_feedback: bool = False  # gradients: each side adds what its last send lost to the next
+    stochastic_rounding: bool = False  # int4/int2 gradients round stochastically (unbiased)
+    delta: bool = False  # activations: send the change since the sample's last send (AQ-SGD)
+    delta_cache_mb: float = 64.0  # with delta: decoded samples kept, on both sides
+    delta_resume: bool = True  # with delta: the caches outlive the round (false: one session)
+    delta_codec: str = ""  # with delta: codec of activations sent all as differences ("": uplink's)
+    timeout_s: float = 120.0
+    # false: frozen-device mode: the device's head and tail train nothing, the head runs
+    # forward only and the server sends no input gradient down (LoRA trains on the server).
+    device_trains: bool = True
+    # true: the head's forward keeps no graph; its backward recomputes it (device memory:
+    # per microbatch in flight only the head's output is stashed, not its activations).
+    recompute_head: bool = False
+    # fixed: the settings above; auto: each device measures its compute and link and picks its
+    # microbatches, schedule and codecs (fedpipe.edge.planner), among plan_codecs (lossy only if
+    # listed), re-planning when the link's RTT or a rate moves by more than replan_drift;
+    # memory_cap_mb (0: none) bounds the device's parameters plus stashed activations.
+    plan: str = "fixed"
+    plan_codecs: str = "fp32"
+    replan_drift: float = 0.25
+    memory_cap_mb: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check(
+            self.microbatches >= 1, f"pipeline.microbatches must be >= 1, got {self.microbatches}"
+        )
+        _check(
+            self.schedule in SCHEDULE_NAMES,
+            f"pipeline.schedule {self.schedule!r} unknown; "
+            f"choose one of {', '.join(SCHEDULE_NAMES)}",
+        )
+        for name in ("uplink_codec", "downlink_codec", "gradient_codec", "delta_codec"):
+            value = getattr(self, name)
+            _check(
+                _is_codec(value) or (name in ("gradient_codec", "delta_codec") and value == ""),
+                f"pipeline.{name} {value!r} unknown; choose one of {codec_help()}",
+            )
+        _check(
+            not self.stochastic_rounding or self.plan == "auto" or self._low_bit_gradients(),
+            "pipeline.stochastic_rounding applies to int4/int2 gradients, but they go as "
+            f"{self.gradient_codec or self.uplink_codec} up and "
+            f"{self.gradient_codec or self.downlink_codec} down; set pipeline.gradient_codec "
+            "to int4 or int2, or turn stochastic_rounding off",
+        )
+        _check(
+            self.delta_cache_mb > 0,
+            f"pipeline.delta_cache_mb must be > 0, got {self.delta_cache_mb}; to turn delta "
+            "coding off set pipeline.delta = false",
+        )
+        _check(
+            self.plan in ("fixed", "auto"),
+            f"pipeline.plan must be fixed or auto, got {self.plan!r}",
+        )
+        bad = [c for c in self.codec_choices if not _is_codec(c)]
+        _check(
+            bool(self.codec_choices) and not bad,
+            f"pipeline.plan_codecs {self.plan_codecs!r}: unknown {bad}; list some of "
+            f"{codec_help()}",
+        )
+        _check(self.replan_drift > 0, f"pipeline.replan_drift must be > 0, got {self.replan_drift}")
+        _check(
+            self.memory_cap_mb >= 0,
+            f"pipeline.memory_cap_mb must be >= 0, got {self.memory_cap_mb}",
+        )
+
+    def _low_bit_gradients(self) -> bool:
+        """Whether the gradients go as int4/int2 in at least one direction."""
+        ups = self.gradient_codec or self.uplink_codec
+        downs = self.gradient_codec or self.downlink_codec
+        return codec_bits(ups) > 0 or codec_bits(downs) > 0
+
+    @property
+    def codec_choices(self) -> tuple[str, ...]:
+        """``plan_codecs`` as a tuple; fp32 (lossless) is always a choice."""
+        listed = [c.strip() for c in self.plan_codecs.split(",") if c.strip()]
+        return tuple(dict.fromkeys(["fp32", *listed]))
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Local training on each device."""
+
+    batch_size: int = 8
+    seq_len: int = 128
+    local_steps: int = 4
+    lr: float = 2e-3
+    weight_decay: float = 0.0
+    eval_batches: int = 4
+
+    def __post_init__(self) -> None:
+        _check(self.batch_size >= 1, f"train.batch_size must be >= 1, got {self.batch_size}")
+        _check(self.seq_len >= 2, f"train.seq_len must be >= 2, got {self.seq_len}")
+        _check(self.local_steps >= 1, f"train.local_steps must be >= 1, got {self.local_steps}")
+        _check(self.lr > 0, f"train.lr must be > 0, got {self.lr}")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The StageServer: where it listens, on what hardware, and its limits."""
+
+    host: str = "127.0.0.1"
+    port: int = 50051
+    device: str = "auto"  # auto | cpu | cuda
+    # The server stage's compute dtype: auto | float32 | bfloat16. auto: bfloat16 on CUDA,
+    # float32 on CPUs (bfloat16 there is opt-in: see fedpipe.server.build.pick_device).
+    dtype: str = "auto"
+    max_message_mb: float = 64.0
+    max_sessions: int = 64
+    max_in_flight: int = 64  # per session: microbatches forwarded, gradients not yet received
+    # Per session: messages waiting for compute plus replies its stream has not yet taken.
+    max_pending: int = 64
+    max_pending_mb: float = 256.0
+    max_streams: int = 64  # Exchange streams served at once (each holds a gRPC thread)
+    max_delta_cache_mb: float = 256.0  # per session: the largest delta cache a device may ask
+    delta_store_mb: float = 1024.0  # devices' delta caches kept between rounds, all together
+    max_microbatch_size: int = 64  # rows of one tensor a session may declare and send
+    max_seq_len: int = 0  # tokens of one tensor; 0 = the model's positions
+    max_learning_rate: float = 1e-2  # bounds on the server-side optimizer a device may ask for
+    max_weight_decay: float = 0.1
+    session_idle_s: float = 120.0  # an open session with no traffic this long is dropped
+    stream_idle_s: float = 60.0  # a stream with nothing sent or pending this long is ended
+    threads: int = 1  # torch threads for the server's compute
+    # Batching: several sessions' ready microbatches in one call of the frozen stage (false:
+    # one message at a time with peft adapters, the server before batching).
+    batching: bool = True
+    batch_tokens: int = 2048  # tokens (rows x seq) per call: 8 microbatches of 2 x 128
+    batch_wait_ms: float = 5.0  # cap on waiting to fill a call (25% of a measured call below it)
+    tls_cert: str = ""  # the StageServer's certificate (PEM); with tls_key, serves TLS
+    tls_key: str = ""
+    tls_ca: str = ""  # CA that devices and the ServerApp verify the StageServer with
+    # Mutual TLS: the StageServer admits only clients whose certificate this CA signed ...
+    tls_client_ca: str = ""
+    tls_client_cert: str = ""  # ... and the ServerApp (control, evaluator) presents this one
+    tls_client_key: str = ""
+
+    def __post_init__(self) -> None:
+        _check(
+            self.device in ("auto", "cpu", "cuda"),
+            f"server.device must be auto, cpu or cuda, got {self.device!r}",
+        )
+        _check(
+            self.dtype in ("auto", "float32", "bfloat16"),
+            f"server.dtype must be auto, float32 or bfloat16, got {self.dtype!r}",
+        )
+        _check(self.max_message_mb > 0, "server.max_message_mb must be > 0")
+        for name in (
+            "max_sessions",
+            "max_in_flight",
+            "max_pending",
+            "max_streams",
+            "max_microbatch_size",
+        ):
+            _check(
+                getattr(self, name) >= 1, f"server.{name} must be >= 1, got {getattr(self, name)}"
+            )
+        _check(self.max_seq_len >= 0, f"server.max_seq_len must be >= 0, got {self.max_seq_len}")
+        _check(self.batch_tokens >= 1, f"server.batch_tokens must be >= 1, got {self.batch_tokens}")
+        _check(
+            self.batch_wait_ms >= 0, f"server.batch_wait_ms must be >= 0, got {self.batch_wait_ms}"
+        )
+        for name in (
+            "max_pending_mb",
+            "max_learning_rate",
+            "session_idle_s",
+            "stream_idle_s",
+        ):
+            _check(getattr(self, name) > 0, f"server.{name} must be > 0, got {getattr(self, name)}")
+        _check(self.max_weight_decay >= 0, "server.max_weight_decay must be >= 0")
+        _check(
+            self.max_delta_cache_mb >= 0,
+            f"server.max_delta_cache_mb must be >= 0 (0: no delta coding), "
+            f"got {self.max_delta_cache_mb}",
+        )
+        _check(
+            self.delta_store_mb >= 0,
+            f"server.delta_store_mb must be >= 0 (0: no delta cache outlives its session), "
+            f"got {self.delta_store_mb}",
+        )
+        _check(
+            bool(self.tls_cert) == bool(self.tls_key),
+            "server.tls_cert and server.tls_key go together: give both or neither",
+        )
+        _check(
+            bool(self.tls_client_cert) == bool(self.tls_client_key),
+            "server.tls_client_cert and server.tls_client_key go together: give both or neither",
+        )
+        _check(
+            not self.tls_client_ca or bool(self.tls_cert),
+            "server.tls_client_ca (mutual TLS) needs server.tls_cert and server.tls_key too",
+        )
+
+    def root_certificates(self, override: str = "") -> bytes | None:
+        """The CA to verify the StageServer with (``override`` first), or None for plaintext."""
+        path = override or self.tls_ca
+        return Path(path).read_bytes() if path else None
+
+    def client_identity(self) -> tuple[bytes | None, bytes | None]:
+        """The ServerApp's client certificate and key for a mutual-TLS StageServer, if set."""
+        if not self.tls_client_cert:
+            return None, None
+        return Path(self.tls_client_cert).read_bytes(), Path(self.tls_client_key).read_bytes()
+
+    @property
+    def max_message_bytes(self) -> int:
+        return int(self.max_message_mb * 1024 * 1024)
+
+    @property
+    def max_pending_bytes(self) -> int:
+        return int(self.max_pending_mb * 1024 * 1024)
+
+
+@dataclass(frozen=True)
+class FederatedConfig:
+    """Flower rounds, devices and their data."""
+
+    rounds: int = 3
+    strategy: str = "fedavg"  # fedavg | fedprox | fedadam | ...
+    fraction_train: float = 1.0
+    num_devices: int = 4
+    profiles: str = "jetson-ethernet,rpi-wifi,phone-lte,laptop-wifi"  # cycled over devices
+    device_cuts: str = ""  # "H+T" cuts cycled over simulated devices; "" = the model's own cut
+    data: str = ""  # "" = the bundled public-domain corpus; else a file or folder
+    partition: str = "by-source"  # iid | by-source | dirichlet
+    device_blocks: int = 0  # > 0: each device keeps only this many blocks (small local data)
+    dirichlet_alpha: float = 0.5
+    eval_fraction: float = 0.1
+    proximal_mu: float = 0.01
+    server_lr: float = 0.1
+    # How LoRA adapters are aggregated on both sides: separate | exact | ffa | stack
+    # (fedpipe.lora.aggregation); exact and stack need a FedAvg-style strategy.
+    aggregation: str = "separate"
+    # Round policy: wait up to connect_wait_s for num_devices to connect, then start with
+    # those connected if there are at least min_devices; wait at most round_deadline_s for
+    # replies, and (straggler_s > 0) at most straggler_s after the first device replied; say
+    # whom the round waits for every report_every_s; stop the run (non-zero exit) once more
+    # than max_failures devices have failed (-1: no limit).
+    min_devices: int = 1
+    connect_wait_s: float = 120.0
+    round_deadline_s: float = 1800.0
+    straggler_s: float = 0.0
+    report_every_s: float = 30.0
+    max_failures: int = -1
+
+    def __post_init__(self) -> None:
+        _check(self.rounds >= 1, f"federated.rounds must be >= 1, got {self.rounds}")
+        _check(
+            1 <= self.min_devices <= self.num_devices,
+            f"federated.min_devices must be in 1..num_devices ({self.num_devices}), "
+            f"got {self.min_devices}",
+        )
+        _check(
+            self.round_deadline_s > 0
+            and self.report_every_s > 0
+            and self.connect_wait_s >= 0
+            and self.straggler_s >= 0,
+            "federated.round_deadline_s and report_every_s must be > 0, connect_wait_s and "
+            "straggler_s >= 0",
+        )
+        _check(self.max_failures >= -1, "federated.max_failures must be >= 0, or -1 (no limit)")
+        _check(
+            self.device_blocks >= 0,
+            f"federated.device_blocks must be >= 0 (0: the whole partition), "
+            f"got {self.device_blocks}",
+        )
+        _check(self.num_devices >= 1, f"federated.num_devices must be >= 1, got {self.num_devices}")
+        _check(0 < self.fraction_train <= 1, "federated.fraction_train must be in (0, 1]")
+        _check(
+            self.partition in ("iid", "by-source", "dirichlet"),
+            f"federated.partition must be iid, by-source or dirichlet, got {self.partition!r}",
+        )
+        _check(
+            self.aggregation in AGGREGATIONS,
+            f"federated.aggregation {self.aggregation!r} unknown; choose one of "
+            f"{', '.join(AGGREGATIONS)}",
+        )
+        _check(
+            self.aggregation not in ("exact", "stack") or self.strategy in ("fedavg", "fedprox"),
+            f"federated.aggregation = {self.aggregation!r} averages the devices' models itself; "
+            f"it needs federated.strategy fedavg or fedprox, got {self.strategy!r}",
+        )
+        parse_cuts(self.device_cuts, "federated.device_cuts")
+        try:  # names and inline specs, checked here so a typo fails before any process starts
+            parse_device_profiles(self.profiles)
+        except ValueError as exc:
+            raise ValueError(f"federated.profiles: {exc}") from None
+
+
+@dataclass(frozen=True)
+class PrivacyConfig:
+    """Defences on what a device sends (fedpipe.privacy); all off by default.
+
+    Stage link: each token's vector of the activations (and of the output gradients) a device
+    sends up is clipped to L2 norm ``*_clip``, then Gaussian noise of standard deviation
+    ``*_noise * *_clip`` is added to every coordinate. The (epsilon, delta) guarantee is per
+    sample (one training sequence) and is reported per device and round. Adapters: Flower's
+    fixed-clipping DP wrappers (``adapter_dp`` = server | client) with ``adapter_noise`` and
+    ``adapter_clip``.
+    """
+
+    activation_clip: float = 0.0  # per-token L2 norm bound of activations sent up; 0 = off
+    activation_noise: float = 0.0  # noise multiplier: std = activation_noise * activation_clip
+    gradient_clip: float = 0.0  # per-token L2 norm bound of output gradients sent up; 0 = off
+    gradient_noise: float = 0.0  # noise multiplier: std = gradient_noise * gradient_clip
+    delta: float = 1e-5  # the delta of the reported (epsilon, delta)
+    adapter_dp: str = "off"  # off | server | client: Flower's fixed-clipping DP on adapters
+    adapter_noise: float = 1.0  # Flower's noise_multiplier (with adapter_dp)
+    adapter_clip: float = 1.0  # Flower's clipping_norm of a device's adapter update
+
+    def __post_init__(self) -> None:
+        for name in ("activation", "gradient"):
+            clip, noise = getattr(self, f"{name}_clip"), getattr(self, f"{name}_noise")
+            _check(clip >= 0, f"privacy.{name}_clip must be >= 0 (0 = off), got {clip}")
+            _check(noise >= 0, f"privacy.{name}_noise must be >= 0, got {noise}")
+            _check(
+                noise == 0 or clip > 0,
+                f"privacy.{name}_noise = {noise} needs privacy.{name}_clip > 0: the noise is "
+                "calibrated to the clipping norm",
+            )
+        _check(0 < self.delta < 1, f"privacy.delta must be in (0, 1), got {self.delta}")
+        _check(
+            self.adapter_dp in ("off", "server", "client"),
+            f"privacy.adapter_dp must be off, server or client, got {self.adapter_dp!r}",
+        )
+        _check(
+            self.adapter_noise >= 0, f"privacy.adapter_noise must be >= 0, got {self.adapter_noise}"
+        )
+        _check(self.adapter_clip > 0, f"privacy.adapter_clip must be > 0, got {self.adapter_clip}")
+
+
+@dataclass(frozen=True)
+class FedpipeConfig:
+    """All settings of a run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    federated: FederatedConfig = field(default_factory=FederatedConfig)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)  # defences, all off by default
+
+    def __post_init__(self) -> None:
+        _check(
+            self.pipeline.microbatches <= self.train.batch_size,
+            f"pipeline.microbatches ({self.pipeline.microbatches}) must not exceed "
+            f"train.batch_size ({self.train.batch_size})",
+        )
+        if self.model.split == "two":
+            _check(self.model.tail_layers == 0, "model.split='two' needs model.tail_layers=0")
+        self._check_cuts()
+        _check(
+            not (self.pipeline.recompute_head and self.privacy.activation_clip > 0),
+            "pipeline.recompute_head = true cannot be combined with privacy.activation_clip > 0: "
+            "the recomputed head would not see the clipping and noise that were sent; "
+            "turn one of them off",
+        )
+
+    def _check_cuts(self) -> None:
+        """Mode "two" varies only the head; every simulated device's cut must be offered."""
+        offered = self.model.offered_cuts
+        if self.model.split == "two":
+            tails = [format_cut(c) for c in offered if c[1] != 0]
+            _check(
+                not tails,
+                f"model.cuts {tails} keep tail blocks, but model.split='two' runs everything "
+                "after the head on the server: write each cut as head+0",
+            )
+        _check(
+            len(offered) == 1 or self.privacy.adapter_dp == "off",
+            f"model.cuts {self.model.cuts!r} lets devices hold different blocks, which "
+            f"privacy.adapter_dp = {self.privacy.adapter_dp!r} does not account for (a device's "
+            "update would reach the blocks others lack); offer one cut or set adapter_dp = off",
+        )
+        wanted = parse_cuts(self.federated.device_cuts, "federated.device_cuts")
+        missing = [format_cut(c) for c in wanted if c not in offered]
+        _check(
+            not missing,
+            f"federated.device_cuts names {missing}, which the server does not offer "
+            f"({', '.join(format_cut(c) for c in offered)}): add them to model.cuts",
+        )
+
+    def device_cut(self, partition: int) -> tuple[int, int]:
+        """The cut simulated device ``partition`` uses: ``federated.device_cuts`` cycled."""
+        cuts = parse_cuts(self.federated.device_cuts, "federated.device_cuts")
+        if partition < 0 or not cuts:
+            return (self.model.head_layers, self.model.tail_layers)
+        return cuts[partition % len(cuts)]
+
+    def with_cut(self, cut: tuple[int, int]) -> FedpipeConfig:
+        """A copy whose device side is built with ``cut`` (the server's offer is unchanged)."""
+        if cut == (self.model.head_layers, self.model.tail_layers):
+            return self
+        offered = ",".join(format_cut(c) for c in self.model.offered_cuts)
+        model = replace(self.model, head_layers=cut[0], tail_layers=cut[1], cuts=offered)
+        return replace(self, model=model)
+
+    def to_flat(self) -> dict[str, Any]:
+        """``{"section.key": value}`` for every setting (Flower run config, summaries)."""
+        return {
+            f"{section.name}.{f.name}": getattr(getattr(self, section.name), f.name)
+            for section in fields(self)
+            for f in fields(getattr(self, section.name))
+        }
+
+    def with_overrides(self, flat: dict[str, Any]) -> FedpipeConfig:
+        """A copy with ``{"section.key": value}`` applied (strings are converted to the type)."""
+        sections = {s.name: dataclasses.asdict(getattr(self, s.name)) for s in fields(self)}
+        for key, value in flat.items():
+            section, _, name = key.partition(".")
+            if section not in sections or name not in sections[section]:
+                raise ValueError(_unknown_setting(key, list(self.to_flat())))
+            sections[section][name] = _coerce(type(self), section, name, value)
+        types = get_type_hints(type(self))
+        return replace(self, **{k: types[k](**v) for k, v in sections.items()})
+
+
+def _unknown_setting(key: str, known: list[str]) -> str:
+    """One line naming the closest known setting to a mistyped ``key``, else the choices."""
+    section, _, name = key.partition(".")
+    in_section = [k for k in known if k.startswith(section + ".")]
+    if in_section:  # a known section: compare the key names alone
+        names = [k.partition(".")[2] for k in in_section]
+        close = [f"{section}.{n}" for n in difflib.get_close_matches(name, names, n=1)]
+    else:
+        close = difflib.get_close_matches(key, known, n=1, cutoff=0.8)
+    if close:
+        return f"unknown setting {key!r}; did you mean {close[0]!r}?"
+    choices = in_section or sorted({k.partition(".")[0] for k in known})
+    return f"unknown setting {key!r}; known here: {', '.join(choices)}"
+
+
+def _coerce(cls: type, section: str, name: str, value: Any) -> Any:
+    kind = get_type_hints(get_type_hints(cls)[section])[name]
+    if isinstance(value, str) and kind is not str:
+        text = value.strip()
+        if kind is bool:
+            if text.lower() not in _BOOLS:
+                raise ValueError(f"{section}.{name} must be true or false, got {value!r}")
+            return _BOOLS[text.lower()]
+        try:
+            return kind(text)
+        except ValueError:
+            raise ValueError(f"{section}.{name} must be {kind.__name__}, got {value!r}") from None
+    if kind is float and isinstance(value, int):
+        return float(value)
+    if kind is int and isinstance(value, float) and value.is_integer():
+        return int(value)
+    if not isinstance(value, kind):
+        raise ValueError(f"{section}.{name} must be {kind.__name__}, got {value!r}")
+    return value
+
+
+def parse_overrides(items: list[str]) -> dict[str, str]:
+    """``["pipeline.microbatches=8"]`` -> ``{"pipeline.microbatches": "8"}``."""
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set expects section.key=value, got {item!r}")
+        out[key.strip()] = value.strip().strip('"')
+    return out
+
+
+def load_config(
+    path: str | Path | None = None, overrides: dict[str, Any] | None = None
+) -> FedpipeConfig:
+    """Defaults, then a TOML file's tables, then overrides (CLI flags win)."""
+    flat: dict[str, Any] = {}
+    if path is not None:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"--config: settings file {path} does not exist")
+        with open(path, "rb") as fh:
+            try:
+                data = tomllib.load(fh)
+            except tomllib.TOMLDecodeError as exc:
+                raise ValueError(f"{path}: not valid TOML ({exc})") from None
+        for section, table in data.items():
+            if not isinstance(table, dict):
+                raise ValueError(f"{path}: top-level key {section!r} must be a [table]")
+            flat.update({f"{section}.{k}": v for k, v in table.items()})
+    flat.update(overrides or {})
+    return FedpipeConfig().with_overrides(flat)

@@ -1,0 +1,546 @@
+"""fedpipe's Flower apps: the ServerApp drives rounds, each ClientApp trains one device.
+
+Flower carries only what is aggregated once per round (the device-side LoRA adapters) and
+metrics; per-step traffic goes over fedpipe's stage link. Each round the ServerApp tells the
+StageServer which round it is, gives every sampled device a token for it, aggregates the
+device adapters with the strategy, asks the StageServer to merge the server-side adapters of
+the devices whose replies arrived (same weights) and to drop the rest, evaluates the split
+model on held-out text, and checkpoints both sides.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid, ServerApp
+
+from fedpipe.auth.tokens import issue_token
+from fedpipe.config import FederatedConfig, FedpipeConfig, format_cut
+from fedpipe.edge.trainer import initial_device_adapters
+from fedpipe.fl.adapter_dp import adapter_clipping_mod, with_adapter_dp
+from fedpipe.fl.device_work import (
+    DeviceWork,
+    RunSettings,
+    evaluate_split,
+    run_settings,
+    server_run_settings,
+)
+from fedpipe.fl.rounds import DeviceBook, RoundGrid, StopRun
+from fedpipe.fl.strategies import make_strategy
+from fedpipe.lora.aggregation import DELTA_SUFFIX, aggregate_held, split_deltas
+from fedpipe.runs.folder import RunFolder
+from fedpipe.runs.tensorboard import Board
+from fedpipe.wire.control_client import StageControlClient
+
+__all__ = ["client_app", "server_app"]
+
+log = logging.getLogger(__name__)
+
+server_app = ServerApp()
+client_app = ClientApp(mods=[adapter_clipping_mod])  # clips adapters only if the round asks
+
+
+# -- ServerApp --------------------------------------------------------------------------------
+class _Rounds:
+    """Per-round hooks around a Flower strategy: tokens, commit, and the round offset on resume."""
+
+    def __init__(
+        self,
+        control: StageControlClient,
+        folder: RunFolder,
+        run: RunSettings,
+        offset: int,
+        *,
+        policy: FederatedConfig | None = None,
+    ) -> None:
+        self.control, self.folder, self.offset = control, folder, offset
+        self.secret, self.run_id = run.secret, run.run_id
+        self.stage_address, self.token_ttl_s = run.stage_address, run.round_timeout_s
+        self.last_commit: tuple[int, int] = (0, 0)
+        self.finished: dict[str, float] = {}
+        self.policy = policy or FederatedConfig()
+        self.board = Board(folder.path / "tensorboard")
+        self.devices = DeviceBook()
+        self.grid: RoundGrid | None = None
+        self.stats: dict[str, float | int] = {}  # the last committed round's, for its record
+        self.failures_total = 0
+        self.started = self.round_started = time.time()
+        self.device_initial: dict[str, torch.Tensor] = {}  # the seeded adapters (`stack`)
+        self.lora_scale = 1.0  # alpha / r of the device adapters
+        self.device_deltas: dict[str, torch.Tensor] = {}  # folded so far (`exact`, `stack`)
+        self.device_global: dict[str, torch.Tensor] = {}  # the adapters sent out this round
+
+    def log(self, record: dict[str, object]) -> None:
+        """One metrics record: metrics.jsonl (read live by the CLI) and TensorBoard."""
+        self.folder.log_metrics(record)
+        self.board.write(record)
+
+    def begin(self, server_round: int, grid: RoundGrid) -> None:
+        """Before a round: wait (no longer than stated) for the devices to connect."""
+        self.round_started = time.time()
+        grid.round = self.offset + server_round
+        fed = self.policy
+        want = fed.num_devices if fed.fraction_train >= 1 else fed.min_devices
+        grid.wait_for_devices(want=want, min_devices=fed.min_devices, wait_s=fed.connect_wait_s)
+
+    def configure(self, server_round: int, messages: Iterable[Message]) -> list[Message]:
+        round_ = self.offset + server_round
+        self.control.begin_round(round_, self.run_id, self.policy.aggregation)
+        out = []
+        for msg in messages:
+            node = str(msg.metadata.dst_node_id)
+            config = ConfigRecord(dict(cast(ConfigRecord, msg.content["config"])))
+            config["fedpipe-round"] = round_
+            # All a device needs for the stage link comes here (its CA is its own file).
+            config["stage-address"] = self.stage_address
+            config["token"] = (
+                issue_token(
+                    self.secret,
+                    run_id=self.run_id,
+                    round=round_,
+                    device_id=node,
+                    ttl_s=self.token_ttl_s,
+                )
+                if self.secret
+                else ""
+            )
+            content = RecordDict({"arrays": msg.content["arrays"], "config": config})
+            out.append(
+                Message(
+                    content=content,
+                    message_type=msg.metadata.message_type,
+                    dst_node_id=msg.metadata.dst_node_id,
+                )
+            )
+        return out
+
+    def commit(self, server_round: int, replies: list[Message]) -> None:
+        """Merge the finished devices on the server, record the round, apply the stop policy."""
+        round_ = self.offset + server_round
+        ok = [r for r in replies if not r.has_error()]
+        self.finished = {
+            str(r.metadata.src_node_id): float(cast(int, r.content["metrics"]["num-examples"]))
+            for r in ok
+        }
+        merged, discarded, dropped = self.control.commit_round(round_, self.finished)
+        self.last_commit = (merged, discarded)
+        for device, why in dropped.items():  # its server adapter held NaN/Inf: not merged
+            self._fail(int(device), f"server adapter not merged: {why}")
+        ok = [r for r in ok if str(r.metadata.src_node_id) not in dropped]
+        for reply in ok:
+            node = reply.metadata.src_node_id
+            metrics = _snake_case(dict(reply.content["metrics"].items()))
+            metrics.pop("partition_id", None)  # in the device fields already
+            if "plan" in reply.content:  # pipeline.plan = auto: the device's plan and its times
+                metrics["plan"] = dict(cast(ConfigRecord, reply.content["plan"]))
+            record = cast(ConfigRecord, reply.content.get("device", ConfigRecord()))
+            if "cut" in record:  # head+tail blocks the device ran (model.cuts)
+                metrics["cut"] = str(record["cut"])
+            self.log({"event": "train", "round": round_, **self.devices.fields(node), **metrics})
+        failed = len(self.grid.failures) if self.grid is not None else len(replies) - len(ok)
+        self.failures_total += failed
+        self.stats = _round_stats(ok, failed)
+        log.info("round %d: %d devices merged, %d failed", round_, len(ok), failed)
+        _log_privacy(round_, ok)
+        self._apply_stop_policy(round_, len(ok), failed)
+
+    def _fail(self, node: int, reason: str) -> None:
+        assert self.grid is not None, "rounds run on fedpipe's RoundGrid"
+        self.grid.failure(node, reason)
+
+    def finite_replies(self, replies: list[Message]) -> list[Message]:
+        """The replies whose device adapters are finite; the others are failures, not averaged."""
+        kept = []
+        for reply in replies:
+            bad = [] if reply.has_error() else _non_finite(reply)
+            if bad:
+                self._fail(
+                    reply.metadata.src_node_id,
+                    f"device adapter not aggregated: {len(bad)} tensors hold NaN or Inf "
+                    f"(e.g. {bad[0]})",
+                )
+            else:
+                kept.append(reply)
+        return kept
+
+    def _apply_stop_policy(self, round_: int, trained: int, failed: int) -> None:
+        limit = self.policy.max_failures
+        if trained == 0:
+            raise StopRun(f"round {round_}: no device trained ({failed} failed)")
+        if 0 <= limit < self.failures_total:
+            raise StopRun(
+                f"round {round_}: {self.failures_total} device failures so far, more than "
+                f"federated.max_failures={limit}"
+            )
+
+
+def _log_privacy(round_: int, ok: list[Message]) -> None:
+    """The stage link's worst (largest) epsilon over the round's devices, when one is noised."""
+    worst: dict[str, float] = {}
+    for reply in ok:
+        for key, value in reply.content["metrics"].items():
+            if key.startswith("privacy-epsilon"):
+                worst[key] = max(worst.get(key, 0.0), float(cast(float, value)))
+    if worst:
+        text = ", ".join(f"{k.removeprefix('privacy-')} {v:.4g}" for k, v in sorted(worst.items()))
+        log.info("round %d: stage link privacy (max over devices, per sample): %s", round_, text)
+
+
+def _non_finite(reply: Message) -> list[str]:
+    """Names of the reply's adapter tensors holding NaN or Inf."""
+    arrays = cast(ArrayRecord, reply.content["arrays"]).to_torch_state_dict()
+    return [name for name, tensor in arrays.items() if not bool(torch.isfinite(tensor).all())]
+
+
+def _snake_case(metrics: dict[str, object]) -> dict[str, object]:
+    """Flower's metric keys (``train-loss``, kept for the strategies' ``num-examples``) as
+    metrics.jsonl keys (``train_loss``)."""
+    return {k.replace("-", "_"): v for k, v in metrics.items()}
+
+
+def _round_stats(ok: list[Message], failed: int) -> dict[str, float | int]:
+    """A round's totals over the devices that trained: counts, bytes, mean train loss."""
+    metrics = [reply.content["metrics"] for reply in ok]
+    losses = [float(cast(float, m["train-loss"])) for m in metrics]
+    losses = [x for x in losses if math.isfinite(x)]
+    stats: dict[str, float | int] = {
+        "devices_sampled": len(ok) + failed,
+        "devices_trained": len(ok),
+        "devices_failed": failed,
+        "bytes_up": sum(int(cast(int, m["bytes-up"])) for m in metrics),
+        "bytes_down": sum(int(cast(int, m["bytes-down"])) for m in metrics),
+        "num_examples": sum(int(cast(int, m["num-examples"])) for m in metrics),
+    }
+    if losses:
+        stats["train_loss"] = sum(losses) / len(losses)
+    return stats
+
+
+def _held(replies: list[Message]) -> tuple[list[dict[str, torch.Tensor]], list[float]]:
+    """Each finished device's adapters as it sent them (its cut's blocks) and its weight."""
+    ok = [r for r in replies if not r.has_error()]
+    states = [dict(cast(ArrayRecord, r.content["arrays"]).to_torch_state_dict()) for r in ok]
+    return states, [float(cast(int, r.content["metrics"]["num-examples"])) for r in ok]
+
+
+def _pad_to_union(
+    replies: list[Message],
+    held: tuple[list[dict[str, torch.Tensor]], list[float]],
+    global_state: dict[str, torch.Tensor],
+) -> None:
+    """Devices of different cuts hold different blocks: fill each reply's missing keys.
+
+    A key a device lacks gets the weighted mean over the devices that hold it (a key nobody
+    holds: its global value). Any strategy that averages the replies by ``num-examples``
+    then gets, per key, the mean over its holders with their weights renormalised, and a
+    block no device ran keeps its global value. Replies of one cut are left as they are.
+    """
+    states, weights = held
+    union = dict.fromkeys([*global_state, *(k for s in states for k in s)])
+    if all(set(s) == set(union) for s in states):
+        return
+    merged, _ = aggregate_held(states, weights, "separate", scale=1.0, initial={})
+    fill = {**global_state, **merged}
+    ok = [r for r in replies if not r.has_error()]
+    for reply, state in zip(ok, states, strict=True):
+        full = {k: state[k] if k in state else fill[k] for k in union}
+        reply.content["arrays"] = ArrayRecord({k: v.contiguous() for k, v in full.items()})
+
+
+def _aggregate_exactly(
+    rounds: _Rounds,
+    held: tuple[list[dict[str, torch.Tensor]], list[float]],
+    result: tuple[ArrayRecord | None, object],
+) -> tuple[ArrayRecord | None, object]:
+    """``exact`` / ``stack``: the device adapters aggregated by fedpipe, base deltas folded.
+
+    Each layer over the devices that hold it (their cut's blocks); a layer nobody ran keeps
+    its global value. The global arrays then carry the cumulative deltas (``*.base_delta``)
+    down to every device each round (dense: out x in values per adapted layer) and into the
+    checkpoints.
+    """
+    mode = rounds.policy.aggregation
+    states, weights = held
+    if mode not in ("exact", "stack") or not states or result[0] is None:
+        return result
+    merged, deltas = aggregate_held(
+        states, weights, mode, scale=rounds.lora_scale, initial=rounds.device_initial
+    )
+    merged = {**rounds.device_global, **merged}
+    total = dict(rounds.device_deltas)
+    for name, delta in deltas.items():
+        total[name] = total[name] + delta if name in total else delta
+    rounds.device_deltas = total
+    arrays = {**merged, **{k + DELTA_SUFFIX: v.contiguous() for k, v in total.items()}}
+    return ArrayRecord(arrays), result[1]
+
+
+def _wrap_strategy(strategy, rounds: _Rounds):  # type: ignore[no-untyped-def]
+    base = type(strategy)
+
+    class FedpipeStrategy(base):  # type: ignore[misc, valid-type]
+        def configure_train(self, server_round, arrays, config, grid):  # type: ignore[no-untyped-def]
+            rounds.begin(server_round, grid)
+            rounds.device_global, rounds.device_deltas = split_deltas(arrays.to_torch_state_dict())
+            return rounds.configure(
+                server_round, super().configure_train(server_round, arrays, config, grid)
+            )
+
+        def aggregate_train(self, server_round, replies):  # type: ignore[no-untyped-def]
+            replies = rounds.finite_replies(list(replies))
+            held = _held(replies)
+            _pad_to_union(replies, held, rounds.device_global)
+            result = _aggregate_exactly(
+                rounds, held, super().aggregate_train(server_round, replies)
+            )
+            rounds.commit(server_round, replies)
+            return result
+
+    strategy.__class__ = FedpipeStrategy
+    return strategy
+
+
+def _make_evaluate(
+    work: DeviceWork, rounds: _Rounds, run: RunSettings, *, resumed: bool
+) -> Callable[[int, ArrayRecord], MetricRecord]:
+    """Flower's ``evaluate_fn``: held-out loss, the round's record and its checkpoint.
+
+    The round's record (``event: eval``) holds its own duration (``wall_s``, from the start
+    of the round to its checkpoint), the run's ``elapsed_s`` and the round's device counts.
+    """
+    control, folder = rounds.control, rounds.folder
+
+    def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        round_ = rounds.offset + server_round
+        if server_round == 0 and resumed:
+            return MetricRecord({})
+        state = arrays.to_torch_state_dict()
+        loss, tokens = evaluate_split(work, state, run, round_)
+        record: dict[str, float | int] = {
+            "round": round_,
+            "eval_loss": loss,
+            "eval_ppl": math.exp(min(loss, 50.0)),
+            "eval_tokens": tokens,
+        }
+        if server_round > 0:
+            merged, discarded = rounds.last_commit
+            record |= {**rounds.stats, "merged": merged, "discarded": discarded}
+            folder.save_checkpoint(
+                round_,
+                device=state,
+                server=control.get_adapter(),
+                state={"round": round_, "run_id": run.run_id},
+            )
+        now = time.time()
+        record |= {"wall_s": now - rounds.round_started, "elapsed_s": now - rounds.started}
+        rounds.log({"event": "eval", **record})
+        log.info("round %d: eval loss %.4f (ppl %.2f)", round_, loss, record["eval_ppl"])
+        return MetricRecord({k: float(v) for k, v in record.items()})
+
+    return evaluate
+
+
+def _strategy(cfg: FedpipeConfig, rounds: _Rounds):  # type: ignore[no-untyped-def]
+    """The configured Flower strategy; fedpipe's RoundGrid, not Flower, waits for devices."""
+    fed = cfg.federated
+    strategy = make_strategy(
+        fed.strategy,
+        fraction_train=fed.fraction_train,
+        min_available_nodes=1,
+        min_train_nodes=1,
+        proximal_mu=fed.proximal_mu,
+        server_lr=fed.server_lr
+        if fed.strategy in ("fedadam", "fedyogi", "fedadagrad", "fedavgm")
+        else None,
+    )
+    sampled = max(1, int(fed.num_devices * fed.fraction_train))
+    return _wrap_strategy(with_adapter_dp(strategy, cfg.privacy, sampled_devices=sampled), rounds)
+
+
+@server_app.main()
+def server_main(grid: Grid, context: Context) -> None:
+    cfg, run = server_run_settings(context.run_config)  # the only reader of the secret
+    folder = RunFolder.open(Path(run.dir).parent, Path(run.dir).name, resume=run.resume)
+    chain, key = cfg.server.client_identity()
+    control = StageControlClient(
+        run.stage_address,
+        run.secret,
+        root_certificates=cfg.server.root_certificates(),
+        certificate_chain=chain,
+        private_key=key,
+    )
+    work = DeviceWork(
+        cfg, device_id="evaluator", partition=-1, num_partitions=cfg.federated.num_devices
+    )
+    # The seeded adapters of every offered cut, before any checkpoint is loaded.
+    several = len(cfg.model.offered_cuts) > 1
+    arrays = (
+        initial_device_adapters(cfg, work.trainer.folder) if several else work.trainer.adapters()
+    )
+    offset = 0
+    initial = dict(arrays)
+    checkpoint = folder.latest_checkpoint() if run.resume else None
+    if checkpoint is not None:
+        arrays, offset = checkpoint.device, checkpoint.round
+        control.load_adapter(checkpoint.server)
+        log.info("resuming after round %d", offset)
+    else:
+        control.reset_adapter()  # a long-lived StageServer may hold an earlier run's adapter
+    remaining = cfg.federated.rounds - offset
+    if remaining <= 0:
+        log.info("all %d rounds are done already", cfg.federated.rounds)
+        return
+    rounds = _Rounds(control, folder, run, offset, policy=cfg.federated)
+    rounds.device_initial, rounds.lora_scale = initial, cfg.model.lora_alpha / cfg.model.lora_r
+    # Records of rounds after `offset` from an earlier attempt (a crash between commit and
+    # checkpoint) are superseded from here on; build_summary drops them.
+    rounds.log({"event": "start", "round": offset, "resumed": checkpoint is not None})
+    control.begin_round(offset, run.run_id, cfg.federated.aggregation)
+    fed = cfg.federated
+    rounds.grid = RoundGrid(
+        grid,
+        log=rounds.log,
+        devices=rounds.devices,
+        deadline_s=fed.round_deadline_s,
+        report_every_s=fed.report_every_s,
+        straggler_s=fed.straggler_s,
+    )
+    try:
+        _strategy(cfg, rounds).start(
+            grid=rounds.grid,
+            initial_arrays=ArrayRecord(arrays),
+            num_rounds=remaining,
+            timeout=fed.round_deadline_s,
+            train_config=ConfigRecord({"proximal-mu": fed.proximal_mu}),
+            evaluate_fn=_make_evaluate(work, rounds, run, resumed=checkpoint is not None),
+        )
+    except StopRun as stop:
+        rounds.log({"event": "stop", "round": rounds.grid.round, "reason": str(stop)})
+        log.error("run stopped: %s", stop)
+    finally:
+        rounds.board.close()
+
+
+# -- ClientApp --------------------------------------------------------------------------------
+_TrainFn = Callable[[Message, Context], Message]
+
+
+def _device_profile_name(context: Context) -> tuple[int, str]:
+    """This node's partition and profile name, as DeviceWork picks them (cheaply)."""
+    node, config = context.node_config, context.run_config
+    partition = int(cast(int, node.get("partition-id", 0)))
+    names = [n.strip() for n in str(config.get("federated.profiles", "")).split(",") if n.strip()]
+    cycled = names[partition % len(names)] if names else "loopback"
+    return partition, str(node.get("profile", "")) or cycled
+
+
+def _says_who(train: _TrainFn) -> _TrainFn:
+    """Name the device in its reply and in its errors, so the ServerApp can report them.
+
+    Flower turns an exception into an error reply whose reason is the exception's text, and
+    in deployment the SuperLink (not the device) answers for a node that vanished; the
+    ``[partition P (profile)]`` prefix and the reply's ``device`` ConfigRecord tell the
+    ServerApp which device it was.
+    """
+
+    def wrapped(msg: Message, context: Context) -> Message:
+        partition, profile = _device_profile_name(context)
+        try:
+            _maybe_hang(msg, context, partition)
+            reply = train(msg, context)
+        except Exception as exc:
+            raise RuntimeError(
+                f"[partition {partition} ({profile})] {type(exc).__name__}: {exc}"
+            ) from exc
+        own = cast(ConfigRecord, reply.content.get("device", ConfigRecord()))
+        reply.content["device"] = ConfigRecord({**dict(own), "profile": profile})
+        return reply
+
+    return wrapped
+
+
+def _maybe_hang(msg: Message, context: Context, partition: int) -> None:
+    """Fault injection for tests: ``faults.hang-partition`` stops answering in its round."""
+    config = cast(ConfigRecord, msg.content["config"])
+    round_ = int(cast(int, config.get("fedpipe-round", -1)))
+    hang = int(cast(int, context.run_config.get("faults.hang-partition", -1)))
+    if hang == partition and round_ == int(
+        cast(int, context.run_config.get("faults.hang-round", -1))
+    ):
+        log.warning("[partition %d] hanging in round %d (injected)", partition, round_)
+        time.sleep(float(cast(float, context.run_config.get("faults.hang-s", 3600.0))))
+
+
+def _delta_dir(node: dict[str, Any], run: RunSettings) -> str:
+    """Where the device keeps its delta cache between rounds (each may be a new process).
+
+    The node's ``delta-dir``; else the run folder's ``delta-cache`` where that folder is on
+    this host (simulations); else its SuperNode's home (``FLWR_HOME``: `fedpipe client
+    --workdir`, which lives as long as the device's process); else memory only ("").
+    """
+    if node.get("delta-dir"):
+        return str(node["delta-dir"])
+    if run.dir and Path(run.dir).is_dir():
+        return str(Path(run.dir) / "delta-cache")
+    home = os.environ.get("FLWR_HOME", "")
+    return str(Path(home) / "fedpipe-delta-cache") if home else ""
+
+
+@client_app.train()
+@_says_who
+def client_train(msg: Message, context: Context) -> Message:
+    cfg, run = run_settings(context.run_config)
+    node = context.node_config
+    partition = int(node.get("partition-id", 0))
+    num_partitions = int(node.get("num-partitions", cfg.federated.num_devices))
+    work = DeviceWork.cached(
+        cfg,
+        device_id=str(context.node_id),
+        partition=partition,
+        num_partitions=num_partitions,
+        profile=str(node.get("profile", "")) or None,
+        data=str(node.get("data", "")) or None,
+        stage_ca=str(node.get("stage-ca", "")),
+        stage_cert=str(node.get("stage-cert", "")),
+        stage_key=str(node.get("stage-key", "")),
+        cut=str(node.get("cut", "")),  # `fedpipe client --cut`; else federated.device_cuts
+        delta_dir=_delta_dir(node, run),
+    )
+    config = cast(ConfigRecord, msg.content["config"])
+    round_ = int(cast(int, config["fedpipe-round"]))
+    work.trainer.load_adapters(cast(ArrayRecord, msg.content["arrays"]).to_torch_state_dict())
+    # The device's own flag first (the server's address as seen from the device's network),
+    # else the one the ServerApp sent.
+    address = str(node.get("stage-address", "")) or str(config.get("stage-address", ""))
+    address = address or run.stage_address
+    fail = run.kill_partition == partition and run.kill_round == round_
+    report = work.train(
+        address,
+        round_=round_,
+        token=str(config["token"]),
+        proximal_mu=float(cast(float, config.get("proximal-mu", 0.0)))
+        if cfg.federated.strategy == "fedprox"
+        else 0.0,
+        fail_after_steps=1 if fail else None,
+        trace_dir=Path(run.dir) / "traces" if run.dir else None,
+    )
+    metrics: dict[str, int | float | list[int] | list[float]] = {
+        **report.metrics(),
+        "partition-id": partition,
+    }
+    content = RecordDict(
+        {"arrays": ArrayRecord(work.trainer.adapters()), "metrics": MetricRecord(metrics)}
+    )
+    if report.plan:
+        content["plan"] = ConfigRecord(dict(report.plan))
+    content["device"] = ConfigRecord({"cut": format_cut(work.trainer.cut)})
+    return Message(content=content, reply_to=msg)

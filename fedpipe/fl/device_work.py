@@ -1,0 +1,298 @@
+"""What a Flower app does locally: read its settings, hold a device's model and data, evaluate.
+
+Run-config keys are fedpipe's dotted settings (``pipeline.microbatches``, see
+:mod:`fedpipe.config`) plus run keys (``run.*``) and fault injection for tests (``faults.*``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, ClassVar, cast
+
+import torch
+
+from fedpipe.auth.tokens import issue_token
+from fedpipe.config import FedpipeConfig, parse_cuts
+from fedpipe.data import (
+    BlockSampler,
+    Scheme,
+    default_corpus,
+    held_out_blocks,
+    load_documents,
+    tokenize_blocks,
+    train_eval_split,
+)
+from fedpipe.data import partition as partition_docs
+from fedpipe.edge.runtime import DeviceRuntime
+from fedpipe.edge.trainer import DeviceTrainer, RoundReport
+from fedpipe.link import DeviceProfile, parse_device_profile, split_specs
+from fedpipe.models import load_tokenizer
+from fedpipe.privacy import LinkAccountant, releases_so_far
+from fedpipe.wire.link_client import StageClient
+
+__all__ = ["DeviceWork", "RunSettings", "evaluate_split", "run_settings"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """Per-run keys that are not model/training settings.
+
+    ``secret`` is filled only on the server side (`server_run_settings`): devices see the run
+    config too, but never open ``secret_file``, a path on the server host.
+    """
+
+    dir: str = ""
+    resume: bool = False
+    stage_address: str = "127.0.0.1:50051"
+    secret_file: str = ""
+    secret: str = ""
+    run_id: str = "run"
+    round_timeout_s: float = 1800.0
+    kill_partition: int = -1  # faults: this partition's device dies mid-round ...
+    kill_round: int = -1  # ... in this round
+
+
+RUN_DEFAULTS: dict[str, Any] = {
+    "run.dir": "",
+    "run.resume": False,
+    "run.stage-address": "127.0.0.1:50051",
+    "run.secret-file": "",
+    "run.id": "run",
+    "run.round-timeout": 1800.0,
+    "faults.kill-partition": -1,
+    "faults.kill-round": -1,
+    "faults.hang-partition": -1,  # this partition's device stops answering ...
+    "faults.hang-round": -1,  # ... in this round ...
+    "faults.hang-s": 3600.0,  # ... for this long
+}
+
+
+def run_settings(run_config: dict[str, Any]) -> tuple[FedpipeConfig, RunSettings]:
+    """Split Flower's run config into fedpipe settings and run settings (reads no file)."""
+    settings = {k: v for k, v in run_config.items() if k.split(".")[0] not in ("run", "faults")}
+    run = {**RUN_DEFAULTS, **{k: v for k, v in run_config.items() if k not in settings}}
+    return FedpipeConfig().with_overrides(settings), RunSettings(
+        dir=str(run["run.dir"]),
+        resume=bool(run["run.resume"]),
+        stage_address=str(run["run.stage-address"]),
+        secret_file=str(run["run.secret-file"]),
+        run_id=str(run["run.id"]),
+        round_timeout_s=float(run["run.round-timeout"]),
+        kill_partition=int(run["faults.kill-partition"]),
+        kill_round=int(run["faults.kill-round"]),
+    )
+
+
+def server_run_settings(run_config: dict[str, Any]) -> tuple[FedpipeConfig, RunSettings]:
+    """`run_settings` plus the master secret, read from ``run.secret-file``: ServerApp only."""
+    cfg, run = run_settings(run_config)
+    if not run.secret_file:
+        return cfg, run
+    path = Path(run.secret_file)
+    try:
+        secret = path.read_text().strip()
+    except OSError as exc:
+        raise FileNotFoundError(
+            f"the ServerApp cannot read the secret file {path} ({exc.strerror}): it must be "
+            "the StageServer's --secret-file, on the host where the SuperLink runs the ServerApp"
+        ) from None
+    return cfg, replace(run, secret=secret)
+
+
+def _profile(cfg: FedpipeConfig, partition_id: int, name: str | None) -> DeviceProfile | None:
+    if partition_id < 0:
+        return None  # the evaluator runs beside the server, unthrottled
+    names = split_specs(cfg.federated.profiles)  # names and inline specs (config.profile_spec)
+    chosen = name or (names[partition_id % len(names)] if names else "loopback")
+    return parse_device_profile(chosen)
+
+
+class DeviceWork:
+    """One device's trainer and data (its partition, or the held-out set for the evaluator)."""
+
+    _cache: ClassVar[dict[tuple[Any, ...], DeviceWork]] = {}
+
+    def __init__(
+        self,
+        cfg: FedpipeConfig,
+        *,
+        device_id: str,
+        partition: int,
+        num_partitions: int,
+        profile: str | None = None,
+        data: str | None = None,
+        stage_ca: str = "",
+        stage_cert: str = "",
+        stage_key: str = "",
+        cut: str = "",
+        delta_dir: str = "",
+    ) -> None:
+        # The device's cut: its own (`fedpipe client --cut`), else federated.device_cuts
+        # cycled over partitions, else the model's; the server must offer it (model.cuts).
+        chosen = parse_cuts(cut, "--cut") or (cfg.device_cut(partition),)
+        self.cut = chosen[0]
+        cfg = cfg.with_cut(self.cut)
+        self.cfg, self.partition = cfg, partition
+        # The device's own files (node config / `fedpipe client` flags), never the server's:
+        # the StageServer's CA, and its client certificate and key for mutual TLS.
+        self.stage_ca, self.stage_cert, self.stage_key = stage_ca, stage_cert, stage_key
+        self.profile = _profile(cfg, partition, profile)
+        self.trainer = DeviceTrainer(cfg, device_id=device_id, profile=self.profile)
+        if delta_dir:  # the delta cache and the planner's cut outlive this process (a round)
+            name = re.sub(r"[^A-Za-z0-9_.-]", "_", device_id)
+            self.trainer.delta_path = Path(delta_dir) / f"{name}.delta.safetensors"
+            self.trainer.cut_path = Path(delta_dir) / f"{name}.cut.json"
+            self.trainer.recall_cut()
+        tokenizer = load_tokenizer(self.trainer.folder)
+        fed = cfg.federated
+        if data:  # a deployed device's own data: all of it is its partition
+            docs = load_documents(data)
+            self.blocks = tokenize_blocks(docs, tokenizer, cfg.train.seq_len)
+            return
+        docs = load_documents(fed.data) if fed.data else default_corpus()
+        train_docs, held_out = train_eval_split(
+            docs, eval_fraction=fed.eval_fraction, seed=cfg.model.seed
+        )
+        if partition < 0:
+            limit = cfg.train.eval_batches * cfg.train.batch_size
+            self.blocks = held_out_blocks(held_out, tokenizer, cfg.train.seq_len, limit)
+            return
+        parts = partition_docs(
+            train_docs,
+            num_partitions,
+            scheme=cast(Scheme, fed.partition),  # validated by FederatedConfig
+            alpha=fed.dirichlet_alpha,
+            seed=cfg.model.seed,
+        )
+        self.blocks = tokenize_blocks(  # the first device_blocks: data a device revisits
+            parts[partition], tokenizer, cfg.train.seq_len, max_blocks=fed.device_blocks or None
+        )
+        log.info("[device %s] partition %d: %d blocks", device_id, partition, len(self.blocks))
+
+    @classmethod
+    def cached(cls, cfg: FedpipeConfig, **kw: Any) -> DeviceWork:
+        """Reuse a device's model and data across rounds in one process (simulation)."""
+        key = (repr(cfg), *sorted(kw.items()))
+        if key not in cls._cache:
+            cls._cache[key] = cls(cfg, **kw)
+        return cls._cache[key]
+
+    def train(
+        self,
+        address: str,
+        *,
+        round_: int,
+        token: str,
+        proximal_mu: float = 0.0,
+        fail_after_steps: int | None = None,
+        trace_dir: Path | None = None,
+    ) -> RoundReport:
+        """One round of local steps; batches depend only on (seed, partition, round, step)."""
+        steps = self.cfg.train.local_steps
+        sampler = BlockSampler(
+            self.blocks, self.cfg.train.batch_size, seed=self.cfg.model.seed * 1000 + self.partition
+        )
+        batches = [sampler.batch(round_ * steps + i) for i in range(steps)]
+        self.trainer.tracer.clear()
+        with self._client(address) as client:
+            report = self.trainer.train_round(
+                client,
+                batches,
+                round_=round_,
+                token=token,
+                proximal_mu=proximal_mu,
+                fail_after_steps=fail_after_steps,
+            )
+        report.privacy = self._privacy(sampler, (round_ + 1) * steps)
+        if trace_dir is not None and trace_dir.parent.is_dir():  # only where the run folder is
+            path = trace_dir / f"device-{self.partition}-round-{round_}.json"
+            self.trainer.tracer.write(path, pid=f"device {self.partition}")
+        return report
+
+    def _privacy(self, sampler: BlockSampler, steps: int) -> dict[str, float]:
+        """The stage link's (epsilon, delta) so far, assuming this device trained every round."""
+        cfg = self.cfg
+        privacy = cfg.privacy
+        if cfg.model.split != "u":  # labels go up in clear: no gradient channel to noise
+            privacy = replace(privacy, gradient_clip=0.0, gradient_noise=0.0)
+        accountant = LinkAccountant.from_config(privacy, seq_len=cfg.train.seq_len)
+        if accountant is None:
+            return {}
+        releases = releases_so_far([sampler.indices(i) for i in range(steps)])
+        out = accountant.report(releases)
+        log.info("[device %s] stage link privacy so far: %s", self.partition, out)
+        return out
+
+    def _client(self, address: str) -> StageClient:
+        """A stage-link client with this device's TLS files (its CA; cert and key for mTLS)."""
+        if bool(self.stage_cert) != bool(self.stage_key):
+            raise ValueError("stage-cert and stage-key go together: give both or neither")
+        server_ca = self.cfg.server.tls_ca  # a path on the server host: only for simulations
+        if not self.stage_ca and server_ca and not Path(server_ca).is_file():
+            raise FileNotFoundError(
+                f"the StageServer uses TLS (its CA is {server_ca} on the server host), but this "
+                "device has no CA of its own: pass `fedpipe client --stage-ca ca.pem`"
+            )
+        chain = Path(self.stage_cert).read_bytes() if self.stage_cert else None
+        key = Path(self.stage_key).read_bytes() if self.stage_key else None
+        return StageClient(
+            address,
+            root_certificates=self.cfg.server.root_certificates(self.stage_ca),
+            certificate_chain=chain,
+            private_key=key,
+        )
+
+
+def evaluate_split(
+    work: DeviceWork,
+    adapters: dict[str, torch.Tensor],
+    run: RunSettings,
+    round_: int,
+) -> tuple[float, int]:
+    """Held-out mean token loss through the split model (device adapters + server's global)."""
+    trainer, cfg = work.trainer, work.cfg
+    trainer.load_adapters(adapters)
+    token = (
+        issue_token(
+            run.secret,
+            run_id=run.run_id,
+            round=round_,
+            device_id="evaluator",
+            ttl_s=run.round_timeout_s,
+        )
+        if run.secret
+        else ""
+    )
+    loss_sum, tokens = 0.0, 0
+    chain, key = cfg.server.client_identity()
+    roots = cfg.server.root_certificates()
+    with StageClient(
+        run.stage_address, root_certificates=roots, certificate_chain=chain, private_key=key
+    ) as client:
+        session = client.open_session(
+            device_id="evaluator",
+            token=token,
+            round_=round_,
+            timeout_s=cfg.pipeline.timeout_s,
+            split=trainer.split,
+        )
+        with session:
+            runtime = DeviceRuntime(
+                trainer.head,
+                trainer.tail,
+                session,
+                optimizer=None,
+                microbatches=cfg.pipeline.microbatches,
+            )
+            for batch in torch.split(work.blocks, cfg.train.batch_size):
+                part_sum, part_tokens = runtime.evaluate(
+                    {"input_ids": batch, "labels": batch}, step=0
+                )
+                loss_sum, tokens = loss_sum + part_sum, tokens + part_tokens
+    return (loss_sum / tokens if tokens else math.nan), tokens

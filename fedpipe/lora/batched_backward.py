@@ -1,0 +1,368 @@
+"""The backward of the batched blocks over any set of sessions' tapes, block by block.
+
+Each item is one group's :class:`~fedpipe.lora.batched_blocks.Tape` (from any forward call) and
+the gradient of its output. The walk goes from the stage's last block to its first; at each block
+the rows of every item that ran it are joined, so the frozen input gradients (``dy @ W``), the
+norms, the SiLU gate and the residuals are one op over all items; each item's LoRA gradients use
+its own rows and its own adapter, and attention runs once per sequence length. A group that
+skipped a block in the forward (``Group.blocks``) skips it here too.
+
+The result equals autograd through the HF layers (the same formulas, fp32 tolerance). Gradients
+of the adapters come back as a mapping Parameter -> gradient (summed over an adapter's items);
+the caller adds them to ``.grad`` (:meth:`BatchedAdapterBank.backward`) or hands them to autograd
+(:class:`TapedBlocks`), so a call that fails leaves every ``.grad`` as it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from fedpipe.lora.batched_blocks import (
+    BlockRunner,
+    BlockTape,
+    Slices,
+    Tape,
+    by_length,
+    float_mask,
+    join,
+    row_slices,
+)
+from fedpipe.lora.kernels import group_offsets, grouped_lora_backward
+
+__all__ = ["Grads", "TapedBlocks", "backward_blocks"]
+
+Grads = dict[nn.Parameter, Tensor]  # an adapter tensor -> its gradient from this backward
+
+
+def backward_blocks(
+    runner: BlockRunner, items: Sequence[tuple[Tape, Tensor]]
+) -> tuple[list[Tensor | None], Grads]:
+    """Input gradients (None where not needed) and adapter gradients of ``items``.
+
+    Each item is (tape, dy) with dy of the tape's shape (b, T, C).
+    """
+    grads: Grads = {}
+    dys = [dy.reshape(-1, dy.shape[-1]) for _, dy in items]
+    for index in reversed(runner.block_indices):
+        active = [i for i, (tape, _) in enumerate(items) if index in tape.blocks]
+        if not active:
+            continue
+        # The input gradient of this block is needed by an item with an earlier block or one
+        # whose sender wants it; the others stop at their LoRA gradients.
+        rows = runner.chunk_rows(dys[active[0]].device)
+        for chunk in _chunks(active, [items[i][0] for i in active], rows):
+            need_dx = any(_needs_below(items[i][0], index) for i in chunk)
+            tapes = [items[i][0] for i in chunk]
+            dxs = _Block(runner, index, tapes, grads).backward([dys[i] for i in chunk], need_dx)
+            for i, dx in zip(chunk, dxs, strict=True):
+                dys[i] = dx
+    out: list[Tensor | None] = []
+    for (tape, _), dy in zip(items, dys, strict=True):
+        out.append(dy.view(tape.shape) if tape.need_input_grad else None)
+    return out, grads
+
+
+def _chunks(positions: list[int], tapes: list[Tape], rows: int | None) -> list[list[int]]:
+    """``positions`` cut into runs of at most ``rows`` rows (a larger tape alone; None: one run).
+
+    On a CPU the joined matmul gains nothing while the row-wise ops of many rows fall out of
+    the cache; on a GPU one run is fastest (fewer, larger kernels).
+    """
+    if rows is None:
+        return [positions]
+    out: list[list[int]] = []
+    total = 0
+    for position, tape in zip(positions, tapes, strict=True):
+        size = tape.shape[0] * tape.shape[1]
+        if not out or total + size > rows:
+            out.append([])
+            total = 0
+        out[-1].append(position)
+        total += size
+    return out
+
+
+def _needs_below(tape: Tape, index: int) -> bool:
+    return tape.need_input_grad or min(tape.blocks) < index
+
+
+class _Block:
+    """The backward of one decoder layer over the joined rows of several tapes."""
+
+    def __init__(self, runner: BlockRunner, index: int, tapes: list[Tape], grads: Grads) -> None:
+        self.runner = runner
+        self.index = index
+        self.layer: Any = runner.stage.layers[str(index)]
+        self.prefix = f"layers.{index}"
+        self.records: list[BlockTape] = [t.blocks[index] for t in tapes]
+        self.adapters = [t.adapter for t in tapes]
+        self.shapes = [t.shape for t in tapes]
+        self.slices: Slices = row_slices([r.h0.shape[0] for r in self.records])
+        self.grads = grads
+        self._offs: Tensor | None = None  # grouped_mm's group ends, made once per block
+
+    def backward(self, dys: list[Tensor], need_dx: bool) -> list[Tensor]:
+        """dL/d(block input) per tape from dL/d(block output); adapter gradients on the side."""
+        layer, attn, mlp = self.layer, self.layer.self_attn, self.layer.mlp
+        recs = self.records
+        dh2 = join(dys)  # (N, C)
+        # MLP: h2 = h1 + down(silu(gate) * up)
+        gate, up = join([r.gate for r in recs]), join([r.up for r in recs])
+        act = F.silu(gate)
+        d_inner = self._linear("mlp.down_proj", mlp.down_proj, dh2, lambda: act * up)
+        assert d_inner is not None
+        d_gate = torch.ops.aten.silu_backward(d_inner * up, gate)
+        d_up = d_inner * act
+        h1 = join([r.h1 for r in recs])
+        norm2 = layer.post_attention_layernorm
+        normed = _Lazy(lambda: norm2(h1))
+        # The input's gradient sums its linears' terms in autograd's order (the linear made
+        # last first, its LoRA before its base), so that it equals the solo run to the bit.
+        d_normed = self._linear("mlp.up_proj", mlp.up_proj, d_up, normed)
+        d_normed = self._linear("mlp.gate_proj", mlp.gate_proj, d_gate, normed, d_normed)
+        assert d_normed is not None
+        dh1 = _rms_backward(norm2, h1, d_normed, dh2)
+        # Attention: h1 = h0 + o_proj(attention(rope(q), rope(k), v))
+        heads = join([r.heads for r in recs])
+        d_heads = self._linear("self_attn.o_proj", attn.o_proj, dh1, lambda: heads)
+        assert d_heads is not None
+        dq, dk, dv = self._attention(attn, d_heads)
+        h0 = join([r.h0 for r in recs])
+        norm1 = layer.input_layernorm
+        normed = _Lazy(lambda: norm1(h0))
+        d_normed = None
+        for name, d in (("v_proj", dv), ("k_proj", dk), ("q_proj", dq)):
+            d_normed = self._linear(
+                f"self_attn.{name}", getattr(attn, name), d, normed, d_normed, need_dx=need_dx
+            )
+        if d_normed is None:  # nobody needs what lies below this block
+            return dys
+        dh0 = _rms_backward(norm1, h0, d_normed, dh1)
+        return [dh0[rows] for rows in self.slices]
+
+    def _linear(
+        self,
+        name: str,
+        linear: nn.Linear,
+        dy: Tensor,
+        x: Callable[[], Tensor],
+        into: Tensor | None = None,
+        *,
+        need_dx: bool = True,
+    ) -> Tensor | None:
+        """dL/dx of frozen ``linear`` plus each tape's LoRA term (added to ``into`` if given).
+
+        The frozen part is one matmul over every tape's rows; each tape's A and B gradients
+        are computed on its own rows, as autograd would through ``(x A^T) B^T * scale``.
+        ``x`` (the joined input) is made only when some tape's A needs it.
+        """
+        key = f"{self.prefix}.{name}"
+        applied, lora_dx = self._grouped(key, dy, x, need_dx)
+        if applied:  # every tape's LoRA gradients in grouped matmuls (a GPU)
+            if lora_dx is None:
+                return None
+            base = dy @ linear.weight if into is None else into + dy @ linear.weight
+            return base + lora_dx.to(base.dtype)
+        # dx = (into + LoRA terms) + dy W, autograd's order; without ``into``: dy W + LoRA.
+        dx = None if not need_dx else dy @ linear.weight if into is None else into
+        for rows, adapter, rec in zip(self.slices, self.adapters, self.records, strict=True):
+            pair = adapter.get(key)
+            if pair is None:
+                continue
+            a, b = pair
+            g = dy[rows].to(b.dtype) * self.runner.scale  # (n, out)
+            if b.requires_grad:
+                _add(self.grads, b, g.t() @ rec.lows[key])  # (out, r)
+            d_low = g @ b  # (n, r)
+            if a.requires_grad:
+                _add(self.grads, a, d_low.t() @ x()[rows].to(a.dtype))  # (r, in)
+            if dx is not None:
+                dx[rows] += (d_low @ a).to(dx.dtype)
+        if dx is not None and into is not None:
+            dx = dx + dy @ linear.weight
+        return dx
+
+    def _grouped(
+        self, key: str, dy: Tensor, x: Callable[[], Tensor], need_dx: bool
+    ) -> tuple[bool, Tensor | None]:
+        """Every tape's LoRA gradients of one linear by ``grouped_mm``, added to the grads:
+        (True, their part of dL/dx or None when not needed). (False, None) where the grouped
+        kernel does not apply (grouping off, one tape, a tape without this adapter, the kernel
+        refuses): the caller then loops over the tapes, the exact reference."""
+        if not self.runner.may_group(dy, len(self.slices)):
+            return False, None
+        pairs = [pair for adapter in self.adapters if (pair := adapter.get(key)) is not None]
+        if len(pairs) < len(self.adapters):
+            return False, None
+        sizes = [rows.stop - rows.start for rows in self.slices]
+        if self._offs is None:
+            self._offs = group_offsets(sizes, dy.device)
+        need_a = any(a.requires_grad for a, _ in pairs)
+        try:
+            got = grouped_lora_backward(
+                dy,
+                join([rec.lows[key] for rec in self.records]),
+                x() if need_a else None,
+                sizes,
+                pairs,
+                self.runner.scale,
+                need_dx=need_dx,
+                force=self.runner.grouped == "force",
+                offs=self._offs,
+            )
+        except RuntimeError as exc:
+            self.runner.grouped_failed(exc)
+            return False, None
+        if got is None:
+            return False, None
+        grads_a, grads_b, d_x = got
+        for i, (a, b) in enumerate(pairs):
+            if b.requires_grad:
+                _add(self.grads, b, grads_b[i].to(b.dtype))
+            if a.requires_grad and grads_a is not None:
+                _add(self.grads, a, grads_a[i].to(a.dtype))
+        return True, d_x
+
+    def _attention(self, attn: Any, d_heads: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """dL/d(q, k, v) before rotary, joined (N, width) each, from dL/d(heads)."""
+        recs, head_dim = self.records, attn.head_dim
+        classes = by_length([shape[1] for shape in self.shapes])
+        whole = len(classes) == 1
+        kv_width = recs[0].k.shape[1] * head_dim
+        widths = (d_heads.shape[-1], kv_width, kv_width)
+        outs = [d_heads.new_empty(d_heads.shape[0], w) for w in widths] if not whole else []
+        for length, members in classes.items():
+            rows = [self.slices[i] for i in members]
+            part = [recs[i] for i in members]
+            q, k, v = (join([getattr(r, n) for r in part]) for n in ("q", "k", "v"))
+            heads = join([r.heads for r in part])
+            d_out = (
+                (d_heads if whole else join([d_heads[r] for r in rows]))
+                .view(-1, length, q.shape[1], head_dim)
+                .transpose(1, 2)
+            )  # (B, H, T, D)
+            out = heads.view(-1, length, q.shape[1], head_dim).transpose(1, 2)
+            lse = None if part[0].lse is None else join([r.lse for r in part])  # type: ignore[misc]
+            mask = self.runner.mask(self.index, length, q)
+            dq, dk, dv = _attend_backward(d_out, q, k, v, out, lse, mask, attn.scaling)
+            cos, sin = self.runner.rotary(length, q)
+            dq, dk = _rope_backward(dq, cos, sin), _rope_backward(dk, cos, sin)
+            flat = [t.transpose(1, 2).reshape(-1, t.shape[1] * head_dim) for t in (dq, dk, dv)]
+            if whole:
+                return flat[0], flat[1], flat[2]
+            start = 0
+            for r in rows:
+                size = r.stop - r.start
+                for target, source in zip(outs, flat, strict=True):
+                    target[r] = source[start : start + size]
+                start += size
+        return outs[0], outs[1], outs[2]
+
+
+class _Lazy:
+    """A tensor made on first use, then kept (a recomputed input few linears may need)."""
+
+    def __init__(self, make: Callable[[], Tensor]) -> None:
+        self.make = make
+        self.value: Tensor | None = None
+
+    def __call__(self) -> Tensor:
+        if self.value is None:
+            self.value = self.make()
+        return self.value
+
+
+def _attend_backward(
+    d_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor | None,
+    mask: Tensor | None,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """dL/d(q, k, v) of (B, H, T, D) attention: the fused CPU kernel's backward, or autograd."""
+    causal = mask is None and q.shape[2] > 1
+    if lse is not None:
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            d_out.contiguous(),
+            q,
+            k,
+            v,
+            out,
+            lse,
+            0.0,
+            causal,
+            attn_mask=float_mask(mask, q.dtype),
+            scale=scale,
+        )
+        return dq, dk, dv
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    with torch.enable_grad():
+        again = torch.nn.functional.scaled_dot_product_attention(
+            leaves[0],
+            leaves[1],
+            leaves[2],
+            attn_mask=mask,
+            is_causal=causal,
+            scale=scale,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
+        dq, dk, dv = torch.autograd.grad(again, leaves, d_out)
+    return dq, dk, dv
+
+
+def _rope_backward(d: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """dL/dx of x cos + rotate_half(x) sin; rotate_half's transpose is -rotate_half."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (1, 1, T, D)
+    ds = d * sin
+    half = d.shape[-1] // 2
+    return d * cos + torch.cat((ds[..., half:], -ds[..., :half]), dim=-1)
+
+
+def _rms_backward(norm: Any, x: Tensor, dy: Tensor, residual: Tensor) -> Tensor:
+    """dL/dx of ``x + f(norm(x))`` (HF's RMSNorm ``w * x * rsqrt(mean(x^2) + eps)``, its weight
+    frozen) from the residual's gradient and the norm output's gradient ``dy``.
+
+    The three terms are those autograd forms through the residual, mul, pow, mean and rsqrt,
+    summed in its order, so the result is the solo run's to the bit:
+    (residual + g r) + (sum(g x) * -r^3 / 2) / C * 2 x.
+    """
+    xf = x.float()
+    r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    g = (dy * norm.weight).float()
+    d_var = (g * xf).sum(-1, keepdim=True) * (-0.5 * r.pow(3))  # (N, 1)
+    return ((residual + g * r) + (d_var / x.shape[-1]) * (2 * xf)).to(x.dtype)
+
+
+def _add(grads: Grads, param: nn.Parameter, grad: Tensor) -> None:
+    have = grads.get(param)
+    grads[param] = grad if have is None else have.add_(grad)
+
+
+class TapedBlocks(torch.autograd.Function):
+    """Gives one group's batched output an autograd path: its backward walks its tape.
+
+    ``apply(x, y, runner, tape, *params)`` returns ``y``; the gradient reaches ``x`` and the
+    adapter tensors ``params`` (the tape's adapter, flattened) as autograd would have.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: Tensor, y: Tensor, runner: BlockRunner, tape: Tape, *params: Any
+    ) -> Tensor:
+        ctx.runner, ctx.tape, ctx.params = runner, tape, params
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
+        tape: Tape = ctx.tape
+        tape.need_input_grad = bool(ctx.needs_input_grad[0])
+        (dx,), grads = backward_blocks(ctx.runner, [(tape, dy)])
+        return (dx, None, None, None, *(grads.get(p) for p in ctx.params))

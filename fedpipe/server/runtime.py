@@ -1,0 +1,531 @@
+"""The server side of the pipeline: one middle stage shared by many device sessions.
+
+Each session (one device, one round) trains its own LoRA adapter on the shared, frozen middle
+blocks. One compute worker runs every session's work; the transport's threads decode and
+encode around it so that I/O keeps flowing while the worker computes. The worker walks the
+server's half of the schedule implicitly: it answers ``ACTIVATION`` with a forward and
+``OUTPUT_GRAD`` with a backward, in the order the device's schedule sent them, and applies the
+session's optimizer on ``STEP_END``.
+
+With batching on (the default, :class:`~fedpipe.server.batch_policy.BatchPolicy`), the
+worker asks the policy which ready messages of which sessions to compute together, and the
+executor runs them in one call of the frozen stage (one matmul over every session's tokens, each
+session's adapter on its own rows); each reply goes to its own stream. With it off, the worker
+computes one message at a time.
+
+No device can poison, crash or starve the others: settings a device asks for are checked
+against :class:`RuntimeLimits` at open, each session's queued work is bounded, the worker serves
+sessions round-robin, at most two queued messages per session per turn or call
+(:class:`~fedpipe.server.fair_queue.FairQueue`), a failed step leaves
+no graph or gradient behind, one stream per session is live (a newer one replaces it), idle
+streams and sessions expire, and no adapter holding NaN or Inf is ever merged.
+
+At the end of a round the ServerApp commits it: the adapters of devices whose Flower reply
+arrived are averaged into the global server adapter (with the strategy's weights) and every
+other session of the round is discarded, so a device that vanished leaves no trace.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from fedpipe.errors import (
+    IdleTimeoutError,
+    InvalidRequestError,
+    SessionStateError,
+    StageCapacityError,
+    StreamReplacedError,
+    UnknownSessionError,
+)
+from fedpipe.lora import AdapterBank, BatchedAdapterBank
+from fedpipe.messages import END, Kind, StageMsg
+from fedpipe.server.batch_policy import BatchPolicy, Lane, Plan, plan_batch
+from fedpipe.server.commit import (
+    KEEP_COMMITS,
+    CommitResult,
+    check_weights,
+    choose_merge,
+    non_finite,
+)
+from fedpipe.server.device_copies import DeviceCopies
+from fedpipe.server.executor import StageExecutor
+from fedpipe.server.fair_queue import FairQueue, Snapshot
+from fedpipe.server.scheduler import RESET, TRACE_NAMES, QueueItem, queue_view, trace_args
+from fedpipe.server.sessions import (
+    OptimizerFactory,
+    RuntimeLimits,
+    SessionInfo,
+    adamw,
+    check_declared,
+    check_optimizer,
+    seq_bound,
+)
+from fedpipe.server.streams import StreamHandle, message_bytes
+from fedpipe.trace import Tracer
+
+__all__ = ["StageRuntime"]
+
+log = logging.getLogger(__name__)
+
+Reply = StageMsg | BaseException
+
+
+class StageRuntime:
+    """Serves the middle stage (U-shaped split) or the server's loss stage (two-part split)."""
+
+    def __init__(
+        self,
+        bank: AdapterBank | BatchedAdapterBank,
+        *,
+        mode: str,
+        hidden_size: int,
+        device: torch.device,
+        dtype: torch.dtype = torch.float32,
+        limits: RuntimeLimits | None = None,
+        max_positions: int = 0,
+        optimizer_factory: OptimizerFactory | None = None,
+        policy: BatchPolicy | None = None,
+        tracer: Tracer | None = None,
+        copies: DeviceCopies | None = None,
+    ) -> None:
+        self.bank = bank
+        # Uploads of decoded messages (started by the reader threads, so the next call's inputs
+        # cross while this one computes) and the replies' copies back; CPU: a pass-through.
+        self.copies = copies or DeviceCopies(device)
+        # Which ready work runs together. A bank that cannot batch (GPT-2) still takes batches:
+        # it computes their groups one after another, and the policy keeps the fairness.
+        self.policy = policy or BatchPolicy()
+        self.tracer = tracer  # one "server" event per call, with the sessions in it
+        self.calls = 0  # compute calls made, and the messages they computed (mean batch)
+        self.messages = 0
+        self._call_s = 0.0  # moving average of a compute call's seconds (the policy's wait)
+        self.optimizer_factory = optimizer_factory or adamw
+        self.mode = mode
+        self.hidden_size = hidden_size
+        self.device = device
+        self.dtype = dtype
+        self.limits = limits or RuntimeLimits()
+        self.executor = StageExecutor(
+            bank,
+            mode=mode,
+            hidden_size=hidden_size,
+            device=device,
+            dtype=dtype,
+            max_in_flight=self.limits.max_in_flight,
+            copies=self.copies,
+        )
+        self.max_seq_len = seq_bound(max_positions, self.limits.max_seq_len)
+        # Called on the worker before each message is computed, batched or not (tests).
+        self.on_compute: Callable[[str, StageMsg], None] | None = None
+        self._sessions: dict[str, SessionInfo] = {}
+        self._commits: dict[int, CommitResult] = {}
+        self._opening = 0  # sessions being opened: their adapter is being added
+        self._lock = threading.RLock()  # sessions, streams, counters; never held by compute
+        self._bank_lock = threading.RLock()  # the bank; taken after _lock, never before
+        self._queue: FairQueue[str, QueueItem] = FairQueue(quantum=self.policy.quantum)
+        self._stopped = threading.Event()
+        self._worker = threading.Thread(target=self._run, name="stage-compute", daemon=True)
+        self._reaper = threading.Thread(target=self._reap, name="stage-reaper", daemon=True)
+        self._worker.start()
+        self._reaper.start()
+
+    # -- sessions ---------------------------------------------------------------------------
+    def open_session(
+        self,
+        device_id: str,
+        round_: int,
+        *,
+        lr: float = 0.0,
+        weight_decay: float = 0.0,
+        microbatch_size: int = 0,
+        seq_len: int = 0,
+        codecs: tuple[str, str] = ("fp32", ""),
+        frozen_head: bool = False,
+        blocks: tuple[int, ...] | None = None,
+    ) -> str:
+        """Start a session on a fresh copy of the global adapter; replaces the device's old one.
+
+        ``lr`` 0 takes the server's default; ``microbatch_size`` and ``seq_len`` 0 take the
+        server's bounds. Anything outside the server's limits raises ``InvalidRequestError``.
+        ``blocks``: the stage's blocks the device's cut leaves to the server (None: all).
+        """
+        lr = check_optimizer(self.limits, lr, weight_decay)
+        rows, tokens = check_declared(self.limits, self.max_seq_len, microbatch_size, seq_len)
+        with self._lock:
+            for old in [s for s in self._sessions.values() if s.device_id == device_id]:
+                self._drop(old, reason="replaced by a new session")
+            held = len(self._sessions) + self._opening
+            if held >= self.limits.max_sessions:
+                raise StageCapacityError(
+                    f"StageServer holds {held} sessions, its limit "
+                    f"(server.max_sessions = {self.limits.max_sessions}); retry later or raise it"
+                )
+            self._opening += 1  # a reserved place: adding the adapter may take a while
+        session_id = secrets.token_urlsafe(24)  # 192 random bits
+        try:
+            with self._bank_lock:  # not under _lock: other sessions' streams keep flowing
+                self.bank.add(session_id)
+                opt = self.optimizer_factory(self.bank.parameters(session_id), lr, weight_decay)
+        finally:
+            with self._lock:
+                self._opening -= 1
+        info = SessionInfo(session_id, device_id, round_, opt, rows, tokens, codecs)
+        info.frozen_head = frozen_head  # frozen-device mode
+        info.blocks = blocks
+        with self._lock:
+            for old in [s for s in self._sessions.values() if s.device_id == device_id]:
+                self._drop(old, reason="replaced by a newer session")  # a concurrent open
+            self._sessions[session_id] = info
+        log.info(
+            "[%s] session %s… opened for round %d (microbatch <= %d, seq_len <= %d, lr %g)",
+            device_id,
+            session_id[:8],
+            round_,
+            rows,
+            tokens,
+            lr,
+        )
+        return session_id
+
+    def session(self, session_id: str) -> SessionInfo:
+        with self._lock:
+            try:
+                return self._sessions[session_id]
+            except KeyError:
+                raise UnknownSessionError(
+                    f"unknown session {session_id!r}: it was never opened, was closed, expired "
+                    "or was discarded when its round was committed; open a new session"
+                ) from None
+
+    def sessions(self) -> list[SessionInfo]:
+        with self._lock:
+            return list(self._sessions.values())
+
+    def pending(self, session_id: str) -> int:
+        """Messages of the session waiting for the worker."""
+        return self._queue.pending(session_id)
+
+    def close_session(self, session_id: str) -> int:
+        """End a session; a trained adapter is kept until its round is committed.
+
+        A session that completed no step (an evaluation, or a device that gave up) has nothing
+        to merge and is dropped at once.
+        """
+        with self._lock:
+            info = self.session(session_id)
+            info.closed = True
+            if info.stream is not None:
+                self._unlink(info, info.stream, END)
+            if info.steps_done == 0:
+                self._drop(info, reason="closed without a completed step")
+            return info.steps_done
+
+    def _drop(self, info: SessionInfo, *, reason: str) -> None:
+        """Forget a session (caller holds ``_lock``); its stream, if any, ends NOT_FOUND."""
+        self._sessions.pop(info.session_id, None)
+        info.dropped = True
+        self._queue.clear(info.session_id)
+        if info.stream is not None:
+            error = UnknownSessionError(f"session {info.session_id} was dropped: {reason}")
+            self._unlink(info, info.stream, error, reset=False)
+        with self._bank_lock:
+            info.cache.clear()
+            if info.session_id in self.bank.names():
+                self.bank.remove(info.session_id)
+        log.info("[%s] session %s… dropped: %s", info.device_id, info.session_id[:8], reason)
+
+    # -- streams ----------------------------------------------------------------------------
+    def attach(self, session_id: str) -> StreamHandle:
+        """Start the session's stream; a live older stream ends ABORTED and its step is undone."""
+        with self._lock:
+            info = self.session(session_id)
+            if info.closed:
+                raise SessionStateError(f"session {session_id} is closed; open a new session")
+            old = info.stream
+            info.streams_opened += 1
+            handle = StreamHandle(self, info, info.streams_opened)
+            if old is not None:
+                replaced = StreamReplacedError(
+                    f"stream {old.epoch} of session {session_id} was replaced by stream "
+                    f"{handle.epoch}; use one stream per session"
+                )
+                self._unlink(info, old, replaced)  # queues the reset of its unfinished step
+                log.info("[%s] stream %d replaces %d", info.device_id, handle.epoch, old.epoch)
+            info.stream = handle
+            info.last_seen = time.monotonic()
+            return handle
+
+    def _unlink(
+        self, info: SessionInfo, handle: StreamHandle, end: object, *, reset: bool = True
+    ) -> None:
+        """Detach ``handle`` from ``info`` and end it (caller holds ``_lock``)."""
+        handle.broken = True
+        if info.stream is handle:
+            info.stream = None
+            info.last_seen = time.monotonic()
+            self._queue.clear(info.session_id)
+            if reset:
+                self._queue.put(info.session_id, (None, RESET))
+        handle._end(end)
+
+    def _detach(self, handle: StreamHandle) -> None:
+        with self._lock:
+            if handle.info.stream is handle:  # a stream that was replaced touches nothing
+                self._unlink(handle.info, handle, END)
+
+    def _break(self, handle: StreamHandle) -> None:
+        with self._lock:
+            handle.broken = True
+
+    def _submit(self, handle: StreamHandle, msg: StageMsg) -> None:
+        info, lim = handle.info, self.limits
+        nbytes = message_bytes(msg)
+        if not info.dropped and not handle.broken:  # before the worker can take it
+            self.copies.prefetch(msg.tensor)  # a refused message frees its copy as it goes
+            self.copies.prefetch(msg.labels)
+        with self._lock:
+            if info.dropped:
+                raise UnknownSessionError(f"session {info.session_id} was dropped")
+            if info.stream is not handle:
+                raise StreamReplacedError(f"stream {handle.epoch} is no longer the session's")
+            if handle.broken:
+                return  # the stream is ending with an error already
+            if handle.pending >= lim.max_pending:
+                raise StageCapacityError(
+                    f"session {info.session_id} has {handle.pending} messages queued or "
+                    f"unread, its limit (server.max_pending = {lim.max_pending}); read the "
+                    "replies and send less ahead"
+                )
+            if handle.pending_bytes + nbytes > lim.max_pending_bytes:
+                raise StageCapacityError(
+                    f"session {info.session_id} has {handle.pending_bytes} bytes queued or "
+                    f"unread, a message of {nbytes} more passes its limit "
+                    f"(server.max_pending_mb = {lim.max_pending_bytes / 2**20:g})"
+                )
+            handle.pending += 1
+            handle.pending_bytes += nbytes
+            handle.last_active = info.last_seen = time.monotonic()
+            self._queue.put(info.session_id, (handle, msg))
+
+    def _finish(self, handle: StreamHandle) -> None:
+        with self._lock:
+            if handle.info.stream is handle:
+                self._queue.put(handle.info.session_id, (handle, END))
+
+    def _taken(self, handle: StreamHandle, nbytes: int) -> None:
+        with self._lock:
+            handle.pending -= 1
+            handle.pending_bytes -= nbytes
+            handle.last_active = handle.info.last_seen = time.monotonic()
+
+    # -- rounds and the global adapter -----------------------------------------------------
+    def commit_round(self, round_: int, finished: dict[str, float]) -> CommitResult:
+        """Average the finished devices' adapters of ``round_`` into the global one; drop the rest.
+
+        ``finished`` maps device id to its aggregation weight (e.g. num-examples). An adapter
+        holding NaN or Inf is never merged: its device is in ``dropped`` with the reason. A
+        retried commit of a committed round returns the first result and changes nothing.
+        """
+        check_weights(finished)
+        with self._lock:
+            if round_ in self._commits:
+                log.info("round %d was committed already; the retry gets its result", round_)
+                return self._commits[round_]
+            with self._bank_lock:
+                result = self._commit(round_, finished)
+            self._commits[round_] = result
+            while len(self._commits) > KEEP_COMMITS:
+                del self._commits[min(self._commits)]
+            return result
+
+    def _commit(self, round_: int, finished: dict[str, float]) -> CommitResult:
+        merge, dropped = choose_merge(
+            self._sessions.values(), round_, finished, self.bank.state_dict
+        )
+        for device_id, reason in dropped.items():
+            log.warning("[%s] round %d: adapter not merged: %s", device_id, round_, reason)
+        if merge:
+            self.bank.merge(merge, blocks={s: self._sessions[s].blocks for s in merge})
+            for session_id in merge:
+                info = self._sessions.pop(session_id)
+                info.dropped = True
+        stale = [s for s in self._sessions.values() if s.round <= round_]
+        for info in stale:
+            self._drop(info, reason=dropped.get(info.device_id, f"round {round_} committed"))
+        return CommitResult(len(merge), len(stale), dropped)
+
+    def set_aggregation(self, mode: str) -> None:
+        """How commits aggregate from now on (federated.aggregation)."""
+        with self._bank_lock:
+            self.bank.set_aggregation(mode)
+
+    def global_state(self) -> dict[str, torch.Tensor]:
+        """A copy of the global adapter (and folded base deltas), never half-way through a merge."""
+        with self._bank_lock:
+            return {k: v.detach().clone() for k, v in self.bank.global_state().items()}
+
+    def load_global_state(self, state: dict[str, torch.Tensor] | None) -> None:
+        """Replace the global adapter (None: the initial one); a new run forgets past commits."""
+        if state is not None and (reason := non_finite(state)):
+            raise InvalidRequestError(f"adapter refused: {reason}")
+        with self._lock, self._bank_lock:
+            if state is None:
+                self.bank.reset_global_state()
+            else:
+                self.bank.set_global_state(state)
+            self._commits.clear()
+
+    # -- the worker -------------------------------------------------------------------------
+    def stop(self) -> None:
+        self._stopped.set()
+        self._queue.close()
+        self._worker.join(timeout=10)
+        self._reaper.join(timeout=10)
+
+    def _run(self) -> None:
+        while (got := self._next_batch()) is not None:
+            taken, plan = got
+            try:
+                self._serve_batch(taken, plan)
+            except Exception:  # a bug here must not stop every session's compute
+                log.exception("the compute worker failed on a call of %d messages", len(taken))
+
+    def _next_batch(self) -> tuple[list[tuple[str, QueueItem]], Plan] | None:
+        """The work the policy picks, once there is some (None when stopped)."""
+        with self._lock:  # sessions whose next message is on its way (gradients, steps)
+            mid_step = {s.session_id for s in self._sessions.values() if s.cache and s.stream}
+
+        def choose(snap: Snapshot[str, QueueItem]) -> Plan | None:
+            return plan_batch(self.policy, queue_view(snap, mid_step, self._call_s))
+
+        return self._queue.take_batch(choose, depth=self.policy.quantum)
+
+    def _serve_batch(self, taken: list[tuple[str, QueueItem]], plan: Plan) -> None:
+        """Run the messages of one call; resets and stream ends in their session's order."""
+        start = time.perf_counter()
+        work: list[tuple[SessionInfo, StageMsg, StreamHandle]] = []
+        for session_id, (handle, item) in taken:
+            with self._lock:
+                info = self._sessions.get(session_id)
+            if info is None:
+                continue
+            if not isinstance(item, StageMsg) or any(
+                w[0] is info and w[1].kind is Kind.STEP_END for w in work
+            ):
+                self._compute(work)  # what came before, first
+                work = []
+            if item is RESET:
+                self._reset_step(info)
+            elif handle is None or info.stream is not handle or handle.broken:
+                continue  # leftovers of a stream that ended
+            elif item is END:
+                handle._end(END)
+            else:
+                assert isinstance(item, StageMsg)
+                if self.on_compute is not None:
+                    self.on_compute(session_id, item)
+                work.append((info, item, handle))
+        self._compute(work)
+        if plan.lane is not Lane.CONTROL:
+            self._measured(time.perf_counter() - start)
+        self._trace(taken, plan, start)
+
+    def _compute(self, work: list[tuple[SessionInfo, StageMsg, StreamHandle]]) -> None:
+        """One executor call for ``work``; each reply or error to its own stream."""
+        if not work:
+            return
+        results = self._handle_batch([(info, msg) for info, msg, _ in work])
+        self.calls += 1
+        self.messages += len(work)
+        for (info, msg, handle), reply in zip(work, results, strict=True):
+            if isinstance(reply, Exception):
+                if handle.broken:
+                    continue  # an earlier message of the session failed in this call
+                log.warning("[%s] %s failed: %s", info.device_id, msg, reply)
+                self._reset_step(info)
+                self._break(handle)
+            elif handle.broken:
+                continue  # its session failed in this call: the step is undone
+            self._deliver(handle, msg, reply)
+
+    def _measured(self, seconds: float) -> None:
+        self._call_s = seconds if not self._call_s else 0.8 * self._call_s + 0.2 * seconds
+
+    def _device_of(self, session_id: str) -> str:
+        with self._lock:
+            info = self._sessions.get(session_id)
+        return info.device_id if info is not None else "?"
+
+    def _trace(self, taken: list[tuple[str, QueueItem]], plan: Plan, start: float) -> None:
+        if self.tracer is None:
+            return
+        args = trace_args(taken, plan, self._device_of)
+        self.tracer.add(TRACE_NAMES[plan.lane], "server", start, time.perf_counter(), args)
+
+    def _deliver(self, handle: StreamHandle, msg: StageMsg, reply: Reply) -> None:
+        nbytes = message_bytes(reply) if isinstance(reply, StageMsg) else 0
+        with self._lock:
+            handle.pending_bytes += nbytes - message_bytes(msg)
+        handle._reply(reply, nbytes)
+
+    def _reap(self) -> None:
+        every = max(0.05, min(1.0, self.limits.stream_idle_s / 4, self.limits.session_idle_s / 4))
+        while not self._stopped.wait(every):
+            self.expire_idle()
+
+    def expire_idle(self, now: float | None = None) -> None:
+        """End streams and drop open sessions idle past their deadlines (logged)."""
+        now = time.monotonic() if now is None else now
+        lim = self.limits
+        with self._lock:
+            for info in list(self._sessions.values()):
+                handle = info.stream
+                busy = handle is not None and handle.pending > 0
+                if handle is not None and not busy and now - handle.last_active > lim.stream_idle_s:
+                    idle = now - handle.last_active
+                    log.info(
+                        "[%s] stream %d idle for %.0f s: ended", info.device_id, handle.epoch, idle
+                    )
+                    error = IdleTimeoutError(
+                        f"stream idle for {idle:.1f} s, over server.stream_idle_s = "
+                        f"{lim.stream_idle_s:g}; open a new stream"
+                    )
+                    self._unlink(info, handle, error)
+                if not info.closed and not busy and now - info.last_seen > lim.session_idle_s:
+                    idle = now - info.last_seen
+                    reason = (
+                        f"idle for {idle:.1f} s (server.session_idle_s = {lim.session_idle_s:g})"
+                    )
+                    self._drop(info, reason=reason)
+
+    # -- compute (the executor runs it, under the bank lock) ---------------------------------
+    def _handle_batch(self, work: list[tuple[SessionInfo, StageMsg]]) -> list[Reply]:
+        """Replies (or errors) to ``work``; a message of another step or session fails alone."""
+        results: list[Reply | None] = [None] * len(work)
+        runnable = []
+        with self._bank_lock:
+            for i, (info, msg) in enumerate(work):
+                if msg.step != info.step:
+                    results[i] = SessionStateError(
+                        f"message for step {msg.step}, but session {info.session_id} is at "
+                        f"step {info.step}"
+                    )
+                elif info.dropped:
+                    results[i] = UnknownSessionError(f"session {info.session_id} was dropped")
+                else:
+                    runnable.append(i)
+            replies = self.executor.compute_batch([work[i] for i in runnable])
+        for i, reply in zip(runnable, replies, strict=True):
+            results[i] = reply
+        return [r if r is not None else RuntimeError("no reply") for r in results]
+
+    def _reset_step(self, info: SessionInfo) -> None:
+        """Forget a failed step's graphs and gradients; the session may retry the same step."""
+        with self._bank_lock:
+            self.executor.reset(info)

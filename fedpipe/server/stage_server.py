@@ -1,0 +1,237 @@
+"""The StageServer: a :class:`~fedpipe.server.runtime.StageRuntime` served over gRPC.
+
+It is the backend the servicers delegate to (:class:`fedpipe.wire.backend.StageBackend`): it
+admits a session (token, split agreement, delta cache) before the runtime opens it, hands each
+stream its options, runs round control against the round state, and keeps devices' delta
+caches between their sessions. The gRPC server itself is :class:`fedpipe.wire.host.GrpcHost`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+
+from fedpipe.compress.delta import DeltaCache
+from fedpipe.errors import InvalidRequestError
+from fedpipe.server.commit import CommitResult
+from fedpipe.server.delta_store import DeltaStore
+from fedpipe.server.rounds import Authenticator, RoundState
+from fedpipe.server.runtime import StageRuntime, StreamHandle
+from fedpipe.split.agreement import SplitInfo, check_agreement
+from fedpipe.wire.backend import OpenedSession, SessionRequest, StreamOptions, StreamPort
+from fedpipe.wire.control_servicer import ControlAuth
+from fedpipe.wire.host import GrpcHost
+from fedpipe.wire.stream_codec import rounding_seed
+
+__all__ = ["StageServer"]
+
+log = logging.getLogger(__name__)
+
+_MAX_STREAM_OPTIONS = 4096  # sessions whose stream options are kept (oldest dropped first)
+
+
+class StageServer:
+    """Hosts a StageRuntime on gRPC with health checks; ``start()`` serves, ``stop()`` ends."""
+
+    def __init__(
+        self,
+        runtime: StageRuntime,
+        split: SplitInfo,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        authenticate: Authenticator | None = None,
+        control_auth: ControlAuth | None = None,
+        max_message_bytes: int = 64 * 1024 * 1024,
+        tls: tuple[bytes, bytes] | None = None,
+        client_ca: bytes | None = None,
+        max_streams: int = 64,
+        max_delta_cache_bytes: int = 256 * 2**20,
+        delta_store_bytes: int = 1024 * 2**20,
+    ) -> None:
+        self.runtime = runtime
+        self.split = split
+        self.max_message_bytes = max_message_bytes
+        self.max_delta_cache_bytes = max_delta_cache_bytes
+        self.rounds = RoundState(authenticate)
+        # Devices' delta caches between their sessions (fedpipe.server.delta_store).
+        self.delta_store = DeltaStore(delta_store_bytes)
+        self._stream_options: dict[str, StreamOptions] = {}  # by session id
+        self._options_lock = threading.Lock()
+        self._host = GrpcHost(
+            self,
+            host=host,
+            port=port,
+            control_auth=control_auth,
+            max_message_bytes=max_message_bytes,
+            max_streams=max_streams,
+            tls=tls,
+            client_ca=client_ca,
+        )
+        self.host, self.port, self.address = host, self._host.port, self._host.address
+        self.tls = self._host.tls
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def start(self) -> StageServer:
+        self._host.start()
+        return self
+
+    def stop(self, grace: float | None = 1.0) -> None:
+        self._host.stop(grace)
+        self.runtime.stop()
+
+    def wait(self) -> None:
+        self._host.wait()
+
+    def __enter__(self) -> StageServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- sessions (StageBackend) -----------------------------------------------------------------
+    def open_session(self, request: SessionRequest) -> OpenedSession:
+        """Admit a device's session: its token, its split, its delta cache, then the runtime's
+        limits. After authentication only: strangers learn nothing of the model or the cut."""
+        view = self.rounds.admit(request.token, request.round, request.device_id)
+        check_agreement(
+            request.split, self.split, model=self.split.model, offered=self.split.offered()
+        )
+        split = request.split
+        assert split is not None  # check_agreement refuses a device that sent none
+        _check_delta_cache(request.delta_cache_bytes, self.max_delta_cache_bytes)
+        session_id = self.runtime.open_session(
+            request.device_id,
+            request.round,
+            lr=request.learning_rate,
+            weight_decay=request.weight_decay,
+            microbatch_size=request.microbatch_size,
+            seq_len=request.seq_len,
+            codecs=(request.downlink_codec, request.gradient_codec),
+            frozen_head=request.frozen_head,
+            blocks=self.split.session_blocks(split.head_layers, split.tail_layers),
+        )
+        options = StreamOptions(
+            request.error_feedback,
+            request.delta_cache_bytes,
+            run_id=view.run_id,
+            stochastic=request.stochastic_rounding,
+            seed=rounding_seed(request.device_id, request.round, "server"),
+        )
+        opened = OpenedSession(session_id)
+        if request.delta_cache_bytes:
+            opened = self._resume_delta(request, options, session_id)
+        self._keep_options(session_id, options)
+        return opened
+
+    def _resume_delta(
+        self, request: SessionRequest, options: StreamOptions, session_id: str
+    ) -> OpenedSession:
+        """The session's delta cache: the device's kept one if its identity matches, else empty.
+
+        Keyed by ``request.device_id``, which authentication (when the server has a secret)
+        has bound to the session token: a device can only ever resume its own cache.
+        """
+        options.uplink_codec = request.uplink_codec
+        wanted = request.delta_identity
+        got = self.delta_store.take(
+            request.device_id,
+            wanted,
+            max_bytes=request.delta_cache_bytes,
+            codec=options.uplink_codec,
+        )
+        options.delta_cache = got.cache
+        if wanted.cache_id:
+            log.info(
+                "[device %s] delta cache %s",
+                request.device_id,
+                f"resumed ({len(got.cache)} samples)" if got.resumed else f"reset: {got.reason}",
+            )
+        return OpenedSession(session_id, got.resumed, got.reason)
+
+    def _keep_options(self, session_id: str, options: StreamOptions) -> None:
+        with self._options_lock:
+            self._stream_options[session_id] = options
+            while len(self._stream_options) > _MAX_STREAM_OPTIONS:
+                del self._stream_options[next(iter(self._stream_options))]
+
+    def attach(self, session_id: str) -> tuple[StreamPort, StreamOptions]:
+        """The session's new stream, and its options (the delta cache goes to the first only)."""
+        handle: StreamHandle = self.runtime.attach(session_id)
+        with self._options_lock:
+            options = self._stream_options.get(session_id, StreamOptions())
+            cache, options.delta_cache = options.delta_cache, None
+        return handle, _with_cache(options, cache)
+
+    def keep_delta(self, port: StreamPort, options: StreamOptions, cache: DeltaCache) -> None:
+        """A stream read to its end: its delta cache mirrors the device's; keep it."""
+        self.delta_store.keep(
+            port.device_id,
+            cache,
+            codec=options.uplink_codec,
+            run_id=options.run_id,
+            session_id=port.session_id,  # resumable once the device closes it
+        )
+
+    def close_session(self, session_id: str) -> int:
+        with self._options_lock:
+            self._stream_options.pop(session_id, None)
+        steps = self.runtime.close_session(session_id)
+        self.delta_store.confirm(session_id)  # a session the device closed: resumable
+        return steps
+
+    # -- round control (StageBackend) ------------------------------------------------------------
+    def begin_round(self, round_: int, run_id: str, aggregation: str) -> None:
+        self.rounds.require_run("BeginRound")
+        try:  # federated.aggregation: how this round's CommitRound merges
+            self.runtime.set_aggregation(aggregation)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from None
+        self.rounds.begin(round_, run_id)
+        self.delta_store.begin_run(run_id)  # devices' delta caches never cross into another run
+        log.info("round %d of run %r begun", round_, run_id)
+
+    def commit_round(self, round_: int, weights: dict[str, float]) -> CommitResult:
+        self.rounds.require_run("CommitRound", round_)
+        result = self.runtime.commit_round(round_, weights)
+        log.info(
+            "round %d committed: %d merged, %d discarded, dropped %s",
+            round_,
+            result.merged,
+            result.discarded,
+            result.dropped or "none",
+        )
+        return result
+
+    def global_adapter(self) -> dict[str, torch.Tensor]:
+        self.rounds.require_run("GetAdapter")
+        return self.runtime.global_state()
+
+    def load_adapter(self, state: dict[str, torch.Tensor] | None) -> None:
+        self.runtime.load_global_state(state)
+        self.rounds.adapter_loaded()
+
+
+def _with_cache(options: StreamOptions, cache: DeltaCache | None) -> StreamOptions:
+    """A stream's copy of the session's options, holding the cache it was handed."""
+    return StreamOptions(
+        options.error_feedback,
+        options.delta_bytes,
+        cache,
+        options.uplink_codec,
+        options.run_id,
+        options.stochastic,
+        options.seed,
+    )
+
+
+def _check_delta_cache(requested: int, limit: int) -> None:
+    """Refuse a delta cache this server will not hold for a session."""
+    if not 0 <= requested <= limit:
+        raise InvalidRequestError(
+            f"delta_cache_bytes {requested} is outside [0, {limit}] (this StageServer's "
+            "server.max_delta_cache_mb per session); set pipeline.delta_cache_mb lower, or "
+            "pipeline.delta = false"
+        )

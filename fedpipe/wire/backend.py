@@ -1,0 +1,132 @@
+"""What the StageServer's servicers need from the server behind them, as types and protocols.
+
+The servicers (:mod:`fedpipe.wire.link_servicer`, :mod:`fedpipe.wire.control_servicer`) only
+translate: a request becomes a :class:`SessionRequest`, a call on a :class:`StageBackend`, and
+its result a reply; an exception becomes a status code. Everything the server decides (who may
+open a session, admission limits, round state, delta caches, compute) lives behind the
+protocol, in :mod:`fedpipe.server`. This is also the seam a replica on another process or
+machine plugs into.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from fedpipe.compress.delta import CacheIdentity, DeltaCache
+from fedpipe.messages import StageMsg
+from fedpipe.split.agreement import SplitInfo, SplitLike
+
+__all__ = [
+    "CommitSummary",
+    "OpenedSession",
+    "SessionRequest",
+    "StageBackend",
+    "StreamOptions",
+    "StreamPort",
+]
+
+
+@dataclass(frozen=True)
+class SessionRequest:
+    """An OpenSession request, decoded: who asks, for which round, with what settings."""
+
+    device_id: str
+    round: int
+    token: str = ""
+    split: SplitLike | None = None  # what the device built (None: an old device sent nothing)
+    downlink_codec: str = "fp32"  # the codec the server sends with
+    gradient_codec: str = ""  # "" = the direction's codec
+    uplink_codec: str = "fp32"
+    learning_rate: float = 0.0  # 0: the server's default
+    weight_decay: float = 0.0
+    microbatch_size: int = 0  # 0: the server's bound
+    seq_len: int = 0  # 0: the server's bound
+    frozen_head: bool = False
+    error_feedback: bool = False
+    stochastic_rounding: bool = False
+    delta_cache_bytes: int = 0  # delta coding's cache size (0: none)
+    delta_identity: CacheIdentity = field(default_factory=lambda: CacheIdentity("", 0, b""))
+
+
+@dataclass
+class StreamOptions:
+    """How a session's stream encodes and decodes, fixed at OpenSession."""
+
+    error_feedback: bool = False
+    delta_bytes: int = 0  # delta coding's cache size (0: none)
+    # The device's cache resumed from its last session (handed to the first stream only).
+    delta_cache: DeltaCache | None = field(default=None, repr=False)
+    uplink_codec: str = ""
+    run_id: str = ""  # the run the session was opened in: its cache goes back only there
+    stochastic: bool = False  # int4/int2 gradients round stochastically
+    seed: int | None = None  # of that rounding: from (device, round), so a run repeats
+
+
+@dataclass(frozen=True)
+class OpenedSession:
+    """What OpenSession answers: the session and whether its delta cache resumed."""
+
+    session_id: str
+    delta_resumed: bool = False
+    delta_reset_reason: str = ""
+
+
+class CommitSummary(Protocol):
+    """What a CommitRound did (``fedpipe.server.commit.CommitResult``)."""
+
+    @property
+    def merged(self) -> int: ...
+    @property
+    def discarded(self) -> int: ...
+    @property
+    def dropped(self) -> Mapping[str, str]: ...
+
+
+class StreamPort(Protocol):
+    """One Exchange stream of a session, as the link servicer drives it.
+
+    The servicer's reader thread calls :meth:`submit` (or :meth:`echo` for a link probe) per
+    decoded message and :meth:`finish` when the device half-closes; its reply loop takes
+    :meth:`next_reply` until it gets :data:`fedpipe.messages.END`.
+    """
+
+    @property
+    def session_id(self) -> str: ...
+    @property
+    def device_id(self) -> str: ...
+    @property
+    def microbatch_size(self) -> int: ...
+    @property
+    def seq_len(self) -> int: ...
+    @property
+    def codecs(self) -> tuple[str, str]: ...
+
+    def submit(self, msg: StageMsg) -> None: ...
+    def echo(self, msg: StageMsg) -> None: ...
+    def finish(self) -> None: ...
+    def next_reply(self, timeout: float) -> object | None: ...
+    def fail(self, error: BaseException) -> None: ...
+    def close(self) -> None: ...
+
+
+class StageBackend(Protocol):
+    """The StageServer as its servicers see it. Every method raises a ``fedpipe.errors`` type
+    (mapped to a status code by :func:`fedpipe.wire.status.status_for`) on a refusal."""
+
+    @property
+    def split(self) -> SplitInfo: ...
+    @property
+    def max_message_bytes(self) -> int: ...
+
+    def open_session(self, request: SessionRequest) -> OpenedSession: ...
+    def attach(self, session_id: str) -> tuple[StreamPort, StreamOptions]: ...
+    def keep_delta(self, port: StreamPort, options: StreamOptions, cache: DeltaCache) -> None: ...
+    def close_session(self, session_id: str) -> int: ...
+    def begin_round(self, round_: int, run_id: str, aggregation: str) -> None: ...
+    def commit_round(self, round_: int, weights: dict[str, float]) -> CommitSummary: ...
+    def global_adapter(self) -> dict[str, torch.Tensor]: ...
+    def load_adapter(self, state: dict[str, torch.Tensor] | None) -> None: ...
