@@ -31,7 +31,7 @@ from transformers import LlamaConfig
 
 from fedpipe.lora import AdapterBank, BatchedAdapterBank, Group, LoraSettings
 from fedpipe.models import load_config, resolve_model
-from fedpipe.split import MiddleStage, build_stage, plan_split
+from fedpipe.split import MiddleStage, build_stage, split_layout
 
 SETTINGS = LoraSettings(r=8, alpha=16, seed=0)
 
@@ -40,7 +40,7 @@ def _stage(model: str) -> torch.nn.Module:
     """The middle stage: small-llama's from the registry, or SmolLM2-sized random blocks."""
     if model == "small-llama":
         folder = resolve_model("small-llama")
-        return build_stage(folder, plan_split(load_config(folder)), "middle")
+        return build_stage(folder, split_layout(load_config(folder)), "middle")
     config = LlamaConfig(  # SmolLM2-135M's shapes; 4 of its 30 blocks (a middle slice)
         hidden_size=576,
         intermediate_size=1536,

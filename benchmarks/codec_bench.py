@@ -40,7 +40,7 @@ from fedpipe.data.blocks import tokenize_blocks
 from fedpipe.data.documents import default_corpus
 from fedpipe.models import load_config, resolve_model
 from fedpipe.models.loading import load_tokenizer
-from fedpipe.split import plan_split
+from fedpipe.split import split_layout
 from fedpipe.split.build import build_device_stages, build_stage
 from fedpipe.wire.tensors import CODECS, encoded_nbytes, tensor_from_proto, tensor_to_proto
 
@@ -102,7 +102,7 @@ def corpus_ids(folder: Any, batch: int, seq_len: int) -> torch.Tensor:
 def load_split(model: str, head_layers: int, batch: int, seq_len: int) -> SplitModel:
     """Head, middle and one-block tail of ``model`` (frozen fp32) and ``batch`` corpus blocks."""
     folder = resolve_model(model)
-    plan = plan_split(load_config(folder), head_layers=head_layers, tail_layers=1)
+    plan = split_layout(load_config(folder), head_layers=head_layers, tail_layers=1)
     head, tail = build_device_stages(folder, plan)
     assert tail is not None
     middle = build_stage(folder, plan, "middle")
@@ -113,7 +113,7 @@ def load_split(model: str, head_layers: int, batch: int, seq_len: int) -> SplitM
 def head_output(model: str, head_layers: int, batch: int, seq_len: int) -> torch.Tensor:
     """(batch, seq_len, hidden): the first ``head_layers`` blocks run on corpus text."""
     folder = resolve_model(model)
-    plan = plan_split(load_config(folder), head_layers=head_layers, tail_layers=1)
+    plan = split_layout(load_config(folder), head_layers=head_layers, tail_layers=1)
     head, _ = build_device_stages(folder, plan)
     return head(corpus_ids(folder, batch, seq_len)).float()
 

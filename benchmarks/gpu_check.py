@@ -64,12 +64,12 @@ def _folder_stage(name: str) -> Build:
     def build(device: torch.device, dtype: torch.dtype) -> tuple[torch.nn.Module, Any]:
         from fedpipe.cli.preflight import default_split
         from fedpipe.models import load_config, resolve_model
-        from fedpipe.split import build_stage, plan_split
+        from fedpipe.split import build_stage, split_layout
 
         folder = resolve_model(name)
         config = load_config(folder)
         side = default_split(int(config.num_hidden_layers))
-        plan = plan_split(config, head_layers=side, tail_layers=side)
+        plan = split_layout(config, head_layers=side, tail_layers=side)
         return build_stage(folder, plan, "middle", dtype=dtype, device=device), config
 
     return build
@@ -79,11 +79,11 @@ def _llama_1b_stage(device: torch.device, dtype: torch.dtype) -> tuple[torch.nn.
     """The middle 12 blocks of a random ~1B Llama, built straight on the device (no files)."""
     from transformers import LlamaConfig
 
-    from fedpipe.split import plan_split
+    from fedpipe.split import split_layout
     from fedpipe.split.stages import MiddleStage, rotary_embedding
 
     config = LlamaConfig(**LLAMA_1B)
-    plan = plan_split(config, head_layers=2, tail_layers=2)
+    plan = split_layout(config, head_layers=2, tail_layers=2)
     torch.manual_seed(0)
     with torch.device(device):
         stage = MiddleStage(config, plan.server_blocks).to(dtype)

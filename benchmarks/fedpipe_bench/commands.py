@@ -294,10 +294,10 @@ def cmd_bench_memory(args: argparse.Namespace) -> int:
     check_model(config)
     from fedpipe.models import load_config as load_hf_config
     from fedpipe.models import resolve_model
-    from fedpipe.split import device_memory_report, plan_split
+    from fedpipe.split import device_memory_report, split_layout
 
     folder = resolve_model(config.model.name)
-    plan = plan_split(
+    plan = split_layout(
         load_hf_config(folder),
         head_layers=config.model.head_layers,
         tail_layers=config.model.tail_layers,

@@ -61,7 +61,7 @@ def _inrun_prediction(trainer: DeviceTrainer, events: list[Event], plan: dict[st
         tau_down_grad=link_occupancy(grad, down),
         lat_up=float(plan["link_rtt_s"]) / 2,
         lat_down=float(plan["link_rtt_s"]) / 2,
-        split=trainer.plan.mode,
+        split=trainer.layout.mode,
     )
     cap = int(plan.get("max_in_flight", 0)) or None
     return predict_step(comp, m, schedule=str(plan["schedule"]), max_in_flight=cap)[0]

@@ -30,7 +30,7 @@ from fedpipe.edge.runtime import split_batch
 from fedpipe.models import load_config as load_hf_config
 from fedpipe.models import load_tokenizer, resolve_model
 from fedpipe.privacy import ChannelNoise, LinkAccountant, releases_so_far
-from fedpipe.split import HeadStage, MiddleStage, TailStage, build_stage, plan_split
+from fedpipe.split import HeadStage, MiddleStage, TailStage, build_stage, split_layout
 from fedpipe_bench.privacy_attacks import (
     LabelAttack,
     PublicGradients,
@@ -121,7 +121,7 @@ def _config(size: BenchSize, head_layers: int) -> FedpipeConfig:
 
 @torch.no_grad()
 def _base(cfg: FedpipeConfig, folder: Path, public: Tensor) -> _Base:
-    plan = plan_split(
+    plan = split_layout(
         load_hf_config(folder),
         head_layers=cfg.model.head_layers,
         tail_layers=cfg.model.tail_layers,

@@ -9,7 +9,6 @@ through the operator's own process.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import ipaddress
 import os
@@ -22,7 +21,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-__all__ = ["CertificateFiles", "cmd_certs", "make_test_certificates"]
+__all__ = ["CertificateFiles", "make_test_certificates"]
 
 _LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
@@ -144,13 +143,3 @@ def _write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> Path:
     with os.fdopen(fd, "wb") as handle:
         handle.write(data)
     return path
-
-
-def cmd_certs(args: argparse.Namespace) -> int:
-    clients = args.client or ["serverapp", "device-0", "device-1"]
-    files = make_test_certificates(args.out, hosts=args.host or [], clients=clients, days=args.days)
-    print(f"CA                {files.ca}  (devices: --tls-ca; StageServer: server.tls_client_ca)")
-    print(f"server            {files.server_cert} {files.server_key}  (server.tls_cert, tls_key)")
-    for name, (cert, key) in files.clients.items():
-        print(f"client {name:<10} {cert} {key}")
-    return 0

@@ -30,7 +30,6 @@ from fedpipe.config import FedpipeConfig
 __all__ = ["Formatter", "add_command", "add_settings", "build_parser"]
 
 _D = FedpipeConfig()  # the defaults the help texts quote
-_COMMANDS = "fedpipe.cli.commands"
 _STRATEGIES = "fedavg | fedprox | fedadam | fedyogi | fedadagrad | fedavgm"
 
 
@@ -128,7 +127,7 @@ def _run_folder(p: argparse.ArgumentParser) -> None:
 # -- commands -----------------------------------------------------------------------------------
 def _add_simulate(sub: Any) -> None:
     p = add_command(
-        sub, "simulate", f"{_COMMANDS}:_cmd_simulate", "simulate devices on this machine"
+        sub, "simulate", "fedpipe.cli.simulate:cmd_simulate", "simulate devices on this machine"
     )
     add_settings(p)
     f = _D.federated
@@ -144,7 +143,7 @@ def _add_simulate(sub: Any) -> None:
 
 def _add_run(sub: Any) -> None:
     p = add_command(
-        sub, "run", f"{_COMMANDS}:_cmd_run", "launch a run on a deployment (server + clients)"
+        sub, "run", "fedpipe.cli.run:cmd_run", "launch a run on a deployment (server + clients)"
     )
     add_settings(p)
     _superlink(p)
@@ -168,7 +167,7 @@ def _add_run(sub: Any) -> None:
 
 def _add_client(sub: Any) -> None:
     p = add_command(
-        sub, "client", f"{_COMMANDS}:_cmd_client", "run one device (a Flower SuperNode)"
+        sub, "client", "fedpipe.cli.client:cmd_client", "run one device (a Flower SuperNode)"
     )
     _superlink(p)
     p.add_argument(
@@ -215,7 +214,7 @@ def _add_client(sub: Any) -> None:
 
 def _add_server(sub: Any) -> None:
     p = add_command(
-        sub, "server", "fedpipe.cli.main:cmd_server", "run the StageServer (and a SuperLink)"
+        sub, "server", "fedpipe.cli.server:cmd_server", "run the StageServer (and a SuperLink)"
     )
     add_settings(p)
     s = _D.server
@@ -271,7 +270,7 @@ def _add_register(sub: Any) -> None:
     p = add_command(
         sub,
         "register-node",
-        f"{_COMMANDS}:_cmd_register_node",
+        "fedpipe.cli.register:cmd_register_node",
         "register a device's public key at a SuperLink started with --node-auth",
     )
     p.add_argument("public_key", help="the device's ECDSA SECP384R1 public key (OpenSSH .pub)")
@@ -299,7 +298,7 @@ def _add_certs(sub: Any) -> None:
     p = add_command(
         sub,
         "certs",
-        "fedpipe.auth.certs:cmd_certs",
+        "fedpipe.cli.certs:cmd_certs",
         "make test certificates for TLS and mutual TLS on the stage link",
     )
     p.add_argument("--out", type=Path, required=True, help="folder for the PEM files")

@@ -18,8 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedpipe.config import FedpipeConfig
+from fedpipe.config import FedpipeConfig, parse_cuts
+from fedpipe.data import default_corpus, load_documents, partition, train_eval_split
 from fedpipe.errors import FedpipeError
+from fedpipe.link import link_names, parse_device_profile, parse_link, split_specs
 
 __all__ = [
     "SettingsError",
@@ -61,8 +63,6 @@ def check_file(path: str | Path, flag: str, what: str) -> Path:
 # -- names --------------------------------------------------------------------------------------
 def check_profiles(names: Sequence[str], setting: str) -> None:
     """Every entry is a device profile, a link name or an inline spec (`up=10,rtt=50ms`)."""
-    from fedpipe.link import parse_device_profile
-
     for name in names:
         try:
             parse_device_profile(name)
@@ -72,8 +72,6 @@ def check_profiles(names: Sequence[str], setting: str) -> None:
 
 def check_links(names: Sequence[str]) -> None:
     """Every entry is a named link or an inline spec (`up=10,down=25,rtt=50ms`)."""
-    from fedpipe.link import link_names, parse_link
-
     for name in names:
         try:
             parse_link(name)
@@ -84,7 +82,7 @@ def check_links(names: Sequence[str]) -> None:
 
 def check_strategy(name: str) -> None:
     """``federated.strategy`` is one fedpipe knows how to build."""
-    from fedpipe.fl.strategies import STRATEGIES
+    from fedpipe.fl.strategies import STRATEGIES  # deferred: imports Flower (about 0.4 s)
 
     if name.strip().lower() not in STRATEGIES:
         raise SettingsError(
@@ -96,8 +94,6 @@ def check_strategy(name: str) -> None:
 # -- data ---------------------------------------------------------------------------------------
 def check_data(path: str, setting: str) -> list[Any]:
     """The documents at ``path`` ("" = the bundled corpus); missing or empty data is an error."""
-    from fedpipe.data import default_corpus, load_documents
-
     if not path:
         return default_corpus()
     if not Path(path).expanduser().exists():
@@ -113,8 +109,6 @@ def check_data(path: str, setting: str) -> list[Any]:
 
 def check_partition(config: FedpipeConfig, docs: Sequence[Any], devices: int) -> None:
     """The held-out split and the partition of the rest over ``devices`` both work."""
-    from fedpipe.data import partition, train_eval_split
-
     fed, where = config.federated, config.federated.data or "the bundled corpus"
     try:
         train, _ = train_eval_split(docs, eval_fraction=fed.eval_fraction, seed=config.model.seed)
@@ -146,7 +140,7 @@ def _partition_advice(
 # -- model --------------------------------------------------------------------------------------
 def model_layers(name: str) -> tuple[int, int]:
     """(blocks, max positions) of model ``name`` (built or converted once into the cache)."""
-    from fedpipe.models import load_config, resolve_model
+    from fedpipe.models import load_config, resolve_model  # deferred: torch, transformers
 
     try:
         hf = load_config(resolve_model(name))
@@ -266,8 +260,6 @@ def check_tls_matches(
 
 # -- per command ---------------------------------------------------------------------------------
 def _check_common(config: FedpipeConfig) -> None:
-    from fedpipe.link import split_specs
-
     check_profiles(split_specs(config.federated.profiles), "federated.profiles")
     check_strategy(config.federated.strategy)
 
@@ -325,7 +317,7 @@ def check_stage_secret(
     """
     import grpc  # deferred: gRPC loads only for the commands that reach a server
 
-    from fedpipe.wire.control_client import StageControlClient
+    from fedpipe.wire.control_client import StageControlClient  # deferred: torch, gRPC
 
     secret = target.secret_file.read_text().strip() if target.secret_file else ""
     ca = Path(target.stage_ca).expanduser().read_bytes() if target.stage_ca else None
@@ -364,7 +356,7 @@ def _stage_refusal(address: str, exc: Any, target: RunTarget) -> str:
 
 
 @dataclass(frozen=True)
-class ServerPlan:
+class ServerSetup:
     """What `fedpipe server` is about to start."""
 
     stage_host: str
@@ -376,20 +368,20 @@ class ServerPlan:
     node_auth: bool
 
 
-def check_server(config: FedpipeConfig, plan: ServerPlan) -> None:
+def check_server(config: FedpipeConfig, setup: ServerSetup) -> None:
     """Ports free, TLS files present and complete, node auth only with TLS, model and split."""
-    for flag, path in (("--tls-ca", plan.tls_ca), ("--tls-cert", plan.tls_cert)):
+    for flag, path in (("--tls-ca", setup.tls_ca), ("--tls-cert", setup.tls_cert)):
         if path:
             check_file(path, flag, "certificate")
-    if plan.tls_key:
-        check_file(plan.tls_key, "--tls-key", "private key")
-    if bool(plan.tls_cert) != bool(plan.tls_key):
+    if setup.tls_key:
+        check_file(setup.tls_key, "--tls-key", "private key")
+    if bool(setup.tls_cert) != bool(setup.tls_key):
         raise SettingsError("--tls-cert and --tls-key go together: give both or neither")
-    if plan.superlink is not None and plan.tls_cert and not plan.tls_ca:
+    if setup.superlink is not None and setup.tls_cert and not setup.tls_ca:
         raise SettingsError(
             "a TLS SuperLink needs its CA too: add --tls-ca FILE (the CA that signed --tls-cert)"
         )
-    if plan.node_auth and not plan.tls_cert:
+    if setup.node_auth and not setup.tls_cert:
         raise SettingsError(
             "--node-auth needs TLS (Flower refuses node auth in plaintext): add --tls-ca, "
             "--tls-cert and --tls-key"
@@ -402,15 +394,15 @@ def check_server(config: FedpipeConfig, plan: ServerPlan) -> None:
                 "--device cuda: torch sees no CUDA GPU here; use --device auto (CUDA when "
                 "present, else CPU) or --device cpu"
             )
-    check_port_free(plan.stage_host, plan.stage_port, "--stage-server")
-    if plan.superlink is not None:
-        host, port = split_address(plan.superlink, "--superlink")
+    check_port_free(setup.stage_host, setup.stage_port, "--stage-server")
+    if setup.superlink is not None:
+        host, port = split_address(setup.superlink, "--superlink")
         check_port_free(host, port, "--superlink")
     check_model(config)
 
 
 @dataclass(frozen=True)
-class ClientPlan:
+class ClientSetup:
     """What `fedpipe client` is about to start."""
 
     superlink: str
@@ -429,8 +421,6 @@ class ClientPlan:
 
 
 def _check_cut(cut: str) -> None:
-    from fedpipe.config import parse_cuts
-
     try:
         if len(parse_cuts(cut, "--cut")) > 1:
             raise ValueError(f"--cut {cut!r}: a device runs one cut, such as 2+1")
@@ -438,30 +428,30 @@ def _check_cut(cut: str) -> None:
         raise SettingsError(str(exc)) from None
 
 
-def check_client(plan: ClientPlan) -> None:
+def check_client(setup: ClientSetup) -> None:
     """Partition, profile, data, key and CA files, its own port, and the servers' protocols."""
-    if not 0 <= plan.partition_id < plan.num_partitions:
+    if not 0 <= setup.partition_id < setup.num_partitions:
         raise SettingsError(
-            f"--partition-id {plan.partition_id} is outside 0..{plan.num_partitions - 1} "
-            f"(--num-partitions {plan.num_partitions})"
+            f"--partition-id {setup.partition_id} is outside 0..{setup.num_partitions - 1} "
+            f"(--num-partitions {setup.num_partitions})"
         )
-    check_profiles([plan.profile], "--profile")
-    _check_cut(plan.cut)
-    if plan.data:
-        check_data(plan.data, "--data")
-    for ca in (plan.superlink_ca, plan.stage_ca):
+    check_profiles([setup.profile], "--profile")
+    _check_cut(setup.cut)
+    if setup.data:
+        check_data(setup.data, "--data")
+    for ca in (setup.superlink_ca, setup.stage_ca):
         if ca:
             check_file(ca, "--tls-ca", "CA certificate")
-    if plan.auth_key:
-        check_file(plan.auth_key, "--auth-key", "private key")
-    if bool(plan.stage_cert) != bool(plan.stage_key):
+    if setup.auth_key:
+        check_file(setup.auth_key, "--auth-key", "private key")
+    if bool(setup.stage_cert) != bool(setup.stage_key):
         raise SettingsError("--tls-cert and --tls-key go together: give both or neither")
-    if plan.stage_cert:
-        check_file(plan.stage_cert, "--tls-cert", "client certificate")
-        check_file(plan.stage_key or "", "--tls-key", "private key")
-    split_address(plan.superlink, "--superlink")
-    if plan.supernode_port:
-        check_port_free("127.0.0.1", plan.supernode_port, "--supernode-port")
-    check_tls_matches(plan.superlink, plan.superlink_ca, "--superlink", "SuperLink")
-    if plan.stage_server:
-        check_tls_matches(plan.stage_server, plan.stage_ca, "--stage-server", "StageServer")
+    if setup.stage_cert:
+        check_file(setup.stage_cert, "--tls-cert", "client certificate")
+        check_file(setup.stage_key or "", "--tls-key", "private key")
+    split_address(setup.superlink, "--superlink")
+    if setup.supernode_port:
+        check_port_free("127.0.0.1", setup.supernode_port, "--supernode-port")
+    check_tls_matches(setup.superlink, setup.superlink_ca, "--superlink", "SuperLink")
+    if setup.stage_server:
+        check_tls_matches(setup.stage_server, setup.stage_ca, "--stage-server", "StageServer")

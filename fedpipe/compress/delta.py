@@ -56,7 +56,7 @@ __all__ = [
     "DeltaCache",
     "DeltaDecoder",
     "DeltaEncoder",
-    "DeltaPlan",
+    "DeltaRows",
 ]
 
 DELTA_BIT = 1 << 63  # set in a sample key: the row is a difference from the key's base
@@ -162,7 +162,7 @@ def _advance(digest: bytes, key: int, row: torch.Tensor) -> bytes:
 
 
 @dataclass
-class DeltaPlan:
+class DeltaRows:
     """One message's rows: their keys, and the bases of the rows sent as differences."""
 
     keys: list[int]
@@ -173,7 +173,7 @@ class DeltaPlan:
         return tuple(k | DELTA_BIT if i in self.bases else k for i, k in enumerate(self.keys))
 
 
-def _rebuild(decoded: torch.Tensor, plan: DeltaPlan, cache: DeltaCache) -> torch.Tensor:
+def _rebuild(decoded: torch.Tensor, plan: DeltaRows, cache: DeltaCache) -> torch.Tensor:
     """``decoded`` with each difference row's base added back, in place; stores every row."""
     for row, base in plan.bases.items():
         decoded[row].add_(base)
@@ -258,14 +258,14 @@ class DeltaEncoder:
             for row in rows
         ]
 
-    def prepare(self, x: torch.Tensor, inputs: torch.Tensor) -> tuple[torch.Tensor, DeltaPlan]:
+    def prepare(self, x: torch.Tensor, inputs: torch.Tensor) -> tuple[torch.Tensor, DeltaRows]:
         """(what to encode, the plan): rows with a base become their difference from it."""
         if inputs.shape[0] != x.shape[0]:
             raise ValueError(
                 f"delta coding needs one row of token ids per activation row: got "
                 f"{inputs.shape[0]} rows of ids for an activation of shape {tuple(x.shape)}"
             )
-        plan = DeltaPlan(self.keys_for(inputs))
+        plan = DeltaRows(self.keys_for(inputs))
         x = x.detach().to(torch.float32).cpu()
         for row, key in enumerate(plan.keys):
             base = self.cache.get(key)
@@ -280,7 +280,7 @@ class DeltaEncoder:
             x[row].sub_(base)
         return x, plan
 
-    def commit(self, plan: DeltaPlan, decoded: torch.Tensor) -> torch.Tensor:
+    def commit(self, plan: DeltaRows, decoded: torch.Tensor) -> torch.Tensor:
         """Store what the receiver rebuilds from ``decoded`` (the sender's decode of its send)."""
         return _rebuild(decoded, plan, self.cache)
 
@@ -301,7 +301,7 @@ class DeltaDecoder:
                 f"{msg}: {len(msg.sample_keys)} sample keys for {t.shape[0]} rows; "
                 "send one key per row"
             )
-        plan = DeltaPlan([k & _KEY_MASK for k in msg.sample_keys])
+        plan = DeltaRows([k & _KEY_MASK for k in msg.sample_keys])
         for row, wire_key in enumerate(msg.sample_keys):
             if wire_key & DELTA_BIT:
                 plan.bases[row] = self._base(msg, row, plan.keys[row], tuple(t.shape[1:]))

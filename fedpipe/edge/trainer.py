@@ -28,7 +28,7 @@ from fedpipe.lora.aggregation import BaseFold, split_deltas
 from fedpipe.models import load_config, model_family, model_fingerprint, resolve_model
 from fedpipe.models.cache import write_atomic
 from fedpipe.privacy import LinkDefence
-from fedpipe.split import SplitTerms, build_device_stages, plan_split
+from fedpipe.split import SplitTerms, build_device_stages, split_layout
 from fedpipe.trace import Tracer
 from fedpipe.wire.link_client import StageClient, StageSession
 
@@ -46,14 +46,14 @@ log = logging.getLogger(__name__)
 def split_terms(config: FedpipeConfig, folder: Path) -> SplitTerms:
     """What a device built from ``config`` and ``folder`` (model fingerprint and cut)."""
     hf_config = load_config(folder)
-    plan = plan_split(
+    layout = split_layout(
         hf_config,
         head_layers=config.model.head_layers,
         tail_layers=config.model.tail_layers,
         mode=config.model.split,  # type: ignore[arg-type]
     )
     return SplitTerms.of(
-        plan, fingerprint=model_fingerprint(folder), hidden_size=int(hf_config.hidden_size)
+        layout, fingerprint=model_fingerprint(folder), hidden_size=int(hf_config.hidden_size)
     )
 
 
@@ -68,13 +68,13 @@ def initial_device_adapters(config: FedpipeConfig, folder: Path) -> dict[str, to
     settings = lora_settings(config)
     out: dict[str, torch.Tensor] = {}
     for head_layers, tail_layers in config.model.offered_cuts:
-        plan = plan_split(
+        layout = split_layout(
             hf_config,
             head_layers=head_layers,
             tail_layers=tail_layers,
             mode=config.model.split,  # type: ignore[arg-type]
         )
-        for stage in build_device_stages(folder, plan):
+        for stage in build_device_stages(folder, layout):
             if stage is not None:
                 state = lora_state_dict(apply_lora(stage, settings, family))
                 out |= {k: v.detach().clone() for k, v in state.items() if k not in out}
@@ -198,7 +198,7 @@ class DeviceTrainer:
         config = self.config
         hf_config = load_config(self.folder)
         self.family = model_family(hf_config)
-        self.plan = plan_split(
+        self.layout = split_layout(
             hf_config,
             head_layers=cut[0],
             tail_layers=cut[1],
@@ -206,11 +206,11 @@ class DeviceTrainer:
         )
         # What the StageServer checks on OpenSession: the same weights, the same cut.
         self.split = SplitTerms.of(
-            self.plan,
+            self.layout,
             fingerprint=model_fingerprint(self.folder),
             hidden_size=int(hf_config.hidden_size),
         )
-        head, tail = build_device_stages(self.folder, self.plan)
+        head, tail = build_device_stages(self.folder, self.layout)
         settings = lora_settings(config)
         self.head = apply_lora(head, settings, self.family)
         self.tail = apply_lora(tail, settings, self.family) if tail is not None else None
@@ -220,7 +220,7 @@ class DeviceTrainer:
     @property
     def cut(self) -> tuple[int, int]:
         """(head, tail) blocks this device runs now."""
-        return self.plan.head_layers, self.plan.tail_layers
+        return self.layout.head_layers, self.layout.tail_layers
 
     def _freeze(self, config: FedpipeConfig) -> None:
         """Frozen-device mode trains nothing here; FFA-LoRA trains B only (A stays at init)."""

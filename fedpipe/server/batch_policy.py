@@ -1,7 +1,7 @@
 """Which queued work the StageServer computes next, and with whom: the batching policy as data.
 
 The runtime shows the policy a :class:`QueueView` (per session, in round-robin order, the kind,
-size and age of its first queued messages) and runs the :class:`Plan` it gets back: a list of
+size and age of its first queued messages) and runs the :class:`BatchChoice` it gets back: a list of
 (session, how many of its first messages) to compute in one call. The policy is a pure function
 of that view: tests drive it without torch, threads or clocks.
 
@@ -36,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import IntEnum
 
-__all__ = ["BatchPolicy", "Item", "Lane", "Plan", "QueueView", "SessionView", "plan_batch"]
+__all__ = ["BatchPolicy", "Item", "Lane", "BatchChoice", "QueueView", "SessionView", "choose_batch"]
 
 
 class Lane(IntEnum):
@@ -105,7 +105,7 @@ class QueueView:
 
 
 @dataclass(frozen=True)
-class Plan:
+class BatchChoice:
     """What to compute now: (session, how many of its first messages), in ring order."""
 
     picks: tuple[tuple[str, int], ...]
@@ -115,17 +115,17 @@ class Plan:
     end_turn: bool = True  # served sessions go to the back of the ring (False: quantum turns)
 
 
-def plan_batch(policy: BatchPolicy, view: QueueView) -> Plan | None:
+def choose_batch(policy: BatchPolicy, view: QueueView) -> BatchChoice | None:
     """The next call's work (None when nothing is queued)."""
     if not view.ring:
         return None
     if not policy.enabled:
         head = view.ring[0]
         first = head.items[0]
-        return Plan(((head.key, 1),), first.lane, first.tokens, end_turn=False)
+        return BatchChoice(((head.key, 1),), first.lane, first.tokens, end_turn=False)
     lane = _lane(policy, view)
     picks, tokens = _fill(policy, view, lane)
-    return Plan(picks, lane, tokens, wait_s=_wait(policy, view, lane, picks, tokens))
+    return BatchChoice(picks, lane, tokens, wait_s=_wait(policy, view, lane, picks, tokens))
 
 
 def _lane(policy: BatchPolicy, view: QueueView) -> Lane:

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from fedpipe.auth.calls import ControlVerifier
+from fedpipe.auth.tokens import InvalidTokenError, TokenLedger, check_secret, verify_token
 from fedpipe.config import FedpipeConfig, ServerConfig
 from fedpipe.errors import AuthError
 from fedpipe.lora import adapter_bank, lora_settings
@@ -15,7 +17,7 @@ from fedpipe.server.batch_policy import BatchPolicy
 from fedpipe.server.runtime import StageRuntime
 from fedpipe.server.sessions import RuntimeLimits
 from fedpipe.server.stage_server import StageServer
-from fedpipe.split import build_stage, plan_split
+from fedpipe.split import build_stage, split_layout
 from fedpipe.split.agreement import SplitInfo
 
 __all__ = [
@@ -82,19 +84,19 @@ def build_runtime(
     offered = config.model.offered_cuts
     for head, tail in offered:  # each offered cut must leave the server a block
         try:
-            plan_split(hf_config, head_layers=head, tail_layers=tail, mode=config.model.split)  # type: ignore[arg-type]
+            split_layout(hf_config, head_layers=head, tail_layers=tail, mode=config.model.split)  # type: ignore[arg-type]
         except ValueError as exc:
             raise ValueError(f"model.cuts: cut {head}+{tail} does not fit: {exc}") from None
     # The stage holds the union of the blocks every offered cut leaves to the server.
-    plan = plan_split(
+    layout = split_layout(
         hf_config,
         head_layers=min(h for h, _ in offered),
         tail_layers=min(t for _, t in offered),
         mode=config.model.split,  # type: ignore[arg-type]
     )
     device, dtype = pick_device(config.server.device, config.server.dtype)
-    part = "middle" if plan.mode == "u" else "server_loss"
-    stage = build_stage(folder, plan, part, dtype=dtype, device=device)  # type: ignore[arg-type]
+    part = "middle" if layout.mode == "u" else "server_loss"
+    stage = build_stage(folder, layout, part, dtype=dtype, device=device)  # type: ignore[arg-type]
     if device.type == "cpu":
         torch.set_num_threads(config.server.threads)
     max_positions = int(
@@ -103,7 +105,7 @@ def build_runtime(
     server = config.server
     runtime = StageRuntime(
         adapter_bank(stage, lora_settings(config), family=family, batched=server.batching),
-        mode=plan.mode,
+        mode=layout.mode,
         hidden_size=int(hf_config.hidden_size),
         device=device,
         dtype=dtype,
@@ -113,10 +115,10 @@ def build_runtime(
     )
     split = SplitInfo(
         model=config.model.name,
-        num_layers=plan.num_layers,
+        num_layers=layout.num_layers,
         head_layers=config.model.head_layers,
         tail_layers=config.model.tail_layers,
-        mode=plan.mode,
+        mode=layout.mode,
         hidden_size=int(hf_config.hidden_size),
         dtype=str(dtype).removeprefix("torch."),
         fingerprint=model_fingerprint(folder),
@@ -124,7 +126,7 @@ def build_runtime(
         vocab_size=int(hf_config.vocab_size),
         cuts=offered if len(offered) > 1 else (),
     )
-    log.info("server stage: %s on %s (%s)", plan, device, split.dtype)
+    log.info("server stage: %s on %s (%s)", layout, device, split.dtype)
     if len(offered) > 1:
         log.info("server offers cuts %s (head+tail)", ", ".join(f"{h}+{t}" for h, t in offered))
     return runtime, split
@@ -157,8 +159,6 @@ def runtime_limits(server: ServerConfig) -> RuntimeLimits:
 
 def _authenticator(secret: str):  # type: ignore[no-untyped-def]
     """Token checks for OpenSession: MAC, run, round, device, expiry, and one use each."""
-    from fedpipe.auth.tokens import InvalidTokenError, TokenLedger, check_secret, verify_token
-
     check_secret(secret)  # a bad secret fails here, at start-up, not on every OpenSession
     ledger = TokenLedger()
 
@@ -197,8 +197,6 @@ def build_stage_server(
     folder: Path | None = None,
 ) -> StageServer:
     """A ready-to-start StageServer; with ``secret``, sessions need tokens issued for the round."""
-    from fedpipe.auth.calls import ControlVerifier
-
     runtime, split = build_runtime(config, folder=folder)
     tls, client_ca = _tls_files(config.server)
     return StageServer(

@@ -45,7 +45,7 @@ from fedpipe.errors import (
 )
 from fedpipe.lora import AdapterBank, BatchedAdapterBank
 from fedpipe.messages import END, Kind, StageMsg
-from fedpipe.server.batch_policy import BatchPolicy, Lane, Plan, plan_batch
+from fedpipe.server.batch_policy import BatchChoice, BatchPolicy, Lane, choose_batch
 from fedpipe.server.commit import (
     KEEP_COMMITS,
     CommitResult,
@@ -396,17 +396,17 @@ class StageRuntime:
             except Exception:  # a bug here must not stop every session's compute
                 log.exception("the compute worker failed on a call of %d messages", len(taken))
 
-    def _next_batch(self) -> tuple[list[tuple[str, QueueItem]], Plan] | None:
+    def _next_batch(self) -> tuple[list[tuple[str, QueueItem]], BatchChoice] | None:
         """The work the policy picks, once there is some (None when stopped)."""
         with self._lock:  # sessions whose next message is on its way (gradients, steps)
             mid_step = {s.session_id for s in self._sessions.values() if s.cache and s.stream}
 
-        def choose(snap: Snapshot[str, QueueItem]) -> Plan | None:
-            return plan_batch(self.policy, queue_view(snap, mid_step, self._call_s))
+        def choose(snap: Snapshot[str, QueueItem]) -> BatchChoice | None:
+            return choose_batch(self.policy, queue_view(snap, mid_step, self._call_s))
 
         return self._queue.take_batch(choose, depth=self.policy.quantum)
 
-    def _serve_batch(self, taken: list[tuple[str, QueueItem]], plan: Plan) -> None:
+    def _serve_batch(self, taken: list[tuple[str, QueueItem]], plan: BatchChoice) -> None:
         """Run the messages of one call; resets and stream ends in their session's order."""
         start = time.perf_counter()
         work: list[tuple[SessionInfo, StageMsg, StreamHandle]] = []
@@ -462,7 +462,7 @@ class StageRuntime:
             info = self._sessions.get(session_id)
         return info.device_id if info is not None else "?"
 
-    def _trace(self, taken: list[tuple[str, QueueItem]], plan: Plan, start: float) -> None:
+    def _trace(self, taken: list[tuple[str, QueueItem]], plan: BatchChoice, start: float) -> None:
         if self.tracer is None:
             return
         args = trace_args(taken, plan, self._device_of)

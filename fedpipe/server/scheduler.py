@@ -1,7 +1,7 @@
 """What the compute worker sees of its queue: items as lanes, tokens and ages for the policy.
 
 The queue is a :class:`~fedpipe.server.fair_queue.FairQueue` of each session's messages (and
-markers); the policy (:func:`~fedpipe.server.batch_policy.plan_batch`) is a pure function of a
+markers); the policy (:func:`~fedpipe.server.batch_policy.choose_batch`) is a pure function of a
 :class:`~fedpipe.server.batch_policy.QueueView`. This module turns one into the other, and a
 computed call into its trace event.
 """
@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from fedpipe.messages import Kind, StageMsg
-from fedpipe.server.batch_policy import Item, Lane, Plan, QueueView, SessionView
+from fedpipe.server.batch_policy import BatchChoice, Item, Lane, QueueView, SessionView
 from fedpipe.server.fair_queue import Snapshot
 from fedpipe.server.streams import StreamHandle
 
@@ -48,7 +48,7 @@ def queue_view(snap: Snapshot[str, QueueItem], mid_step: set[str], call_s: float
 
 
 def trace_args(
-    taken: Sequence[tuple[str, QueueItem]], plan: Plan, device_of: Callable[[str], str]
+    taken: Sequence[tuple[str, QueueItem]], plan: BatchChoice, device_of: Callable[[str], str]
 ) -> dict[str, object]:
     """The trace event's arguments for one call: its sessions, devices, messages and size."""
     msgs = [item for _, (_, item) in taken if isinstance(item, StageMsg)]

@@ -2,8 +2,8 @@
 
 from fedpipe.split.agreement import SplitLike, SplitTerms, check_agreement
 from fedpipe.split.build import build_device_stages, build_stage, stage_blocks, stage_file_keys
+from fedpipe.split.layout import SplitLayout, SplitMode, split_layout
 from fedpipe.split.memory import device_memory_report
-from fedpipe.split.plan import SplitMode, SplitPlan, plan_split
 from fedpipe.split.stages import (
     IGNORE_INDEX,
     HeadStage,
@@ -21,14 +21,14 @@ __all__ = [
     "ServerLossStage",
     "SplitMode",
     "SplitLike",
-    "SplitPlan",
+    "SplitLayout",
     "SplitTerms",
     "TailStage",
     "build_device_stages",
     "build_stage",
     "check_agreement",
     "device_memory_report",
-    "plan_split",
+    "split_layout",
     "shifted_loss_sum",
     "sliding_window",
     "stage_blocks",

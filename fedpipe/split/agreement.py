@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from fedpipe.errors import SplitMismatchError
-from fedpipe.split.plan import SplitPlan
+from fedpipe.split.layout import SplitLayout
 
 __all__ = ["SplitInfo", "SplitLike", "SplitTerms", "check_agreement"]
 
@@ -47,13 +47,13 @@ class SplitTerms:
     hidden_size: int
 
     @classmethod
-    def of(cls, plan: SplitPlan, *, fingerprint: str, hidden_size: int) -> SplitTerms:
+    def of(cls, layout: SplitLayout, *, fingerprint: str, hidden_size: int) -> SplitTerms:
         return cls(
             fingerprint=fingerprint,
-            num_layers=plan.num_layers,
-            head_layers=plan.head_layers,
-            tail_layers=plan.tail_layers,
-            mode=plan.mode,
+            num_layers=layout.num_layers,
+            head_layers=layout.head_layers,
+            tail_layers=layout.tail_layers,
+            mode=layout.mode,
             hidden_size=hidden_size,
         )
 

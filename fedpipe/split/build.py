@@ -16,7 +16,7 @@ from torch import nn
 from fedpipe.errors import ModelFileError
 from fedpipe.models.loading import load_config
 from fedpipe.models.weights import WeightFiles
-from fedpipe.split.plan import SplitPlan
+from fedpipe.split.layout import SplitLayout
 from fedpipe.split.stages import (
     HeadStage,
     MiddleStage,
@@ -31,35 +31,37 @@ Part = Literal["head", "middle", "tail", "server_loss"]
 _BODY_PREFIXES = ("model.", "transformer.", "")
 
 
-def stage_blocks(plan: SplitPlan, part: Part) -> range:
+def stage_blocks(layout: SplitLayout, part: Part) -> range:
     """The global block indices ``part`` holds under ``plan`` (checking the part fits the mode)."""
     if part == "head":
-        return plan.head_blocks
-    if part == "middle" and plan.mode == "u":
-        return plan.server_blocks
-    if part == "tail" and plan.mode == "u":
-        return plan.tail_blocks
-    if part == "server_loss" and plan.mode == "two":
-        return plan.server_blocks
-    wanted = {"u": "head, middle, tail", "two": "head, server_loss"}[plan.mode]
-    raise ValueError(f"part {part!r} does not exist in mode {plan.mode!r}; its parts are: {wanted}")
+        return layout.head_blocks
+    if part == "middle" and layout.mode == "u":
+        return layout.server_blocks
+    if part == "tail" and layout.mode == "u":
+        return layout.tail_blocks
+    if part == "server_loss" and layout.mode == "two":
+        return layout.server_blocks
+    wanted = {"u": "head, middle, tail", "two": "head, server_loss"}[layout.mode]
+    raise ValueError(
+        f"part {part!r} does not exist in mode {layout.mode!r}; its parts are: {wanted}"
+    )
 
 
 def build_stage(
     folder: Path,
-    plan: SplitPlan,
+    layout: SplitLayout,
     part: Part,
     *,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
 ) -> nn.Module:
     """Build one stage of ``plan`` from ``folder`` with frozen base weights."""
-    return _build(Path(folder), plan, part, dtype=dtype, device=device)
+    return _build(Path(folder), layout, part, dtype=dtype, device=device)
 
 
 def build_device_stages(
     folder: Path,
-    plan: SplitPlan,
+    layout: SplitLayout,
     *,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
@@ -69,17 +71,17 @@ def build_device_stages(
     When the model ties its embedding and LM head, both stages share one tensor (one copy).
     """
     folder = Path(folder)
-    head = _build(folder, plan, "head", dtype=dtype, device=device)
-    if plan.mode == "two":
+    head = _build(folder, layout, "head", dtype=dtype, device=device)
+    if layout.mode == "two":
         return head, None
     shared = head.embedding.weight if _ties_embeddings(folder, head.config) else None
-    tail = _build(folder, plan, "tail", dtype=dtype, device=device, lm_head=shared)
+    tail = _build(folder, layout, "tail", dtype=dtype, device=device, lm_head=shared)
     return head, tail
 
 
 def _build(
     folder: Path,
-    plan: SplitPlan,
+    layout: SplitLayout,
     part: Part,
     *,
     dtype: torch.dtype,
@@ -87,12 +89,13 @@ def _build(
     lm_head: nn.Parameter | None = None,
 ) -> Any:
     config = load_config(folder)
-    if int(config.num_hidden_layers) != plan.num_layers:
+    if int(config.num_hidden_layers) != layout.num_layers:
         raise ValueError(
-            f"plan is for {plan.num_layers} blocks but {folder} has {config.num_hidden_layers}; "
-            "make the plan with plan_split(config) for this model"
+            f"layout is for {layout.num_layers} blocks but {folder} has "
+            f"{config.num_hidden_layers}; "
+            "make the layout with split_layout(config) for this model"
         )
-    stage = _meta_stage(config, plan, part)
+    stage = _meta_stage(config, layout, part)
     names = [n for n in stage.state_dict() if not (lm_head is not None and n == "lm_head.weight")]
     tensors = _read_tensors(folder, names, dtype=dtype, device=device)
     if lm_head is not None:
@@ -107,11 +110,11 @@ def _build(
     return stage.eval()
 
 
-def _meta_stage(config: Any, plan: SplitPlan, part: Part) -> Any:
+def _meta_stage(config: Any, layout: SplitLayout, part: Part) -> Any:
     """``part``'s modules on the meta device: its structure and names, no memory."""
     cls = {"head": HeadStage, "middle": MiddleStage, "tail": TailStage}.get(part, ServerLossStage)
     with torch.device("meta"):
-        return cls(config, stage_blocks(plan, part))
+        return cls(config, stage_blocks(layout, part))
 
 
 def _read_tensors(
@@ -126,9 +129,9 @@ def _read_tensors(
     return {name: tensors[key] for name, key in file_keys.items()}
 
 
-def stage_file_keys(folder: Path, plan: SplitPlan, part: Part) -> list[str]:
+def stage_file_keys(folder: Path, layout: SplitLayout, part: Part) -> list[str]:
     """The file keys of the tensors ``part`` reads (to check which shards a stage opens)."""
-    stage = _meta_stage(load_config(folder), plan, part)
+    stage = _meta_stage(load_config(folder), layout, part)
     keys = WeightFiles(folder).keys()
     prefix = _body_prefix(keys, folder)
     return [_file_key(name, prefix, keys) for name in stage.state_dict()]

@@ -19,7 +19,7 @@ import torch
 
 from fedpipe.models.loading import load_config
 from fedpipe.models.weights import WeightFiles
-from fedpipe.split.plan import SplitPlan
+from fedpipe.split.layout import SplitLayout
 from fedpipe.split.stages import HeadStage, TailStage
 
 __all__ = ["device_memory_report", "device_param_bytes"]
@@ -30,7 +30,7 @@ import torch
 from pathlib import Path
 torch.set_num_threads(1)
 from fedpipe.models import load_causal_lm
-from fedpipe.split import SplitPlan, build_device_stages
+from fedpipe.split import SplitLayout, build_device_stages
 
 def rss():
     for line in open("/proc/self/status"):
@@ -38,10 +38,10 @@ def rss():
             return int(line.split()[1]) * 1024
     return 0
 
-folder, what, plan = Path(sys.argv[1]), sys.argv[2], SplitPlan(**json.loads(sys.argv[3]))
+folder, what, layout = Path(sys.argv[1]), sys.argv[2], SplitLayout(**json.loads(sys.argv[3]))
 gc.collect()
 before = rss()
-built = build_device_stages(folder, plan) if what == "device" else load_causal_lm(folder)
+built = build_device_stages(folder, layout) if what == "device" else load_causal_lm(folder)
 modules = [m for m in (built if isinstance(built, tuple) else (built,)) if m is not None]
 with torch.no_grad():  # touch every tensor: memory-mapped weights count once paged in
     for module in modules:
@@ -54,15 +54,15 @@ print(json.dumps({"rss_growth": after - before, "peak_growth": max(0, peak - bef
 """
 
 
-def device_memory_report(folder: Path, plan: SplitPlan) -> dict[str, Any]:
+def device_memory_report(folder: Path, layout: SplitLayout) -> dict[str, Any]:
     """Device-side vs whole-model memory: fp32 parameter bytes and measured RSS growth."""
     folder = Path(folder)
-    device_bytes = device_param_bytes(folder, plan)
+    device_bytes = device_param_bytes(folder, layout)
     model_bytes = _file_param_bytes(folder)
-    device = _measure(folder, plan, "device")
-    whole = _measure(folder, plan, "model")
+    device = _measure(folder, layout, "device")
+    whole = _measure(folder, layout, "model")
     return {
-        "plan": str(plan),
+        "plan": str(layout),
         "device_param_bytes": device_bytes,
         "model_param_bytes": model_bytes,
         "param_fraction": device_bytes / model_bytes,
@@ -74,15 +74,15 @@ def device_memory_report(folder: Path, plan: SplitPlan) -> dict[str, Any]:
     }
 
 
-def device_param_bytes(folder: Path, plan: SplitPlan) -> int:
+def device_param_bytes(folder: Path, layout: SplitLayout) -> int:
     """fp32 bytes of the device's head (+ tail) parameters, a tied embedding counted once."""
     config = load_config(folder)
     with torch.device("meta"):
-        stages: list[torch.nn.Module] = [HeadStage(config, plan.head_blocks)]
-        if plan.mode == "u":
-            stages.append(TailStage(config, plan.tail_blocks))
+        stages: list[torch.nn.Module] = [HeadStage(config, layout.head_blocks)]
+        if layout.mode == "u":
+            stages.append(TailStage(config, layout.tail_blocks))
     numel = sum(p.numel() for s in stages for p in s.parameters())
-    if plan.mode == "u" and _tied(folder, config):
+    if layout.mode == "u" and _tied(folder, config):
         numel -= cast(TailStage, stages[1]).lm_head.weight.numel()  # shares the head's embedding
     return numel * 4
 
@@ -99,8 +99,8 @@ def _tied(folder: Path, config: Any) -> bool:
     return "lm_head.weight" not in WeightFiles(folder).keys()
 
 
-def _measure(folder: Path, plan: SplitPlan, what: str) -> dict[str, int]:
-    fields = {k: getattr(plan, k) for k in ("num_layers", "head_layers", "tail_layers", "mode")}
+def _measure(folder: Path, layout: SplitLayout, what: str) -> dict[str, int]:
+    fields = {k: getattr(layout, k) for k in ("num_layers", "head_layers", "tail_layers", "mode")}
     repo_root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo_root, env.get("PYTHONPATH")]))

@@ -15,8 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fedpipe.cli.commands import simulate
 from fedpipe.config import FedpipeConfig, load_config
+from fedpipe.launch.run import simulate
 from fedpipe.lora.aggregation import adapter_block
 
 pytestmark = pytest.mark.slow

@@ -54,7 +54,7 @@ def test_a_slow_device_moves_to_the_cut_with_fewer_device_blocks() -> None:
         assert "u:1+1" in str(first.plan["next"]), first.plan
         assert trainer.cut == (2, 1), "the cut changes with the next round's adapters"
         trainer.load_adapters(state)
-        assert trainer.cut == (1, 1) and trainer.plan.head_layers == 1
+        assert trainer.cut == (1, 1) and trainer.layout.head_layers == 1
         with StageClient(server.address) as client:
             second = trainer.train_round(client, _batches(1), round_=1)
         assert all(math.isfinite(s.loss) for s in second.steps)

@@ -27,9 +27,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fedpipe.cli.commands import _report, simulate
+from fedpipe.cli.run_args import report as _report
 from fedpipe.config import FedpipeConfig, load_config
 from fedpipe.launch.engines import flower_processes_under
+from fedpipe.launch.run import simulate
 
 pytestmark = pytest.mark.slow
 

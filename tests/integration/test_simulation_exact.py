@@ -15,8 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fedpipe.cli.commands import simulate
 from fedpipe.config import load_config
+from fedpipe.launch.run import simulate
 
 pytestmark = pytest.mark.slow
 

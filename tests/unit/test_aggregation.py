@@ -22,7 +22,7 @@ from fedpipe.lora.aggregation import aggregate_adapters, stack_adapters
 from fedpipe.lora.base import lora_layers
 from fedpipe.lora.batched_bank import BatchedAdapterBank
 from fedpipe.models import load_config, resolve_model
-from fedpipe.split import build_stage, plan_split
+from fedpipe.split import build_stage, split_layout
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(1)
@@ -38,7 +38,7 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _bank(folder: Path) -> AdapterBank:
-    return AdapterBank(build_stage(folder, plan_split(load_config(folder)), "middle"), SETTINGS)
+    return AdapterBank(build_stage(folder, split_layout(load_config(folder)), "middle"), SETTINGS)
 
 
 def _device_states(
@@ -116,7 +116,7 @@ def test_the_batched_bank_merges_exactly_and_restores_the_fold(
 ) -> None:
     """The StageServer's default (batched) bank aggregates as peft's bank does."""
     stage = build_stage(
-        folders["tiny-llama"], plan_split(load_config(folders["tiny-llama"])), "middle"
+        folders["tiny-llama"], split_layout(load_config(folders["tiny-llama"])), "middle"
     )
     bank = BatchedAdapterBank(stage, SETTINGS)
     original = _effective(bank)
@@ -134,7 +134,7 @@ def test_the_batched_bank_merges_exactly_and_restores_the_fold(
     saved = bank.global_state()
     assert any(k.endswith(".base_delta") for k in saved)
     fresh_stage = build_stage(
-        folders["tiny-llama"], plan_split(load_config(folders["tiny-llama"])), "middle"
+        folders["tiny-llama"], split_layout(load_config(folders["tiny-llama"])), "middle"
     )
     fresh = BatchedAdapterBank(fresh_stage, SETTINGS)
     fresh.set_global_state(saved)

@@ -12,13 +12,13 @@ import sys
 import pytest
 
 from fedpipe.server.batch_policy import (
+    BatchChoice,
     BatchPolicy,
     Item,
     Lane,
-    Plan,
     QueueView,
     SessionView,
-    plan_batch,
+    choose_batch,
 )
 from fedpipe.server.fair_queue import FairQueue, Snapshot
 
@@ -33,9 +33,9 @@ def _view(snap: Snapshot[str, Item], **extra: float) -> QueueView:
     return QueueView(ring, snap.served, snap.skipped, **extra)  # type: ignore[arg-type]
 
 
-def _take(q: Q, policy: BatchPolicy) -> tuple[list[tuple[str, Item]], Plan]:
+def _take(q: Q, policy: BatchPolicy) -> tuple[list[tuple[str, Item]], BatchChoice]:
     got = q.take_batch(
-        lambda snap: plan_batch(policy, _view(snap)), depth=policy.quantum, timeout=0
+        lambda snap: choose_batch(policy, _view(snap)), depth=policy.quantum, timeout=0
     )
     assert got is not None
     return got
@@ -76,7 +76,7 @@ def test_round_trips_first_then_eval_then_forwards() -> None:
             SessionView("b2", (Item(Lane.BACKWARD, 128), Item(Lane.FORWARD, 128))),
         )
     )
-    plan = plan_batch(BatchPolicy(), view)
+    plan = choose_batch(BatchPolicy(), view)
     assert plan is not None
     assert plan.lane is Lane.BACKWARD and plan.picks == (("b", 1), ("b2", 1))  # not b2's forward
     assert plan.tokens == 384
@@ -85,13 +85,13 @@ def test_round_trips_first_then_eval_then_forwards() -> None:
 def test_a_heavy_session_takes_its_share_and_the_budget_holds() -> None:
     heavy = SessionView("heavy", tuple(Item(Lane.FORWARD, 512) for _ in range(10)))
     light = [SessionView(f"l{i}", (Item(Lane.FORWARD, 256),) * 3) for i in range(3)]
-    plan = plan_batch(BatchPolicy(batch_tokens=2048, quantum=2), QueueView((heavy, *light)))
+    plan = choose_batch(BatchPolicy(batch_tokens=2048, quantum=2), QueueView((heavy, *light)))
     assert plan is not None
     # First pass: one each (512 + 3 x 256 = 1280); second pass: heavy's 512 fits, then one 256.
     assert plan.picks == (("heavy", 2), ("l0", 2), ("l1", 1), ("l2", 1))
     assert plan.tokens == 2048
     huge = SessionView("huge", (Item(Lane.FORWARD, 9000),))
-    plan = plan_batch(BatchPolicy(batch_tokens=2048), QueueView((huge, *light)))
+    plan = choose_batch(BatchPolicy(batch_tokens=2048), QueueView((huge, *light)))
     assert plan is not None and plan.picks == (("huge", 1),)  # the head runs, alone
 
 
@@ -126,7 +126,7 @@ def test_waiting_to_fill_is_a_measured_fraction_and_only_for_expected_work() -> 
     policy = BatchPolicy(max_wait_s=0.005, wait_fraction=0.25)
 
     def wait(**extra: float) -> float:
-        plan = plan_batch(policy, QueueView(ring, **extra))  # type: ignore[arg-type]
+        plan = choose_batch(policy, QueueView(ring, **extra))  # type: ignore[arg-type]
         assert plan is not None
         return plan.wait_s
 
@@ -134,9 +134,9 @@ def test_waiting_to_fill_is_a_measured_fraction_and_only_for_expected_work() -> 
     assert wait(expected=0, call_s=0.1) == 0.0  # nobody is mid-step: nothing will come
     assert wait(expected=2, call_s=0.012) == pytest.approx(0.003 - 0.001)  # 25 % of the call
     assert wait(expected=2, call_s=1.0) == pytest.approx(0.005 - 0.001)  # the cap
-    assert plan_batch(BatchPolicy(enabled=False), QueueView(ring, expected=3, call_s=1)) == Plan(
-        (("a", 1),), Lane.FORWARD, 256, end_turn=False
-    )
+    assert choose_batch(
+        BatchPolicy(enabled=False), QueueView(ring, expected=3, call_s=1)
+    ) == BatchChoice((("a", 1),), Lane.FORWARD, 256, end_turn=False)
 
 
 def test_take_batch_waits_then_takes_what_arrived() -> None:
@@ -144,12 +144,12 @@ def test_take_batch_waits_then_takes_what_arrived() -> None:
     q.put("a", Item(Lane.FORWARD, 256))
     calls: list[int] = []
 
-    def choose(snap: Snapshot[str, Item]) -> Plan | None:
+    def choose(snap: Snapshot[str, Item]) -> BatchChoice | None:
         calls.append(len(snap.ring))
         if len(calls) == 1:
             q.put("b", Item(Lane.FORWARD, 256))  # arrives while the worker waits
-            return Plan((("a", 1),), Lane.FORWARD, 256, wait_s=0.01)
-        return plan_batch(BatchPolicy(), _view(snap))
+            return BatchChoice((("a", 1),), Lane.FORWARD, 256, wait_s=0.01)
+        return choose_batch(BatchPolicy(), _view(snap))
 
     got = q.take_batch(choose, depth=2, timeout=0)
     assert got is not None

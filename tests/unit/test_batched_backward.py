@@ -21,7 +21,7 @@ from transformers import MistralConfig
 from fedpipe.lora import AdapterBank, BatchedAdapterBank, Group, LoraSettings
 from fedpipe.lora.batched_blocks import Tape
 from fedpipe.models import load_config, resolve_model
-from fedpipe.split import MiddleStage, build_stage, plan_split
+from fedpipe.split import MiddleStage, build_stage, split_layout
 
 torch.set_num_threads(1)
 SETTINGS = LoraSettings(r=4, alpha=8, seed=3, targets=("q_proj", "v_proj", "o_proj", "up_proj"))
@@ -110,7 +110,7 @@ def _forward(
 
 
 def test_one_backward_over_every_session_equals_solo(folder: Path) -> None:
-    solo, batched = _banks(build_stage(folder, plan_split(load_config(folder)), "middle"))
+    solo, batched = _banks(build_stage(folder, split_layout(load_config(folder)), "middle"))
     cases = _cases(64)
     taped = _forward(batched, cases)
     for (y, _), (name, x, _) in zip(taped, cases, strict=True):
@@ -124,7 +124,7 @@ def test_subsets_from_several_forward_calls_equal_solo(
     folder: Path, chunk_rows: int | None
 ) -> None:
     """Tapes of two forward calls, backward in two calls that mix them (and run by chunks)."""
-    solo, batched = _banks(build_stage(folder, plan_split(load_config(folder)), "middle"))
+    solo, batched = _banks(build_stage(folder, split_layout(load_config(folder)), "middle"))
     batched._runner.cpu_chunk_rows = chunk_rows
     cases = _cases(64, seed=1)
     tapes = [t for _, t in _forward(batched, cases[:3])] + [
@@ -159,7 +159,7 @@ def test_sliding_window_and_gqa_equal_the_hf_layers(fused: bool) -> None:
 
 
 def test_a_group_with_its_own_block_range_skips_the_others_in_backward(folder: Path) -> None:
-    stage = build_stage(folder, plan_split(load_config(folder)), "middle")
+    stage = build_stage(folder, split_layout(load_config(folder)), "middle")
     held = stage.block_indices
     _, batched = _banks(stage)
     short = MiddleStage(stage.config, held[1:])
@@ -184,7 +184,7 @@ def test_a_group_with_its_own_block_range_skips_the_others_in_backward(folder: P
 
 
 def test_frozen_heads_get_no_input_gradient_and_the_same_adapter_gradients(folder: Path) -> None:
-    solo, batched = _banks(build_stage(folder, plan_split(load_config(folder)), "middle"))
+    solo, batched = _banks(build_stage(folder, split_layout(load_config(folder)), "middle"))
     cases = _cases(64, seed=3)[:3]
     groups = [Group(n, x) for n, x, _ in cases]
     taped = batched.run_taped(groups, need_input_grad=[False, True, False])
@@ -198,7 +198,7 @@ def test_frozen_heads_get_no_input_gradient_and_the_same_adapter_gradients(folde
 
 def test_a_frozen_lora_a_gets_no_gradient(folder: Path) -> None:
     """FFA-LoRA trains B only: the backward leaves A's gradient as autograd would (None)."""
-    _, batched = _banks(build_stage(folder, plan_split(load_config(folder)), "middle"))
+    _, batched = _banks(build_stage(folder, split_layout(load_config(folder)), "middle"))
     params = batched.named_parameters("a")
     for key, p in params.items():
         if ".lora_A." in key:
@@ -210,7 +210,7 @@ def test_a_frozen_lora_a_gets_no_gradient(folder: Path) -> None:
 
 
 def test_a_wrong_gradient_shape_raises_and_accumulates_nothing(folder: Path) -> None:
-    _, batched = _banks(build_stage(folder, plan_split(load_config(folder)), "middle"))
+    _, batched = _banks(build_stage(folder, split_layout(load_config(folder)), "middle"))
     (_, ta), (_, tb) = batched.run_taped(
         [Group("a", torch.randn(1, 5, 64)), Group("b", torch.randn(2, 3, 64))]
     )
@@ -220,7 +220,7 @@ def test_a_wrong_gradient_shape_raises_and_accumulates_nothing(folder: Path) -> 
 
 
 def test_a_tape_is_freed_when_its_session_drops_it(folder: Path) -> None:
-    _, batched = _banks(build_stage(folder, plan_split(load_config(folder)), "middle"))
+    _, batched = _banks(build_stage(folder, split_layout(load_config(folder)), "middle"))
     (_, ta), (_, tb) = batched.run_taped(
         [Group("a", torch.randn(1, 5, 64)), Group("b", torch.randn(2, 8, 64))]
     )

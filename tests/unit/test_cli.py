@@ -123,13 +123,13 @@ def test_old_spellings_still_work_with_a_notice(
 
 
 def test_old_server_flags_compose_the_new_addresses() -> None:
-    from fedpipe.cli.main import _server_plan
+    from fedpipe.cli.server import _server_setup
     from fedpipe.config import FedpipeConfig
 
     args = build_parser().parse_args(
         ["server", "--port", "0", "--superlink", "--superlink-port", "8123"]
     )
-    plan = _server_plan(args, FedpipeConfig())
+    plan = _server_setup(args, FedpipeConfig())
     assert (plan.stage_host, plan.stage_port, plan.superlink) == ("127.0.0.1", 0, "127.0.0.1:8123")
 
 

@@ -21,7 +21,7 @@ from fedpipe.errors import SplitMismatchError
 from fedpipe.lora import AdapterBank, BatchedAdapterBank, Group, LoraSettings
 from fedpipe.lora.aggregation import adapter_block, aggregate_adapters, aggregate_held
 from fedpipe.models import load_config, resolve_model
-from fedpipe.split import SplitTerms, build_stage, check_agreement, plan_split
+from fedpipe.split import SplitTerms, build_stage, check_agreement, split_layout
 
 torch.set_num_threads(1)
 SETTINGS = LoraSettings(r=4, alpha=8, seed=3)
@@ -47,7 +47,7 @@ def _server_blocks(cut: tuple[int, int], num_layers: int) -> tuple[int, ...]:
 
 def _union_bank(folder: Path, mode: str) -> AdapterBank | BatchedAdapterBank:
     """The server's bank over the union stage (blocks 1.. of 4): batched where it can be."""
-    plan = plan_split(load_config(folder), head_layers=1, tail_layers=1, mode=mode)  # type: ignore[arg-type]
+    plan = split_layout(load_config(folder), head_layers=1, tail_layers=1, mode=mode)  # type: ignore[arg-type]
     stage = build_stage(folder, plan, "middle" if mode == "u" else "server_loss")
     if getattr(stage, "family", "") == "llama":
         return BatchedAdapterBank(stage, SETTINGS, family="llama")
@@ -57,7 +57,7 @@ def _union_bank(folder: Path, mode: str) -> AdapterBank | BatchedAdapterBank:
 def _solo_bank(folder: Path, cut: tuple[int, int], mode: str, state: dict) -> AdapterBank:  # type: ignore[type-arg]
     """peft's bank on a stage built for ``cut`` alone, holding adapter "s" = ``state``'s part."""
     config = load_config(folder)
-    plan = plan_split(config, head_layers=cut[0], tail_layers=cut[1], mode=mode)  # type: ignore[arg-type]
+    plan = split_layout(config, head_layers=cut[0], tail_layers=cut[1], mode=mode)  # type: ignore[arg-type]
     stage = build_stage(folder, plan, "middle" if mode == "u" else "server_loss")
     bank = AdapterBank(stage, SETTINGS, family=getattr(stage, "family"))  # noqa: B009
     held = plan.server_blocks
@@ -317,18 +317,19 @@ def test_device_adapters_of_different_cuts_average_per_block(tmp_path: Path) -> 
 
 
 def test_fedpipe_client_cut_flag_reaches_the_node_config_and_is_checked() -> None:
-    from fedpipe.cli.commands import _client_plan, _node_config
+    from fedpipe.cli.client import client_setup as _client_setup
+    from fedpipe.cli.client import node_config as _node_config
     from fedpipe.cli.parser import build_parser
     from fedpipe.cli.preflight import SettingsError, check_client
 
     args = build_parser().parse_args(["client", "--superlink", "127.0.0.1:9", "--cut", "2+1"])
-    assert _node_config(_client_plan(args))["cut"] == "2+1"
+    assert _node_config(_client_setup(args))["cut"] == "2+1"
     args = build_parser().parse_args(["client", "--superlink", "127.0.0.1:9", "--cut", "1+1,2+1"])
     with pytest.raises(SettingsError, match="--cut '1\\+1,2\\+1': a device runs one cut"):
-        check_client(_client_plan(args))
+        check_client(_client_setup(args))
     args = build_parser().parse_args(["client", "--superlink", "127.0.0.1:9", "--cut", "two"])
     with pytest.raises(SettingsError, match="--cut: 'two' is not a cut"):
-        check_client(_client_plan(args))
+        check_client(_client_setup(args))
 
 
 def test_the_server_refuses_an_offered_cut_that_leaves_it_no_block(folder: Path) -> None:

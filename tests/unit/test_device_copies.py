@@ -21,7 +21,7 @@ from fedpipe.server.device_copies import DeviceCopies, PinnedPool
 from fedpipe.server.executor import StageExecutor
 from fedpipe.server.runtime import StageRuntime
 from fedpipe.server.sessions import RuntimeLimits
-from fedpipe.split import build_stage, plan_split
+from fedpipe.split import build_stage, split_layout
 
 CPU = torch.device("cpu")
 SETTINGS = LoraSettings(r=4, alpha=8, seed=3)
@@ -185,7 +185,7 @@ def _one_step(runtime: StageRuntime, seed: int) -> list[StageMsg]:
 
 
 def test_a_runtime_with_staged_copies_answers_bit_identically(folder: Path) -> None:
-    plan = plan_split(load_config(folder))
+    plan = split_layout(load_config(folder))
     stage = build_stage(folder, plan, "middle")
     plain, staged = _runtime(stage, None), _runtime(stage, DeviceCopies(CPU, staged=True))
     try:
@@ -207,7 +207,7 @@ def test_a_runtime_with_staged_copies_answers_bit_identically(folder: Path) -> N
 
 
 def test_a_non_finite_reply_is_refused_with_staged_copies(folder: Path) -> None:
-    plan = plan_split(load_config(folder))
+    plan = split_layout(load_config(folder))
     runtime = _runtime(build_stage(folder, plan, "middle"), DeviceCopies(CPU, staged=True))
     try:
         handle = runtime.attach(runtime.open_session("dev", 1, microbatch_size=4, seq_len=16))
@@ -222,7 +222,7 @@ def test_a_non_finite_reply_is_refused_with_staged_copies(folder: Path) -> None:
 
 def test_replies_are_checked_for_nan_on_their_host_copies(folder: Path) -> None:
     """The GPU path's check: a reply computed on the device is judged on its copy back."""
-    plan = plan_split(load_config(folder))
+    plan = split_layout(load_config(folder))
     bank = BatchedAdapterBank(build_stage(folder, plan, "middle"), SETTINGS, family="llama")
     executor = StageExecutor(
         bank,
@@ -268,7 +268,7 @@ def test_cuda_uploads_go_through_pinned_buffers_on_a_side_stream() -> None:
 @needs_cuda
 def test_cuda_a_call_makes_no_synchronising_call(folder: Path) -> None:
     device = torch.device("cuda")
-    plan = plan_split(load_config(folder))
+    plan = split_layout(load_config(folder))
     stage = build_stage(folder, plan, "middle", dtype=torch.bfloat16, device=device)
     bank = BatchedAdapterBank(stage, SETTINGS, family="llama")
     runtime = StageRuntime(
@@ -292,7 +292,7 @@ def test_cuda_a_call_makes_no_synchronising_call(folder: Path) -> None:
 
 @needs_cuda
 def test_cuda_bf16_outputs_stay_within_tolerance_of_fp32(folder: Path) -> None:
-    plan = plan_split(load_config(folder))
+    plan = split_layout(load_config(folder))
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(2, 9, 64, generator=gen)
     outs = {}

@@ -17,7 +17,7 @@ import fedpipe.lora.batched_blocks as batched_blocks
 from fedpipe.lora import BatchedAdapterBank, Group, LoraSettings
 from fedpipe.lora.kernels import grouped_lora, grouped_lora_backward, grouped_lora_supported
 from fedpipe.models import load_config, resolve_model
-from fedpipe.split import build_stage, plan_split
+from fedpipe.split import build_stage, split_layout
 
 SIZES = [1, 16, 5, 42]  # rows per group: sizes differ, one group has a single row
 
@@ -126,7 +126,7 @@ def _bank_run(
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[list[torch.Tensor]]]:
     """Outputs, input gradients and adapter gradients of one batched call under ``mode``."""
     bank = BatchedAdapterBank(
-        build_stage(folder, plan_split(load_config(folder)), "middle"), BANK, family="llama"
+        build_stage(folder, split_layout(load_config(folder)), "middle"), BANK, family="llama"
     )
     bank._runner.grouped = mode  # type: ignore[assignment]
     gen = torch.Generator().manual_seed(1)

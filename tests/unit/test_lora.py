@@ -18,7 +18,7 @@ from fedpipe.lora import (
 )
 from fedpipe.lora.base import lora_layers
 from fedpipe.models import load_causal_lm, load_config, resolve_model
-from fedpipe.split import build_device_stages, build_stage, plan_split
+from fedpipe.split import build_device_stages, build_stage, split_layout
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(1)
@@ -46,7 +46,7 @@ def lora_grads(module: torch.nn.Module, adapter: str = "default") -> dict[str, t
 
 
 def u_stages(folder: Path, **plan_kwargs):
-    plan = plan_split(load_config(folder), **plan_kwargs)
+    plan = split_layout(load_config(folder), **plan_kwargs)
     head, tail = build_device_stages(folder, plan)
     middle = build_stage(folder, plan, "middle")
     return [
@@ -63,7 +63,7 @@ def test_lora_split_loss_and_grads_equal_unsplit(
     whole = apply_lora(load_causal_lm(folder), SETTINGS, family)
     adapter = random_adapter(lora_state_dict(whole), seed=7)  # nonzero B: the adapters matter
     load_lora_state_dict(whole, adapter)
-    plan = plan_split(load_config(folder), head_layers=1, tail_layers=1, mode=mode)
+    plan = split_layout(load_config(folder), head_layers=1, tail_layers=1, mode=mode)
     parts = ["head", "middle", "tail"] if mode == "u" else ["head", "server_loss"]
     stages = [apply_lora(build_stage(folder, plan, p), SETTINGS, family) for p in parts]
     for stage in stages:
@@ -119,7 +119,7 @@ def test_only_adapters_train(folders: dict[str, Path]) -> None:
 
 def test_no_blocks_means_no_adapters(folders: dict[str, Path]) -> None:
     folder = folders["tiny-llama"]
-    plan = plan_split(load_config(folder), head_layers=0, tail_layers=1)
+    plan = split_layout(load_config(folder), head_layers=0, tail_layers=1)
     head = apply_lora(build_stage(folder, plan, "head"), SETTINGS, "llama")
     assert lora_state_dict(head) == {}
     assert head(torch.tensor([[1, 2, 3]])).shape == (1, 3, 64)
@@ -149,7 +149,7 @@ def test_average_state_dicts() -> None:
 @pytest.fixture()
 def bank(folders: dict[str, Path]) -> AdapterBank:
     folder = folders["tiny-llama"]
-    return AdapterBank(build_stage(folder, plan_split(load_config(folder)), "middle"), SETTINGS)
+    return AdapterBank(build_stage(folder, split_layout(load_config(folder)), "middle"), SETTINGS)
 
 
 def test_bank_add_activate_remove(bank: AdapterBank) -> None:

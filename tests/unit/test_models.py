@@ -101,7 +101,7 @@ def test_family_gpt2_and_unsupported() -> None:
 
 @pytest.mark.slow
 def test_default_smollm2_split_matches_whole_model() -> None:
-    from fedpipe.split import build_device_stages, build_stage, plan_split
+    from fedpipe.split import build_device_stages, build_stage, split_layout
 
     folder = resolve_model("default")
     assert resolve_model("default") == folder  # cached
@@ -109,7 +109,7 @@ def test_default_smollm2_split_matches_whole_model() -> None:
     ids = torch.tensor([tok("The capital of France is Paris. It is a big city.").input_ids])
     with torch.no_grad():
         reference = load_causal_lm(folder)(ids, labels=ids).loss
-        plan = plan_split(load_config(folder), head_layers=2, tail_layers=2)
+        plan = split_layout(load_config(folder), head_layers=2, tail_layers=2)
         head, tail = build_device_stages(folder, plan)
         assert tail is not None
         loss_sum, count = tail(build_stage(folder, plan, "middle")(head(ids)), ids)
@@ -120,10 +120,10 @@ def test_default_smollm2_split_matches_whole_model() -> None:
 
 @pytest.mark.slow
 def test_device_memory_report_for_smollm2() -> None:
-    from fedpipe.split import device_memory_report, plan_split
+    from fedpipe.split import device_memory_report, split_layout
 
     folder = resolve_model("default")
-    report = device_memory_report(folder, plan_split(load_config(folder)))
+    report = device_memory_report(folder, split_layout(load_config(folder)))
     assert 0.1 < report["param_fraction"] < 0.5
     assert report["device_param_bytes"] < report["model_param_bytes"]
     assert 0 < report["device_rss_bytes"] < report["model_rss_bytes"]
@@ -141,7 +141,7 @@ def sharded(cache: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path
 
 
 def test_sharded_folder_splits_like_the_single_file(sharded: tuple[Path, Path]) -> None:
-    from fedpipe.split import build_device_stages, build_stage, plan_split
+    from fedpipe.split import build_device_stages, build_stage, split_layout
 
     folder, out = sharded
     assert (out / "model.safetensors.index.json").is_file()
@@ -150,7 +150,7 @@ def test_sharded_folder_splits_like_the_single_file(sharded: tuple[Path, Path]) 
     ids = torch.randint(0, 258, (2, 12), generator=torch.Generator().manual_seed(5))
     results = []
     for source in (folder, out):
-        plan = plan_split(load_config(source), head_layers=1, tail_layers=1)
+        plan = split_layout(load_config(source), head_layers=1, tail_layers=1)
         head, tail = build_device_stages(source, plan)
         middle = build_stage(source, plan, "middle")
         assert tail is not None
@@ -167,10 +167,10 @@ def test_each_stage_opens_only_the_shards_of_its_own_layers(
 ) -> None:
     import shutil
 
-    from fedpipe.split import build_stage, plan_split, stage_file_keys
+    from fedpipe.split import build_stage, split_layout, stage_file_keys
 
     _, out = sharded
-    plan = plan_split(load_config(out), head_layers=1, tail_layers=1)
+    plan = split_layout(load_config(out), head_layers=1, tail_layers=1)
     files = WeightFiles(out)
     head_files = files.files_for(stage_file_keys(out, plan, "head"))
     middle_files = files.files_for(stage_file_keys(out, plan, "middle"))
@@ -199,7 +199,7 @@ def test_corrupt_safetensors_gives_one_line_naming_the_file(
 ) -> None:
     import shutil
 
-    from fedpipe.split import build_stage, plan_split
+    from fedpipe.split import build_stage, split_layout
 
     folder = tmp_path / "broken"
     shutil.copytree(resolve_model("tiny-llama", cache_dir=cache), folder)
@@ -207,7 +207,7 @@ def test_corrupt_safetensors_gives_one_line_naming_the_file(
     data = weights.read_bytes()
     weights.write_bytes(b"\x13\x37" * 64 if damage == "garbage" else data[: len(data) // 2])
     with pytest.raises(ModelFileError) as info:
-        build_stage(folder, plan_split(load_config(folder)), "head")
+        build_stage(folder, split_layout(load_config(folder)), "head")
     text = _one_line(info.value)
     assert text.startswith(f"{weights}: ") and "truncated or corrupt" in text
 

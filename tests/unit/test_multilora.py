@@ -18,7 +18,7 @@ from transformers import MistralConfig
 
 from fedpipe.lora import AdapterBank, BatchedAdapterBank, Group, LoraSettings, adapter_bank
 from fedpipe.models import load_config, resolve_model
-from fedpipe.split import MiddleStage, build_stage, plan_split
+from fedpipe.split import MiddleStage, build_stage, split_layout
 
 torch.set_num_threads(1)
 SETTINGS = LoraSettings(r=4, alpha=8, seed=3)
@@ -72,7 +72,7 @@ def _close(got: list[torch.Tensor | None], want: list[torch.Tensor | None]) -> N
 
 
 def test_same_keys_init_and_state_as_the_peft_bank(folder: Path) -> None:
-    stage = build_stage(folder, plan_split(load_config(folder)), "middle")
+    stage = build_stage(folder, split_layout(load_config(folder)), "middle")
     solo, batched = _banks(stage)
     for name in ("global", "a"):
         want, got = solo.state_dict(name), batched.state_dict(name)
@@ -85,7 +85,7 @@ def test_same_keys_init_and_state_as_the_peft_bank(folder: Path) -> None:
 
 
 def test_u_mode_batched_equals_solo(folder: Path) -> None:
-    stage = build_stage(folder, plan_split(load_config(folder)), "middle")
+    stage = build_stage(folder, split_layout(load_config(folder)), "middle")
     solo, batched = _banks(stage)
     inputs = _inputs()
     gen = torch.Generator().manual_seed(9)
@@ -106,7 +106,7 @@ def test_u_mode_batched_equals_solo(folder: Path) -> None:
 
 
 def test_two_mode_loss_and_grads_equal_solo(folder: Path) -> None:
-    plan = plan_split(load_config(folder), mode="two")
+    plan = split_layout(load_config(folder), mode="two")
     solo, batched = _banks(build_stage(folder, plan, "server_loss"))
     inputs = _inputs(seed=4)
     want = []
@@ -132,7 +132,7 @@ def test_two_mode_loss_and_grads_equal_solo(folder: Path) -> None:
 
 
 def test_lone_backward_needs_and_costs_only_its_own_session(folder: Path) -> None:
-    stage = build_stage(folder, plan_split(load_config(folder)), "middle")
+    stage = build_stage(folder, split_layout(load_config(folder)), "middle")
     _, batched = _banks(stage)
     xa = torch.randn(1, 5, 64).requires_grad_(True)
     xb = torch.randn(2, 8, 64).requires_grad_(True)
@@ -172,7 +172,7 @@ def test_sliding_window_and_gqa_equal_the_hf_layers() -> None:
 
 
 def test_bank_api_add_remove_merge(folder: Path) -> None:
-    stage = build_stage(folder, plan_split(load_config(folder)), "middle")
+    stage = build_stage(folder, split_layout(load_config(folder)), "middle")
     bank = BatchedAdapterBank(stage, SETTINGS, family="llama")
     states = {n: _random_adapter(bank.global_state(), seed) for seed, n in enumerate("abc")}
     for name, state in states.items():
@@ -197,7 +197,7 @@ def test_bank_api_add_remove_merge(folder: Path) -> None:
 
 def test_adapter_bank_falls_back_where_batching_cannot_run(tmp_path: Path) -> None:
     folder = resolve_model("tiny-gpt2", cache_dir=tmp_path)
-    stage = build_stage(folder, plan_split(load_config(folder)), "middle")
+    stage = build_stage(folder, split_layout(load_config(folder)), "middle")
     bank = adapter_bank(stage, SETTINGS, family="gpt2")
     assert isinstance(bank, AdapterBank)
     bank.add("a")
@@ -207,7 +207,7 @@ def test_adapter_bank_falls_back_where_batching_cannot_run(tmp_path: Path) -> No
 
 def test_a_group_with_its_own_block_range_equals_a_stage_of_those_blocks(folder: Path) -> None:
     """Devices with other cuts in one call: each group runs only the blocks it names."""
-    plan = plan_split(load_config(folder))
+    plan = split_layout(load_config(folder))
     stage = build_stage(folder, plan, "middle")
     held = stage.block_indices
     assert len(held) >= 2

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from fedpipe.cli.commands import simulate
 from fedpipe.config import FedpipeConfig, load_config
+from fedpipe.launch.run import simulate
 from fedpipe.runs.folder import RunFolder
 from fedpipe.runs.resume import ResumeRefused, resume_settings
 

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from fedpipe.cli.main import _print_round_lines
+from fedpipe.cli.server import _print_round_lines
 
 
 def test_server_prints_its_round_lines_and_warnings_only(

@@ -11,10 +11,10 @@ import torch
 from fedpipe.models import load_causal_lm, load_config, resolve_model
 from fedpipe.split import (
     IGNORE_INDEX,
-    SplitPlan,
+    SplitLayout,
     build_device_stages,
     build_stage,
-    plan_split,
+    split_layout,
 )
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -28,7 +28,7 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {name: resolve_model(name, cache_dir=cache) for name in MODELS}
 
 
-def split_loss(folder: Path, plan: SplitPlan, ids: torch.Tensor, labels: torch.Tensor):
+def split_loss(folder: Path, plan: SplitLayout, ids: torch.Tensor, labels: torch.Tensor):
     if plan.mode == "u":
         head, tail = build_device_stages(folder, plan)
         return tail(build_stage(folder, plan, "middle")(head(ids)), labels)
@@ -42,7 +42,7 @@ def test_split_loss_equals_unsplit(folders: dict[str, Path], name: str, mode: st
     folder = folders[name]
     ids = torch.randint(0, 258, (2, 16), generator=torch.Generator().manual_seed(0))
     reference = load_causal_lm(folder)(ids, labels=ids).loss
-    plan = plan_split(load_config(folder), head_layers=1, tail_layers=2, mode=mode)
+    plan = split_layout(load_config(folder), head_layers=1, tail_layers=2, mode=mode)
     loss_sum, count = split_loss(folder, plan, ids, ids)
     assert count == 2 * 15
     torch.testing.assert_close(loss_sum / count, reference, rtol=1e-6, atol=1e-6)
@@ -55,7 +55,7 @@ def test_right_padding_is_ignored_in_the_loss(folders: dict[str, Path], name: st
     labels = ids.clone()
     labels[1, 7:] = IGNORE_INDEX  # row 1 is 7 tokens then pads
     reference = load_causal_lm(folder)(ids, labels=labels).loss
-    loss_sum, count = split_loss(folder, plan_split(load_config(folder)), ids, labels)
+    loss_sum, count = split_loss(folder, split_layout(load_config(folder)), ids, labels)
     assert count == 11 + 6
     torch.testing.assert_close(loss_sum / count, reference, rtol=1e-6, atol=1e-6)
 
@@ -64,7 +64,7 @@ def test_right_padding_is_ignored_in_the_loss(folders: dict[str, Path], name: st
 def test_tail_logits_match_unsplit(folders: dict[str, Path], name: str) -> None:
     folder = folders[name]
     ids = torch.randint(0, 258, (1, 9), generator=torch.Generator().manual_seed(2))
-    plan = plan_split(load_config(folder), head_layers=2, tail_layers=1)
+    plan = split_layout(load_config(folder), head_layers=2, tail_layers=1)
     head, tail = build_device_stages(folder, plan)
     assert tail is not None
     logits = tail.logits(build_stage(folder, plan, "middle")(head(ids)))
@@ -78,7 +78,7 @@ def _whole_params(folder: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("name", MODELS)
 def test_each_stage_holds_only_its_blocks(folders: dict[str, Path], name: str) -> None:
     folder = folders[name]
-    plan = plan_split(load_config(folder), head_layers=1, tail_layers=1)
+    plan = split_layout(load_config(folder), head_layers=1, tail_layers=1)
     whole = _whole_params(folder)
     blocks = "model.layers." if name == "tiny-llama" else "transformer.h."
 
@@ -110,7 +110,7 @@ def test_each_stage_holds_only_its_blocks(folders: dict[str, Path], name: str) -
 
 def test_base_weights_are_frozen_and_tail_alone_loads_tied_head(folders: dict[str, Path]) -> None:
     folder = folders["tiny-llama"]
-    plan = plan_split(load_config(folder))
+    plan = split_layout(load_config(folder))
     tail = build_stage(folder, plan, "tail")
     head = build_stage(folder, plan, "head")
     assert not any(p.requires_grad for p in tail.parameters())
@@ -121,20 +121,20 @@ def test_base_weights_are_frozen_and_tail_alone_loads_tied_head(folders: dict[st
 
 def test_stage_dtype(folders: dict[str, Path]) -> None:
     folder = folders["tiny-llama"]
-    middle = build_stage(folder, plan_split(load_config(folder)), "middle", dtype=torch.bfloat16)
+    middle = build_stage(folder, split_layout(load_config(folder)), "middle", dtype=torch.bfloat16)
     assert {p.dtype for p in middle.parameters()} == {torch.bfloat16}
     out = middle(torch.randn(1, 5, 64, dtype=torch.bfloat16))
     assert out.shape == (1, 5, 64) and out.dtype == torch.bfloat16
 
 
 def test_plan_ranges() -> None:
-    plan = SplitPlan(num_layers=6, head_layers=2, tail_layers=1)
+    plan = SplitLayout(num_layers=6, head_layers=2, tail_layers=1)
     assert (plan.head_blocks, plan.server_blocks, plan.tail_blocks) == (
         range(0, 2),
         range(2, 5),
         range(5, 6),
     )
-    two = SplitPlan(num_layers=6, head_layers=2, tail_layers=0, mode="two")
+    two = SplitLayout(num_layers=6, head_layers=2, tail_layers=0, mode="two")
     assert two.server_blocks == range(2, 6) and len(two.tail_blocks) == 0
 
 
@@ -153,17 +153,17 @@ def test_plan_ranges() -> None:
 )
 def test_plan_validation_errors(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        SplitPlan(**kwargs)
+        SplitLayout(**kwargs)
 
 
-def test_plan_split_and_part_errors(folders: dict[str, Path]) -> None:
+def test_split_layout_and_part_errors(folders: dict[str, Path]) -> None:
     folder = folders["tiny-llama"]
     config = load_config(folder)
-    assert plan_split(config, mode="two") == SplitPlan(4, 1, 0, "two")
+    assert split_layout(config, mode="two") == SplitLayout(4, 1, 0, "two")
     with pytest.raises(ValueError, match="does not exist in mode 'two'"):
-        build_stage(folder, plan_split(config, mode="two"), "middle")
-    with pytest.raises(ValueError, match="plan is for 6 blocks.*has 4"):
-        build_stage(folder, SplitPlan(6, 1, 1), "head")
+        build_stage(folder, split_layout(config, mode="two"), "middle")
+    with pytest.raises(ValueError, match="layout is for 6 blocks.*has 4"):
+        build_stage(folder, SplitLayout(6, 1, 1), "head")
 
 
 # -- sliding-window attention (Mistral; Qwen2 with use_sliding_window) -----------------------------
@@ -198,7 +198,7 @@ def test_sliding_window_shorter_than_the_sequence_is_computed_exactly(
     ids = torch.randint(0, 258, (2, 16), generator=torch.Generator().manual_seed(4))
     whole = load_causal_lm(folder)
     reference = whole(ids, labels=ids).loss
-    plan = plan_split(load_config(folder), head_layers=1, tail_layers=1)
+    plan = split_layout(load_config(folder), head_layers=1, tail_layers=1)
     loss_sum, count = split_loss(folder, plan, ids, ids)
     torch.testing.assert_close(loss_sum / count, reference, rtol=1e-6, atol=1e-6)
     # The window matters here: ignoring it (a window as long as the sequence) changes the loss.

@@ -18,7 +18,7 @@ from fedpipe.messages import Kind, StageMsg
 from fedpipe.models import load_config, resolve_model
 from fedpipe.server.executor import StageExecutor
 from fedpipe.server.sessions import SessionInfo
-from fedpipe.split import build_stage, plan_split
+from fedpipe.split import build_stage, split_layout
 
 torch.set_num_threads(1)
 SETTINGS = LoraSettings(r=4, alpha=8, seed=3)
@@ -62,7 +62,7 @@ class Side:
 
 
 def _sides(folder: Path, mode: str) -> tuple[Side, Side]:
-    plan = plan_split(load_config(folder), mode=mode)  # type: ignore[arg-type]
+    plan = split_layout(load_config(folder), mode=mode)  # type: ignore[arg-type]
     stage = build_stage(folder, plan, "middle" if mode == "u" else "server_loss")
     solo = Side(AdapterBank(copy.deepcopy(stage), SETTINGS, family="llama"), mode)
     return solo, Side(BatchedAdapterBank(stage, SETTINGS, family="llama"), mode)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-from fedpipe.cli.commands import nest
+from fedpipe.launch.run import nest
 from fedpipe.runs.folder import RunFolder
 from fedpipe.runs.report import LiveReport, format_record, report_lines
 from fedpipe.runs.summary import build_summary, judge

@@ -35,7 +35,7 @@ from fedpipe.edge.planner.plan import (
     LinkFigures,
     Measured,
     Options,
-    Plan,
+    StepPlan,
     divisors,
     figures_for_cut,
     link_drift,
@@ -44,8 +44,8 @@ from fedpipe.edge.planner.plan import (
 from fedpipe.edge.runtime import DeviceRuntime, StepResult
 from fedpipe.link import ComputeThrottle
 from fedpipe.split.agreement import SplitTerms
+from fedpipe.split.layout import SplitLayout
 from fedpipe.split.memory import device_param_bytes
-from fedpipe.split.plan import SplitPlan
 from fedpipe.trace import Event, Tracer
 from fedpipe.wire.link_client import StageSession
 
@@ -61,7 +61,7 @@ class PlannedDevice(Protocol):
     config: FedpipeConfig
     device_id: str
     folder: Path
-    plan: SplitPlan
+    layout: SplitLayout
     split: SplitTerms
     tracer: Tracer
     throttle: ComputeThrottle | None
@@ -81,17 +81,18 @@ class DevicePlanner:
         self.trainer = trainer
         cfg = trainer.config
         self.pipe, self.train = cfg.pipeline, cfg.train
-        self.cut = f"{trainer.plan.mode}:{trainer.plan.head_layers}+{trainer.plan.tail_layers}"
+        layout = trainer.layout
+        self.cut = f"{layout.mode}:{layout.head_layers}+{layout.tail_layers}"
         # Cuts the server offers (model.cuts): the first plan picks one; it applies from the
         # next round, whose adapters the device then loads into stages built for it.
-        self.cuts = {f"{trainer.plan.mode}:{h}+{t}": (h, t) for h, t in cfg.model.offered_cuts}
+        self.cuts = {f"{trainer.layout.mode}:{h}+{t}": (h, t) for h, t in cfg.model.offered_cuts}
         self.per_cut: dict[str, Measured] = {}
         self.next_cut: tuple[int, int] | None = None
-        self.cut_plan: Plan | None = None  # the best plan over every offered cut
+        self.cut_plan: StepPlan | None = None  # the best plan over every offered cut
         self.cut_chosen = len(self.cuts) < 2
         self.figures: Measured | None = None  # compute figures (the link is replaced per plan)
-        self.plan: Plan | None = None  # what this session runs
-        self.best: Plan | None = None  # the best plan, whatever the session's codecs
+        self.plan: StepPlan | None = None  # what this session runs
+        self.best: StepPlan | None = None  # the best plan, whatever the session's codecs
         self.link: LinkFigures | None = None  # this session's probe
         self.why = ""  # why the last plan was made
         self.walls: list[float] = []  # this session's steps under the plan
@@ -136,7 +137,7 @@ class DevicePlanner:
         result: StepResult,
         batch: dict[str, torch.Tensor],
     ) -> None:
-        """Plan after the first session's second step; record later steps' times.
+        """StepPlan after the first session's second step; record later steps' times.
 
         The first step warms both sides (allocators, caches, the server's new adapter); its
         server times run slow, so the plan reads the second step's replies only.
@@ -158,7 +159,7 @@ class DevicePlanner:
         """The cut chosen for the next round; the planner starts over with it (measures anew)."""
         assert self.next_cut is not None
         cut, self.next_cut = self.next_cut, None
-        self.cut = f"{self.trainer.plan.mode}:{cut[0]}+{cut[1]}"
+        self.cut = f"{self.trainer.layout.mode}:{cut[0]}+{cut[1]}"
         self.figures = self.plan = self.best = None
         return cut
 
@@ -196,7 +197,7 @@ class DevicePlanner:
         server, s_opt, c_opt = server_times(step, device, rows)
         budget = 0
         if pipe.memory_cap_mb > 0:
-            params = device_param_bytes(trainer.folder, trainer.plan)
+            params = device_param_bytes(trainer.folder, trainer.layout)
             budget = max(1, int(pipe.memory_cap_mb * 2**20) - params)
         assert self.link is not None, "begin() probes the link first"
         figures = Measured(
@@ -210,7 +211,7 @@ class DevicePlanner:
             memory_budget_bytes=budget,
             c_opt=c_opt,
             s_opt=s_opt,
-            split=trainer.plan.mode,
+            split=trainer.layout.mode,
         )
         if not self.cut_chosen:
             self.per_cut = self._per_cut(figures, sizes, throttle)
@@ -227,14 +228,14 @@ class DevicePlanner:
         for name, cut in self.cuts.items():
             budget = 0
             if self.pipe.memory_cap_mb > 0:
-                plan = SplitPlan(trainer.plan.num_layers, cut[0], cut[1], trainer.plan.mode)
-                params = device_param_bytes(trainer.folder, plan)
+                layout = SplitLayout(trainer.layout.num_layers, cut[0], cut[1], trainer.layout.mode)
+                params = device_param_bytes(trainer.folder, layout)
                 budget = max(1, int(self.pipe.memory_cap_mb * 2**20) - params)
             out[name] = figures_for_cut(
                 figures,
                 current=trainer.cut,
                 cut=cut,
-                num_layers=trainer.plan.num_layers,
+                num_layers=trainer.layout.num_layers,
                 block=block,
                 memory_budget_bytes=budget,
             )
@@ -284,7 +285,7 @@ class DevicePlanner:
             codec_pair=pair,
         )
 
-    def _within(self, session: StageSession, link: LinkFigures) -> Plan:
+    def _within(self, session: StageSession, link: LinkFigures) -> StepPlan:
         """The best plan with the codecs ``session`` was opened with."""
         assert self.figures is not None
         pair = (session.codec, session.gradient_codec or session.codec)
@@ -292,10 +293,10 @@ class DevicePlanner:
         return plan_step(figures, self._options(pair))
 
     @staticmethod
-    def _codecs(plan: Plan) -> tuple[str, str]:
+    def _codecs(plan: StepPlan) -> tuple[str, str]:
         return plan.codec, plan.gradient_codec
 
-    def _best(self, link: LinkFigures) -> Plan:
+    def _best(self, link: LinkFigures) -> StepPlan:
         """The best plan for ``link`` over every allowed codec pair."""
         assert self.figures is not None
         return plan_step({self.cut: replace(self.figures, link=link)}, self._options())

@@ -24,7 +24,7 @@ __all__ = [
     "Measured",
     "OpTimes",
     "Options",
-    "Plan",
+    "StepPlan",
     "divisors",
     "link_drift",
     "plan_step",
@@ -101,7 +101,7 @@ class Options:
 
 
 @dataclass(frozen=True)
-class Plan:
+class StepPlan:
     """A device's choice and the step time the model predicts for it."""
 
     cut: str
@@ -227,7 +227,7 @@ def _fit_memory(figures: Measured, schedule: str, m: int, rows: int, cap: int) -
     return int(fits) if fits >= 1 else None
 
 
-def _candidates(cut: str, figures: Measured, options: Options) -> list[Plan]:
+def _candidates(cut: str, figures: Measured, options: Options) -> list[StepPlan]:
     plans = []
     counts = [m for m in options.microbatches if figures.batch_size % m == 0]
     pairs = [options.codec_pair] if options.codec_pair else _codec_pairs(options.codecs)
@@ -240,11 +240,11 @@ def _candidates(cut: str, figures: Measured, options: Options) -> list[Plan]:
             continue
         comp = components(figures, rows, codec, grad)
         t, term = predict_step(comp, m, schedule=schedule, max_in_flight=cap or None)
-        plans.append(Plan(cut, m, schedule, codec, grad, cap, t, term, figures.link))
+        plans.append(StepPlan(cut, m, schedule, codec, grad, cap, t, term, figures.link))
     return plans
 
 
-def _rank(plan: Plan, options: Options) -> tuple[float, int, int, int]:
+def _rank(plan: StepPlan, options: Options) -> tuple[float, int, int, int]:
     """Shortest predicted step; ties go to the preferred schedule, then lossless, then fewer
     microbatches (less per-message overhead)."""
     order = {name: i for i, name in enumerate(PREFERENCE)}
@@ -252,7 +252,7 @@ def _rank(plan: Plan, options: Options) -> tuple[float, int, int, int]:
     return (round(plan.predicted_s, 9), order.get(plan.schedule, 9), lossy, plan.microbatches)
 
 
-def plan_step(measured: Mapping[str, Measured], options: Options) -> Plan:
+def plan_step(measured: Mapping[str, Measured], options: Options) -> StepPlan:
     """The plan with the shortest predicted step over every offered cut (``measured`` keys).
 
     Raises ``ValueError`` naming the figures when no candidate fits (no measured size for the

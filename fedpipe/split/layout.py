@@ -1,4 +1,4 @@
-"""Which transformer blocks run where: a pure, validated plan.
+"""Which transformer blocks run where: a pure, validated layout.
 
 U mode (default): the device runs blocks [0, head) and [num - tail, num) plus embeddings, final
 norm, LM head and the loss, so text and labels stay on it; the server runs the middle. Mode "two":
@@ -11,13 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-__all__ = ["SplitMode", "SplitPlan", "plan_split"]
+__all__ = ["SplitMode", "SplitLayout", "split_layout"]
 
 SplitMode = Literal["u", "two"]
 
 
 @dataclass(frozen=True)
-class SplitPlan:
+class SplitLayout:
     """Block counts per side; block indices are global (0 .. num_layers - 1)."""
 
     num_layers: int
@@ -63,7 +63,7 @@ class SplitPlan:
 
     def __str__(self) -> str:
         return (
-            f"SplitPlan[{self.mode}] head {_fmt(self.head_blocks)} | server "
+            f"SplitLayout[{self.mode}] head {_fmt(self.head_blocks)} | server "
             f"{_fmt(self.server_blocks)} | tail {_fmt(self.tail_blocks)} of {self.num_layers}"
         )
 
@@ -72,9 +72,9 @@ def _fmt(blocks: range) -> str:
     return f"{blocks.start}..{blocks.stop - 1}" if len(blocks) else "-"
 
 
-def plan_split(
+def split_layout(
     config: Any, *, head_layers: int = 1, tail_layers: int = 1, mode: SplitMode = "u"
-) -> SplitPlan:
-    """A plan for ``config``'s block count; in mode "two" ``tail_layers`` is forced to 0."""
+) -> SplitLayout:
+    """A layout for ``config``'s block count; in mode "two" ``tail_layers`` is forced to 0."""
     num_layers = int(config.num_hidden_layers)
-    return SplitPlan(num_layers, head_layers, 0 if mode == "two" else tail_layers, mode)
+    return SplitLayout(num_layers, head_layers, 0 if mode == "two" else tail_layers, mode)

@@ -1,0 +1,159 @@
+"""``fedpipe server``: the StageServer, and with ``--superlink`` a Flower SuperLink beside it."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from fedpipe.auth.tokens import new_secret
+from fedpipe.cli.main import EXIT_FAILED, config_from_args
+from fedpipe.cli.preflight import ServerSetup, check_server, split_address
+from fedpipe.config import FedpipeConfig
+from fedpipe.launch.processes import Certificates, start_superlink
+from fedpipe.server.build import build_stage_server
+
+__all__ = ["cmd_server"]
+
+log = logging.getLogger("fedpipe")
+
+
+def _server_secret(args: argparse.Namespace) -> str | None:
+    """``--secret``, ``--secret-file`` (created with a new secret if missing) or FEDPIPE_SECRET."""
+    if args.secret and args.secret_file:
+        raise ValueError("give --secret or --secret-file, not both")
+    if args.secret_file:
+        path = Path(args.secret_file).expanduser()
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.touch(mode=0o600)
+            path.write_text(new_secret())
+            print(f"fedpipe: wrote a new secret to {path}", file=sys.stderr, flush=True)
+        secret = path.read_text().strip()
+        if not secret:
+            raise ValueError(f"--secret-file: {path} is empty; delete it to get a new secret")
+        return secret
+    return args.secret or os.environ.get("FEDPIPE_SECRET") or None
+
+
+def _server_setup(args: argparse.Namespace, config: FedpipeConfig) -> Any:
+    """Where the StageServer and the SuperLink listen, and their TLS files, from the flags."""
+    host, port = config.server.host, config.server.port
+    if args.stage_server:
+        host, port = split_address(args.stage_server, "--stage-server")
+    host, port = args.legacy_host or host, port if args.legacy_port is None else args.legacy_port
+    superlink = args.superlink
+    if superlink is not None:
+        link_host, link_port = split_address(superlink, "--superlink")
+        link_host = args.legacy_superlink_host or link_host
+        if args.legacy_superlink_port is not None:
+            link_port = int(args.legacy_superlink_port)
+        superlink = f"{link_host}:{link_port}"
+    ca, cert, key = args.legacy_tls or (args.tls_ca, args.tls_cert, args.tls_key)
+    return ServerSetup(host, port, superlink, ca, cert, key, args.node_auth)
+
+
+def cmd_server(args: argparse.Namespace) -> int:
+    """`fedpipe server`: the StageServer, and a SuperLink with ``--superlink``."""
+    tls = {"server.tls_cert": args.tls_cert, "server.tls_key": args.tls_key}
+    config = config_from_args(
+        args, **{"model.name": args.model, "server.device": args.device, **tls}
+    )
+    plan = _server_setup(args, config)
+    check_server(config, plan)
+    secret = _server_secret(args)
+    if args.cpu is not None:
+        os.sched_setaffinity(0, {args.cpu})
+    if secret is None:
+        log.warning("no secret: the StageServer accepts sessions without tokens (local use only)")
+    # Handlers first: a SIGTERM or SIGHUP that arrives while the SuperLink starts still shuts
+    # both down.
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda *_: stop.set())
+    server = build_stage_server(
+        config.with_overrides({"server.host": plan.stage_host}), secret=secret, port=plan.stage_port
+    ).start()
+    _print_round_lines()
+    superlink = None
+    try:
+        print(f"fedpipe: StageServer listening on {server.address}", file=sys.stderr, flush=True)
+        if plan.superlink is not None and not stop.is_set():
+            superlink = _start_superlink(args, plan)
+        if args.port_file:  # written once everything serves: its presence means "ready"
+            tmp = Path(str(args.port_file) + ".tmp")
+            tmp.write_text(str(server.port))
+            tmp.replace(args.port_file)
+        return _serve_until_stopped(stop, superlink)
+    finally:
+        if superlink is not None:
+            superlink.stop()
+        server.stop(grace=2.0)
+        print("fedpipe: server stopped", file=sys.stderr, flush=True)
+
+
+class _RoundLines(logging.Filter):
+    """Only the StageServer's round lines: begun, committed (merged, discarded, dropped)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage().startswith("round ")
+
+
+def _print_round_lines() -> None:
+    """`fedpipe server` prints a line as each round begins and is committed; with -v they are
+    in the INFO log already."""
+    server_log = logging.getLogger("fedpipe.server.stage_server")
+    if server_log.getEffectiveLevel() <= logging.INFO:
+        return
+    rounds = logging.StreamHandler(sys.stderr)
+    rounds.setFormatter(logging.Formatter("fedpipe: %(message)s"))
+    rounds.addFilter(_RoundLines())
+    warnings = logging.StreamHandler(sys.stderr)
+    warnings.setLevel(logging.WARNING)
+    warnings.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    server_log.setLevel(logging.INFO)
+    server_log.propagate = False  # its own handlers: round lines and warnings, as before
+    server_log.addHandler(rounds)
+    server_log.addHandler(warnings)
+
+
+def _start_superlink(args: argparse.Namespace, plan: Any) -> Any:
+
+    host, port = split_address(plan.superlink, "--superlink")
+    certificates = None
+    if plan.tls_cert:
+        certificates = Certificates(Path(plan.tls_ca), Path(plan.tls_cert), Path(plan.tls_key))
+    superlink = start_superlink(
+        host=host,
+        port=port or None,  # 0 = any free port
+        certificates=certificates,
+        insecure=certificates is None,
+        enable_node_auth=args.node_auth,
+        database=args.superlink_database,
+        workdir=args.workdir,
+    )
+    print(
+        f"fedpipe: Flower SuperLink at {superlink.address} "
+        f"({'TLS' if certificates else 'insecure'}{', node auth' if args.node_auth else ''}; "
+        f"pid {superlink.pid}, log {superlink.log_path})",
+        file=sys.stderr,
+        flush=True,
+    )
+    return superlink
+
+
+def _serve_until_stopped(stop: threading.Event, superlink: Any) -> int:
+    while not stop.wait(1.0):
+        if superlink is not None and not superlink.alive():
+            print(
+                f"fedpipe: the SuperLink exited (rc {superlink.popen.returncode}); "
+                f"log {superlink.log_path}",
+                file=sys.stderr,
+            )
+            return EXIT_FAILED
+    return 0
