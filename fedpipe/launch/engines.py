@@ -2,7 +2,7 @@
 
 fedpipe never vendors its apps into the bundle that `flwr run` uploads. `write_flower_app`
 writes a project that holds only a `pyproject.toml` whose components point into an
-*installed* package (``fedpipe.fl.apps:server_app``); the SuperLink and SuperNodes
+*installed* package (``fedpipe.fl.server_app:server_app``); the SuperLink and SuperNodes
 import it from their own environment, so data files and compiled protos come from
 site-packages. `flwr run` checks statically that the component modules are importable
 in its own environment and that the attribute is a plain top-level assignment

@@ -27,8 +27,8 @@ from fedpipe.server.build import build_stage_server
 
 __all__ = ["CLIENT_APP", "SERVER_APP", "deploy_run", "nest", "simulate", "write_app"]
 
-SERVER_APP = "fedpipe.fl.apps:server_app"
-CLIENT_APP = "fedpipe.fl.apps:client_app"
+SERVER_APP = "fedpipe.fl.server_app:server_app"
+CLIENT_APP = "fedpipe.fl.client_app:client_app"
 
 
 def nest(flat: dict[str, Any]) -> dict[str, Any]:

@@ -222,9 +222,7 @@ def test_the_server_app_carries_cumulative_device_deltas(tmp_path: Path) -> None
 
     from flwr.app import ArrayRecord, MetricRecord
 
-    from fedpipe.fl.apps import _aggregate_exactly, _held, _Rounds
-    from fedpipe.fl.device_work import RunSettings
-    from fedpipe.runs.folder import RunFolder
+    from fedpipe.fl.aggregate import ExactState, aggregate_exactly, held
 
     gen = torch.Generator().manual_seed(0)
     template = {
@@ -239,11 +237,9 @@ def test_the_server_app_carries_cumulative_device_deltas(tmp_path: Path) -> None
         )
         for s, n in zip(states, (1, 3), strict=True)
     ]
-    policy = FederatedConfig(aggregation="exact")
-    rounds = _Rounds(None, RunFolder.open(tmp_path, "r"), RunSettings(), 0, policy=policy)  # type: ignore[arg-type]
-    rounds.device_initial, rounds.lora_scale = template, 2.0
-    rounds.device_deltas = {"l": torch.ones(5, 6)}  # what earlier rounds folded
-    arrays, _ = _aggregate_exactly(rounds, _held(replies), (ArrayRecord({}), None))  # type: ignore[arg-type]
+    state = ExactState("exact", 2.0, device_initial=template)
+    state.device_deltas = {"l": torch.ones(5, 6)}  # what earlier rounds folded
+    arrays, _ = aggregate_exactly(state, held(replies), (ArrayRecord({}), None))  # type: ignore[arg-type]
     got = arrays.to_torch_state_dict()  # type: ignore[union-attr]
     mean_ba = sum(
         w * s["l.lora_B.weight"] @ s["l.lora_A.weight"]

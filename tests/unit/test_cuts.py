@@ -271,10 +271,8 @@ def test_device_adapters_of_different_cuts_average_per_block(tmp_path: Path) -> 
     the devices whose cut holds it; a block no device holds keeps its global value."""
     from flwr.serverapp.strategy import FedAvg
 
-    from fedpipe.config import FederatedConfig
-    from fedpipe.fl.apps import _aggregate_exactly, _held, _pad_to_union, _Rounds
-    from fedpipe.fl.device_work import RunSettings
-    from fedpipe.runs.folder import RunFolder
+    from fedpipe.fl.aggregate import ExactState, aggregate_exactly, pad_to_union
+    from fedpipe.fl.aggregate import held as held_by
 
     gen = torch.Generator().manual_seed(0)
 
@@ -289,14 +287,11 @@ def test_device_adapters_of_different_cuts_average_per_block(tmp_path: Path) -> 
     device_b = {k: v for b in (0, 2, 3) for k, v in layer_state(b).items()}  # cut 1+2
     for mode in ("separate", "exact"):
         replies = [_flower_reply(device_a, 1), _flower_reply(device_b, 3)]
-        held = _held(replies)  # type: ignore[arg-type]
-        _pad_to_union(replies, held, global_state)  # type: ignore[arg-type]
+        held = held_by(replies)  # type: ignore[arg-type]
+        pad_to_union(replies, held, global_state)  # type: ignore[arg-type]
         arrays, _ = FedAvg().aggregate_train(1, replies)  # type: ignore[arg-type]
-        rounds = _Rounds(None, RunFolder.open(tmp_path, mode), RunSettings(), 0)  # type: ignore[arg-type]
-        rounds.policy = FederatedConfig(aggregation=mode)
-        rounds.device_global, rounds.lora_scale = global_state, 2.0
-        rounds.device_initial = global_state
-        arrays, _ = _aggregate_exactly(rounds, held, (arrays, None))
+        state = ExactState(mode, 2.0, device_initial=global_state, device_global=global_state)
+        arrays, _ = aggregate_exactly(state, held, (arrays, None))
         got = arrays.to_torch_state_dict()  # type: ignore[union-attr]
         for key, value in global_state.items():
             block = adapter_block(key)

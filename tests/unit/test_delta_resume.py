@@ -278,7 +278,7 @@ def test_a_device_process_per_round_resumes_from_its_file(
 
 
 def test_a_clientapp_keeps_its_cache_file_on_its_own_host(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    from fedpipe.fl.apps import _delta_dir
+    from fedpipe.fl.client_app import _delta_dir
     from fedpipe.fl.device_work import RunSettings
 
     monkeypatch.setenv("FLWR_HOME", str(tmp_path / "home"))

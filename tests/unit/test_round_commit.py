@@ -15,9 +15,9 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, MetricRecord
 
-from fedpipe.fl.apps import _Rounds
 from fedpipe.fl.device_work import RunSettings
 from fedpipe.fl.rounds import DeviceBook, RoundGrid, StopRun
+from fedpipe.fl.server_app import _Rounds
 from fedpipe.runs.folder import RunFolder
 from fedpipe.wire.control_client import Committed
 

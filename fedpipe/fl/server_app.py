@@ -1,4 +1,4 @@
-"""fedpipe's Flower apps: the ServerApp drives rounds, each ClientApp trains one device.
+"""fedpipe's ServerApp: it drives the rounds.
 
 Flower carries only what is aggregated once per round (the device-side LoRA adapters) and
 metrics; per-step traffic goes over fedpipe's stage link. Each round the ServerApp tells the
@@ -12,44 +12,34 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, cast
+from typing import cast
 
-import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
-from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
 from fedpipe.auth.tokens import issue_token
-from fedpipe.config import FederatedConfig, FedpipeConfig, format_cut
+from fedpipe.config import FederatedConfig, FedpipeConfig
 from fedpipe.edge.trainer import initial_device_adapters
-from fedpipe.fl.adapter_dp import adapter_clipping_mod, with_adapter_dp
-from fedpipe.fl.device_work import (
-    DeviceWork,
-    RunSettings,
-    evaluate_split,
-    run_settings,
-    server_run_settings,
-)
+from fedpipe.fl.adapter_dp import with_adapter_dp
+from fedpipe.fl.aggregate import ExactState, aggregate_exactly, held, non_finite, pad_to_union
+from fedpipe.fl.device_work import DeviceWork, RunSettings, evaluate_split, server_run_settings
 from fedpipe.fl.rounds import DeviceBook, RoundGrid, StopRun
 from fedpipe.fl.strategies import make_strategy
-from fedpipe.lora.aggregation import DELTA_SUFFIX, aggregate_held, split_deltas
+from fedpipe.lora.aggregation import split_deltas
 from fedpipe.runs.folder import RunFolder
 from fedpipe.runs.tensorboard import Board
 from fedpipe.wire.control_client import StageControlClient
 
-__all__ = ["client_app", "server_app"]
+__all__ = ["server_app"]
 
 log = logging.getLogger(__name__)
 
 server_app = ServerApp()
-client_app = ClientApp(mods=[adapter_clipping_mod])  # clips adapters only if the round asks
 
 
-# -- ServerApp --------------------------------------------------------------------------------
 class _Rounds:
     """Per-round hooks around a Flower strategy: tokens, commit, and the round offset on resume."""
 
@@ -74,10 +64,7 @@ class _Rounds:
         self.stats: dict[str, float | int] = {}  # the last committed round's, for its record
         self.failures_total = 0
         self.started = self.round_started = time.time()
-        self.device_initial: dict[str, torch.Tensor] = {}  # the seeded adapters (`stack`)
-        self.lora_scale = 1.0  # alpha / r of the device adapters
-        self.device_deltas: dict[str, torch.Tensor] = {}  # folded so far (`exact`, `stack`)
-        self.device_global: dict[str, torch.Tensor] = {}  # the adapters sent out this round
+        self.exact = ExactState(mode=self.policy.aggregation)  # `exact`, `stack` across rounds
 
     def log(self, record: dict[str, object]) -> None:
         """One metrics record: metrics.jsonl (read live by the CLI) and TensorBoard."""
@@ -161,7 +148,7 @@ class _Rounds:
         """The replies whose device adapters are finite; the others are failures, not averaged."""
         kept = []
         for reply in replies:
-            bad = [] if reply.has_error() else _non_finite(reply)
+            bad = [] if reply.has_error() else non_finite(reply)
             if bad:
                 self._fail(
                     reply.metadata.src_node_id,
@@ -195,12 +182,6 @@ def _log_privacy(round_: int, ok: list[Message]) -> None:
         log.info("round %d: stage link privacy (max over devices, per sample): %s", round_, text)
 
 
-def _non_finite(reply: Message) -> list[str]:
-    """Names of the reply's adapter tensors holding NaN or Inf."""
-    arrays = cast(ArrayRecord, reply.content["arrays"]).to_torch_state_dict()
-    return [name for name, tensor in arrays.items() if not bool(torch.isfinite(tensor).all())]
-
-
 def _snake_case(metrics: dict[str, object]) -> dict[str, object]:
     """Flower's metric keys (``train-loss``, kept for the strategies' ``num-examples``) as
     metrics.jsonl keys (``train_loss``)."""
@@ -225,82 +206,25 @@ def _round_stats(ok: list[Message], failed: int) -> dict[str, float | int]:
     return stats
 
 
-def _held(replies: list[Message]) -> tuple[list[dict[str, torch.Tensor]], list[float]]:
-    """Each finished device's adapters as it sent them (its cut's blocks) and its weight."""
-    ok = [r for r in replies if not r.has_error()]
-    states = [dict(cast(ArrayRecord, r.content["arrays"]).to_torch_state_dict()) for r in ok]
-    return states, [float(cast(int, r.content["metrics"]["num-examples"])) for r in ok]
-
-
-def _pad_to_union(
-    replies: list[Message],
-    held: tuple[list[dict[str, torch.Tensor]], list[float]],
-    global_state: dict[str, torch.Tensor],
-) -> None:
-    """Devices of different cuts hold different blocks: fill each reply's missing keys.
-
-    A key a device lacks gets the weighted mean over the devices that hold it (a key nobody
-    holds: its global value). Any strategy that averages the replies by ``num-examples``
-    then gets, per key, the mean over its holders with their weights renormalised, and a
-    block no device ran keeps its global value. Replies of one cut are left as they are.
-    """
-    states, weights = held
-    union = dict.fromkeys([*global_state, *(k for s in states for k in s)])
-    if all(set(s) == set(union) for s in states):
-        return
-    merged, _ = aggregate_held(states, weights, "separate", scale=1.0, initial={})
-    fill = {**global_state, **merged}
-    ok = [r for r in replies if not r.has_error()]
-    for reply, state in zip(ok, states, strict=True):
-        full = {k: state[k] if k in state else fill[k] for k in union}
-        reply.content["arrays"] = ArrayRecord({k: v.contiguous() for k, v in full.items()})
-
-
-def _aggregate_exactly(
-    rounds: _Rounds,
-    held: tuple[list[dict[str, torch.Tensor]], list[float]],
-    result: tuple[ArrayRecord | None, object],
-) -> tuple[ArrayRecord | None, object]:
-    """``exact`` / ``stack``: the device adapters aggregated by fedpipe, base deltas folded.
-
-    Each layer over the devices that hold it (their cut's blocks); a layer nobody ran keeps
-    its global value. The global arrays then carry the cumulative deltas (``*.base_delta``)
-    down to every device each round (dense: out x in values per adapted layer) and into the
-    checkpoints.
-    """
-    mode = rounds.policy.aggregation
-    states, weights = held
-    if mode not in ("exact", "stack") or not states or result[0] is None:
-        return result
-    merged, deltas = aggregate_held(
-        states, weights, mode, scale=rounds.lora_scale, initial=rounds.device_initial
-    )
-    merged = {**rounds.device_global, **merged}
-    total = dict(rounds.device_deltas)
-    for name, delta in deltas.items():
-        total[name] = total[name] + delta if name in total else delta
-    rounds.device_deltas = total
-    arrays = {**merged, **{k + DELTA_SUFFIX: v.contiguous() for k, v in total.items()}}
-    return ArrayRecord(arrays), result[1]
-
-
 def _wrap_strategy(strategy, rounds: _Rounds):  # type: ignore[no-untyped-def]
     base = type(strategy)
 
     class FedpipeStrategy(base):  # type: ignore[misc, valid-type]
         def configure_train(self, server_round, arrays, config, grid):  # type: ignore[no-untyped-def]
             rounds.begin(server_round, grid)
-            rounds.device_global, rounds.device_deltas = split_deltas(arrays.to_torch_state_dict())
+            rounds.exact.device_global, rounds.exact.device_deltas = split_deltas(
+                arrays.to_torch_state_dict()
+            )
             return rounds.configure(
                 server_round, super().configure_train(server_round, arrays, config, grid)
             )
 
         def aggregate_train(self, server_round, replies):  # type: ignore[no-untyped-def]
             replies = rounds.finite_replies(list(replies))
-            held = _held(replies)
-            _pad_to_union(replies, held, rounds.device_global)
-            result = _aggregate_exactly(
-                rounds, held, super().aggregate_train(server_round, replies)
+            states = held(replies)
+            pad_to_union(replies, states, rounds.exact.device_global)
+            result = aggregate_exactly(
+                rounds.exact, states, super().aggregate_train(server_round, replies)
             )
             rounds.commit(server_round, replies)
             return result
@@ -400,7 +324,8 @@ def server_main(grid: Grid, context: Context) -> None:
         log.info("all %d rounds are done already", cfg.federated.rounds)
         return
     rounds = _Rounds(control, folder, run, offset, policy=cfg.federated)
-    rounds.device_initial, rounds.lora_scale = initial, cfg.model.lora_alpha / cfg.model.lora_r
+    rounds.exact.device_initial = initial
+    rounds.exact.lora_scale = cfg.model.lora_alpha / cfg.model.lora_r
     # Records of rounds after `offset` from an earlier attempt (a crash between commit and
     # checkpoint) are superseded from here on; build_summary drops them.
     rounds.log({"event": "start", "round": offset, "resumed": checkpoint is not None})
@@ -428,119 +353,3 @@ def server_main(grid: Grid, context: Context) -> None:
         log.error("run stopped: %s", stop)
     finally:
         rounds.board.close()
-
-
-# -- ClientApp --------------------------------------------------------------------------------
-_TrainFn = Callable[[Message, Context], Message]
-
-
-def _device_profile_name(context: Context) -> tuple[int, str]:
-    """This node's partition and profile name, as DeviceWork picks them (cheaply)."""
-    node, config = context.node_config, context.run_config
-    partition = int(cast(int, node.get("partition-id", 0)))
-    names = [n.strip() for n in str(config.get("federated.profiles", "")).split(",") if n.strip()]
-    cycled = names[partition % len(names)] if names else "loopback"
-    return partition, str(node.get("profile", "")) or cycled
-
-
-def _says_who(train: _TrainFn) -> _TrainFn:
-    """Name the device in its reply and in its errors, so the ServerApp can report them.
-
-    Flower turns an exception into an error reply whose reason is the exception's text, and
-    in deployment the SuperLink (not the device) answers for a node that vanished; the
-    ``[partition P (profile)]`` prefix and the reply's ``device`` ConfigRecord tell the
-    ServerApp which device it was.
-    """
-
-    def wrapped(msg: Message, context: Context) -> Message:
-        partition, profile = _device_profile_name(context)
-        try:
-            _maybe_hang(msg, context, partition)
-            reply = train(msg, context)
-        except Exception as exc:
-            raise RuntimeError(
-                f"[partition {partition} ({profile})] {type(exc).__name__}: {exc}"
-            ) from exc
-        own = cast(ConfigRecord, reply.content.get("device", ConfigRecord()))
-        reply.content["device"] = ConfigRecord({**dict(own), "profile": profile})
-        return reply
-
-    return wrapped
-
-
-def _maybe_hang(msg: Message, context: Context, partition: int) -> None:
-    """Fault injection for tests: ``faults.hang-partition`` stops answering in its round."""
-    config = cast(ConfigRecord, msg.content["config"])
-    round_ = int(cast(int, config.get("fedpipe-round", -1)))
-    hang = int(cast(int, context.run_config.get("faults.hang-partition", -1)))
-    if hang == partition and round_ == int(
-        cast(int, context.run_config.get("faults.hang-round", -1))
-    ):
-        log.warning("[partition %d] hanging in round %d (injected)", partition, round_)
-        time.sleep(float(cast(float, context.run_config.get("faults.hang-s", 3600.0))))
-
-
-def _delta_dir(node: dict[str, Any], run: RunSettings) -> str:
-    """Where the device keeps its delta cache between rounds (each may be a new process).
-
-    The node's ``delta-dir``; else the run folder's ``delta-cache`` where that folder is on
-    this host (simulations); else its SuperNode's home (``FLWR_HOME``: `fedpipe client
-    --workdir`, which lives as long as the device's process); else memory only ("").
-    """
-    if node.get("delta-dir"):
-        return str(node["delta-dir"])
-    if run.dir and Path(run.dir).is_dir():
-        return str(Path(run.dir) / "delta-cache")
-    home = os.environ.get("FLWR_HOME", "")
-    return str(Path(home) / "fedpipe-delta-cache") if home else ""
-
-
-@client_app.train()
-@_says_who
-def client_train(msg: Message, context: Context) -> Message:
-    cfg, run = run_settings(context.run_config)
-    node = context.node_config
-    partition = int(node.get("partition-id", 0))
-    num_partitions = int(node.get("num-partitions", cfg.federated.num_devices))
-    work = DeviceWork.cached(
-        cfg,
-        device_id=str(context.node_id),
-        partition=partition,
-        num_partitions=num_partitions,
-        profile=str(node.get("profile", "")) or None,
-        data=str(node.get("data", "")) or None,
-        stage_ca=str(node.get("stage-ca", "")),
-        stage_cert=str(node.get("stage-cert", "")),
-        stage_key=str(node.get("stage-key", "")),
-        cut=str(node.get("cut", "")),  # `fedpipe client --cut`; else federated.device_cuts
-        delta_dir=_delta_dir(node, run),
-    )
-    config = cast(ConfigRecord, msg.content["config"])
-    round_ = int(cast(int, config["fedpipe-round"]))
-    work.trainer.load_adapters(cast(ArrayRecord, msg.content["arrays"]).to_torch_state_dict())
-    # The device's own flag first (the server's address as seen from the device's network),
-    # else the one the ServerApp sent.
-    address = str(node.get("stage-address", "")) or str(config.get("stage-address", ""))
-    address = address or run.stage_address
-    fail = run.kill_partition == partition and run.kill_round == round_
-    report = work.train(
-        address,
-        round_=round_,
-        token=str(config["token"]),
-        proximal_mu=float(cast(float, config.get("proximal-mu", 0.0)))
-        if cfg.federated.strategy == "fedprox"
-        else 0.0,
-        fail_after_steps=1 if fail else None,
-        trace_dir=Path(run.dir) / "traces" if run.dir else None,
-    )
-    metrics: dict[str, int | float | list[int] | list[float]] = {
-        **report.metrics(),
-        "partition-id": partition,
-    }
-    content = RecordDict(
-        {"arrays": ArrayRecord(work.trainer.adapters()), "metrics": MetricRecord(metrics)}
-    )
-    if report.plan:
-        content["plan"] = ConfigRecord(dict(report.plan))
-    content["device"] = ConfigRecord({"cut": format_cut(work.trainer.cut)})
-    return Message(content=content, reply_to=msg)

@@ -1,0 +1,96 @@
+"""How the ServerApp aggregates the devices' adapters of a round, beside Flower's strategy.
+
+The strategy (FedAvg by default) averages the replies' arrays by ``num-examples``. Two things
+it cannot do alone: devices of different cuts hold different blocks (:func:`pad_to_union`
+fills each reply so that every key is averaged over the devices that hold it), and the
+``exact`` and ``stack`` rules fold each round's product of adapters into dense base deltas
+(:func:`aggregate_exactly`, state kept across rounds in :class:`ExactState`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import cast
+
+import torch
+from flwr.app import ArrayRecord, Message
+
+from fedpipe.lora.aggregation import DELTA_SUFFIX, aggregate_held
+
+__all__ = ["ExactState", "aggregate_exactly", "held", "non_finite", "pad_to_union"]
+
+
+@dataclass
+class ExactState:
+    """What ``exact`` and ``stack`` aggregation keep across a run's rounds."""
+
+    mode: str = "separate"  # federated.aggregation
+    lora_scale: float = 1.0  # alpha / r of the device adapters
+    device_initial: dict[str, torch.Tensor] = field(default_factory=dict)  # seeded (`stack`)
+    device_deltas: dict[str, torch.Tensor] = field(default_factory=dict)  # folded so far
+    device_global: dict[str, torch.Tensor] = field(default_factory=dict)  # sent this round
+
+
+def held(replies: list[Message]) -> tuple[list[dict[str, torch.Tensor]], list[float]]:
+    """Each finished device's adapters as it sent them (its cut's blocks) and its weight."""
+    ok = [r for r in replies if not r.has_error()]
+    states = [dict(cast(ArrayRecord, r.content["arrays"]).to_torch_state_dict()) for r in ok]
+    return states, [float(cast(int, r.content["metrics"]["num-examples"])) for r in ok]
+
+
+def pad_to_union(
+    replies: list[Message],
+    held: tuple[list[dict[str, torch.Tensor]], list[float]],
+    global_state: dict[str, torch.Tensor],
+) -> None:
+    """Devices of different cuts hold different blocks: fill each reply's missing keys.
+
+    A key a device lacks gets the weighted mean over the devices that hold it (a key nobody
+    holds: its global value). Any strategy that averages the replies by ``num-examples``
+    then gets, per key, the mean over its holders with their weights renormalised, and a
+    block no device ran keeps its global value. Replies of one cut are left as they are.
+    """
+    states, weights = held
+    union = dict.fromkeys([*global_state, *(k for s in states for k in s)])
+    if all(set(s) == set(union) for s in states):
+        return
+    merged, _ = aggregate_held(states, weights, "separate", scale=1.0, initial={})
+    fill = {**global_state, **merged}
+    ok = [r for r in replies if not r.has_error()]
+    for reply, state in zip(ok, states, strict=True):
+        full = {k: state[k] if k in state else fill[k] for k in union}
+        reply.content["arrays"] = ArrayRecord({k: v.contiguous() for k, v in full.items()})
+
+
+def aggregate_exactly(
+    state: ExactState,
+    held: tuple[list[dict[str, torch.Tensor]], list[float]],
+    result: tuple[ArrayRecord | None, object],
+) -> tuple[ArrayRecord | None, object]:
+    """``exact`` / ``stack``: the device adapters aggregated by fedpipe, base deltas folded.
+
+    Each layer over the devices that hold it (their cut's blocks); a layer nobody ran keeps
+    its global value. The global arrays then carry the cumulative deltas (``*.base_delta``)
+    down to every device each round (dense: out x in values per adapted layer) and into the
+    checkpoints.
+    """
+    mode = state.mode
+    states, weights = held
+    if mode not in ("exact", "stack") or not states or result[0] is None:
+        return result
+    merged, deltas = aggregate_held(
+        states, weights, mode, scale=state.lora_scale, initial=state.device_initial
+    )
+    merged = {**state.device_global, **merged}
+    total = dict(state.device_deltas)
+    for name, delta in deltas.items():
+        total[name] = total[name] + delta if name in total else delta
+    state.device_deltas = total
+    arrays = {**merged, **{k + DELTA_SUFFIX: v.contiguous() for k, v in total.items()}}
+    return ArrayRecord(arrays), result[1]
+
+
+def non_finite(reply: Message) -> list[str]:
+    """Names of the reply's adapter tensors holding NaN or Inf."""
+    arrays = cast(ArrayRecord, reply.content["arrays"]).to_torch_state_dict()
+    return [name for name, tensor in arrays.items() if not bool(torch.isfinite(tensor).all())]

@@ -1,0 +1,143 @@
+"""fedpipe's ClientApp: each train message is one device's round of split training.
+
+The device opens a session on the StageServer with the round's token, runs its local steps
+as pipelined split training (:class:`~fedpipe.fl.device_work.DeviceWork`), and replies with
+its adapters and metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, cast
+
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from fedpipe.config import format_cut
+from fedpipe.fl.adapter_dp import adapter_clipping_mod
+from fedpipe.fl.device_work import DeviceWork, RunSettings, run_settings
+
+__all__ = ["client_app"]
+
+log = logging.getLogger(__name__)
+
+client_app = ClientApp(mods=[adapter_clipping_mod])  # clips adapters only if the round asks
+
+
+_TrainFn = Callable[[Message, Context], Message]
+
+
+def _device_profile_name(context: Context) -> tuple[int, str]:
+    """This node's partition and profile name, as DeviceWork picks them (cheaply)."""
+    node, config = context.node_config, context.run_config
+    partition = int(cast(int, node.get("partition-id", 0)))
+    names = [n.strip() for n in str(config.get("federated.profiles", "")).split(",") if n.strip()]
+    cycled = names[partition % len(names)] if names else "loopback"
+    return partition, str(node.get("profile", "")) or cycled
+
+
+def _says_who(train: _TrainFn) -> _TrainFn:
+    """Name the device in its reply and in its errors, so the ServerApp can report them.
+
+    Flower turns an exception into an error reply whose reason is the exception's text, and
+    in deployment the SuperLink (not the device) answers for a node that vanished; the
+    ``[partition P (profile)]`` prefix and the reply's ``device`` ConfigRecord tell the
+    ServerApp which device it was.
+    """
+
+    def wrapped(msg: Message, context: Context) -> Message:
+        partition, profile = _device_profile_name(context)
+        try:
+            _maybe_hang(msg, context, partition)
+            reply = train(msg, context)
+        except Exception as exc:
+            raise RuntimeError(
+                f"[partition {partition} ({profile})] {type(exc).__name__}: {exc}"
+            ) from exc
+        own = cast(ConfigRecord, reply.content.get("device", ConfigRecord()))
+        reply.content["device"] = ConfigRecord({**dict(own), "profile": profile})
+        return reply
+
+    return wrapped
+
+
+def _maybe_hang(msg: Message, context: Context, partition: int) -> None:
+    """Fault injection for tests: ``faults.hang-partition`` stops answering in its round."""
+    config = cast(ConfigRecord, msg.content["config"])
+    round_ = int(cast(int, config.get("fedpipe-round", -1)))
+    hang = int(cast(int, context.run_config.get("faults.hang-partition", -1)))
+    if hang == partition and round_ == int(
+        cast(int, context.run_config.get("faults.hang-round", -1))
+    ):
+        log.warning("[partition %d] hanging in round %d (injected)", partition, round_)
+        time.sleep(float(cast(float, context.run_config.get("faults.hang-s", 3600.0))))
+
+
+def _delta_dir(node: dict[str, Any], run: RunSettings) -> str:
+    """Where the device keeps its delta cache between rounds (each may be a new process).
+
+    The node's ``delta-dir``; else the run folder's ``delta-cache`` where that folder is on
+    this host (simulations); else its SuperNode's home (``FLWR_HOME``: `fedpipe client
+    --workdir`, which lives as long as the device's process); else memory only ("").
+    """
+    if node.get("delta-dir"):
+        return str(node["delta-dir"])
+    if run.dir and Path(run.dir).is_dir():
+        return str(Path(run.dir) / "delta-cache")
+    home = os.environ.get("FLWR_HOME", "")
+    return str(Path(home) / "fedpipe-delta-cache") if home else ""
+
+
+@client_app.train()
+@_says_who
+def client_train(msg: Message, context: Context) -> Message:
+    cfg, run = run_settings(context.run_config)
+    node = context.node_config
+    partition = int(node.get("partition-id", 0))
+    num_partitions = int(node.get("num-partitions", cfg.federated.num_devices))
+    work = DeviceWork.cached(
+        cfg,
+        device_id=str(context.node_id),
+        partition=partition,
+        num_partitions=num_partitions,
+        profile=str(node.get("profile", "")) or None,
+        data=str(node.get("data", "")) or None,
+        stage_ca=str(node.get("stage-ca", "")),
+        stage_cert=str(node.get("stage-cert", "")),
+        stage_key=str(node.get("stage-key", "")),
+        cut=str(node.get("cut", "")),  # `fedpipe client --cut`; else federated.device_cuts
+        delta_dir=_delta_dir(node, run),
+    )
+    config = cast(ConfigRecord, msg.content["config"])
+    round_ = int(cast(int, config["fedpipe-round"]))
+    work.trainer.load_adapters(cast(ArrayRecord, msg.content["arrays"]).to_torch_state_dict())
+    # The device's own flag first (the server's address as seen from the device's network),
+    # else the one the ServerApp sent.
+    address = str(node.get("stage-address", "")) or str(config.get("stage-address", ""))
+    address = address or run.stage_address
+    fail = run.kill_partition == partition and run.kill_round == round_
+    report = work.train(
+        address,
+        round_=round_,
+        token=str(config["token"]),
+        proximal_mu=float(cast(float, config.get("proximal-mu", 0.0)))
+        if cfg.federated.strategy == "fedprox"
+        else 0.0,
+        fail_after_steps=1 if fail else None,
+        trace_dir=Path(run.dir) / "traces" if run.dir else None,
+    )
+    metrics: dict[str, int | float | list[int] | list[float]] = {
+        **report.metrics(),
+        "partition-id": partition,
+    }
+    content = RecordDict(
+        {"arrays": ArrayRecord(work.trainer.adapters()), "metrics": MetricRecord(metrics)}
+    )
+    if report.plan:
+        content["plan"] = ConfigRecord(dict(report.plan))
+    content["device"] = ConfigRecord({"cut": format_cut(work.trainer.cut)})
+    return Message(content=content, reply_to=msg)
