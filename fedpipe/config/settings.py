@@ -233,6 +233,11 @@ class ServerConfig:
     max_pending: int = 64
     max_pending_mb: float = 256.0
     max_streams: int = 64  # Exchange streams served at once (each holds a gRPC thread)
+    max_device_streams: int = 4  # streams one device holds open at once, live or ending
+    max_echoes: int = 64  # link probes (ECHO) one session may send (a planner needs about 10)
+    # Everything devices make the server hold, all sessions together: queued messages, unread
+    # replies, link probes, decodes in progress, delta caches (fedpipe.server.budget).
+    memory_budget_mb: float = 4096.0
     max_delta_cache_mb: float = 256.0  # per session: the largest delta cache a device may ask
     delta_store_mb: float = 1024.0  # devices' delta caches kept between rounds, all together
     max_microbatch_size: int = 64  # rows of one tensor a session may declare and send
@@ -270,6 +275,8 @@ class ServerConfig:
             "max_in_flight",
             "max_pending",
             "max_streams",
+            "max_device_streams",
+            "max_echoes",
             "max_microbatch_size",
         ):
             _check(
@@ -281,6 +288,7 @@ class ServerConfig:
             self.batch_wait_ms >= 0, f"server.batch_wait_ms must be >= 0, got {self.batch_wait_ms}"
         )
         for name in (
+            "memory_budget_mb",
             "max_pending_mb",
             "max_learning_rate",
             "session_idle_s",

@@ -154,6 +154,9 @@ def runtime_limits(server: ServerConfig) -> RuntimeLimits:
         max_weight_decay=server.max_weight_decay,
         session_idle_s=server.session_idle_s,
         stream_idle_s=server.stream_idle_s,
+        max_device_streams=server.max_device_streams,
+        max_echoes=server.max_echoes,
+        memory_budget_bytes=int(server.memory_budget_mb * 2**20),
     )
 
 

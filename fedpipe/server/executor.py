@@ -152,7 +152,7 @@ class StageExecutor:
                 raise SessionStateError(f"duplicate ACTIVATION for step {msg.step} microbatch {mb}")
             if len(info.cache) + len(reserved) >= self.max_in_flight:
                 raise StageCapacityError(
-                    f"session {info.session_id} has {len(info.cache) + len(reserved)} "
+                    f"session {info.short} has {len(info.cache) + len(reserved)} "
                     "microbatches in flight, the server's limit (server.max_in_flight = "
                     f"{self.max_in_flight}); send fewer before their gradients"
                 )

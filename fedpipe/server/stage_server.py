@@ -18,7 +18,9 @@ from fedpipe.errors import InvalidRequestError
 from fedpipe.server.commit import CommitResult
 from fedpipe.server.delta_store import DeltaStore
 from fedpipe.server.rounds import Authenticator, RoundState
-from fedpipe.server.runtime import StageRuntime, StreamHandle
+from fedpipe.server.runtime import StageRuntime
+from fedpipe.server.sessions import SessionInfo
+from fedpipe.server.streams import StreamHandle
 from fedpipe.split.agreement import SplitInfo, check_agreement
 from fedpipe.wire.backend import OpenedSession, SessionRequest, StreamOptions, StreamPort
 from fedpipe.wire.control_servicer import ControlAuth
@@ -57,9 +59,10 @@ class StageServer:
         self.max_delta_cache_bytes = max_delta_cache_bytes
         self.rounds = RoundState(authenticate)
         # Devices' delta caches between their sessions (fedpipe.server.delta_store).
-        self.delta_store = DeltaStore(delta_store_bytes)
+        self.delta_store = DeltaStore(delta_store_bytes, runtime.budget)
         self._stream_options: dict[str, StreamOptions] = {}  # by session id
         self._options_lock = threading.Lock()
+        runtime.on_drop(self._forget_options)
         self._host = GrpcHost(
             self,
             host=host,
@@ -122,6 +125,11 @@ class StageServer:
         )
         opened = OpenedSession(session_id)
         if request.delta_cache_bytes:
+            try:  # the cache grows to its size on this server: the budget holds that much
+                self.runtime.hold(session_id, request.delta_cache_bytes, "a delta cache")
+            except Exception:
+                self.runtime.discard(session_id, reason="no room for its delta cache")
+                raise
             opened = self._resume_delta(request, options, session_id)
         self._keep_options(session_id, options)
         return opened
@@ -156,6 +164,18 @@ class StageServer:
             self._stream_options[session_id] = options
             while len(self._stream_options) > _MAX_STREAM_OPTIONS:
                 del self._stream_options[next(iter(self._stream_options))]
+
+    def _forget_options(self, info: SessionInfo) -> None:
+        """A session is gone: its options go, and a delta cache no stream took is freed."""
+        with self._options_lock:
+            options = self._stream_options.pop(info.session_id, None)
+        if options is not None and options.delta_cache is not None:
+            log.info(
+                "[%s] delta cache of session %s freed: no stream took it",
+                info.device_id,
+                info.short,
+            )
+            options.delta_cache = None
 
     def attach(self, session_id: str) -> tuple[StreamPort, StreamOptions]:
         """The session's new stream, and its options (the delta cache goes to the first only)."""

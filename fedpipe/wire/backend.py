@@ -10,7 +10,8 @@ machine plugs into.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -89,9 +90,12 @@ class CommitSummary(Protocol):
 class StreamPort(Protocol):
     """One Exchange stream of a session, as the link servicer drives it.
 
-    The servicer's reader thread calls :meth:`submit` (or :meth:`echo` for a link probe) per
-    decoded message and :meth:`finish` when the device half-closes; its reply loop takes
-    :meth:`next_reply` until it gets :data:`fedpipe.messages.END`.
+    The servicer's reader thread decodes each frame inside :meth:`decoding` (which holds the
+    server's budget for it), calls :meth:`submit` (or :meth:`echo` for a link probe) per
+    message and :meth:`finish` when the device half-closes; its reply loop takes
+    :meth:`next_reply` until it gets :data:`fedpipe.messages.END`. :meth:`bind_cancel` gives the
+    server a way to cut the RPC off when a stream it ended does not go (a device that reads
+    nothing).
     """
 
     @property
@@ -107,6 +111,8 @@ class StreamPort(Protocol):
 
     def submit(self, msg: StageMsg) -> None: ...
     def echo(self, msg: StageMsg) -> None: ...
+    def decoding(self, nbytes: int) -> AbstractContextManager[None]: ...
+    def bind_cancel(self, cancel: Callable[[], object]) -> None: ...
     def finish(self) -> None: ...
     def next_reply(self, timeout: float) -> object | None: ...
     def fail(self, error: BaseException) -> None: ...
