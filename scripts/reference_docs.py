@@ -30,6 +30,9 @@ from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT / "scripts"))  # render_bench_docs, beside this script
+
+from render_bench_docs import escape_pipes  # noqa: E402
 
 # What a setting does, where its field in fedpipe/config/settings.py carries no comment of its
 # own, shares one with its neighbours, or needs a pointer to its guide; a note replaces the
@@ -204,7 +207,7 @@ def settings_reference() -> str:
         parts.append(f"### `[{section}]`\n\n{intro}\n")
         lines = ["| setting | type | default | what it does |", "|---|---|---|---|"]
         for s in items:
-            doc = s.doc.replace("|", "\\|")
+            doc = escape_pipes(s.doc)
             lines.append(f"| `{s.key}` | {s.type} | `{_toml(s.default)}` | {doc} |")
         parts.append("\n".join(lines) + "\n")
     return "\n".join(parts)
@@ -260,7 +263,7 @@ def cli_reference() -> str:
         for action in parser._actions:  # noqa: SLF001
             if action.help == argparse.SUPPRESS or isinstance(action, argparse._HelpAction):  # noqa: SLF001
                 continue
-            doc = _option_help(formatter, action).replace("|", "\\|")
+            doc = escape_pipes(_option_help(formatter, action))
             rows.append(f"| {_option_name(action)} | {doc} |")
         parts.append("\n".join(rows) + "\n")
     return "\n".join(parts)
@@ -302,7 +305,7 @@ _ROLE = re.compile(r":\w+:`~?([^`]+)`")  # :mod:`~fedpipe.x.y` -> `fedpipe.x.y`
 def _first_paragraph(path: Path) -> str:
     doc = ast.get_docstring(ast.parse(path.read_text())) or ""
     text = _ROLE.sub(r"`\1`", doc.split("\n\n")[0].replace("\n", " ")).replace("``", "`")
-    return text.replace("|", "\\|")
+    return escape_pipes(text)
 
 
 def _summary(module: str) -> str:

@@ -67,9 +67,15 @@ def mib(nbytes: Any) -> str:
     return "–" if not isinstance(nbytes, int | float) else f"{nbytes / 2**20:.1f} MiB"
 
 
+def escape_pipes(text: str) -> str:
+    """``|`` escaped for a Markdown table cell, except inside code spans (kept as they are)."""
+    parts = text.split("`")
+    return "`".join(p if i % 2 else p.replace("|", "\\|") for i, p in enumerate(parts))
+
+
 def cell(text: Any) -> str:
     """Text safe inside a Markdown table cell."""
-    return str(text).replace("|", "\\|").replace("\n", " ")
+    return escape_pipes(str(text).replace("\n", " "))
 
 
 def markdown_table(headers: Sequence[str], rows: Iterable[Row]) -> str:
@@ -129,6 +135,7 @@ def _server(r: dict[str, Any]) -> list[Table]:
         f"{' x '.join(map(str, r.get('microbatch', [])))} tokens per step, link {r.get('link')}, "
         f"{r.get('mode')} devices; N* = {num(r.get('n_star'), 2)}, knee {r.get('knee')}; "
         f"{get(r, 'pinning', 'text')}"
+        + ("; **noisy**: the server got too little of its cores" if r.get("noisy") else "")
     )
     headers = ["N", "unbatched mb/s", "batched mb/s", "batched / unbatched"]
     headers += ["step p50 s (unb. / b.)", "step p95 s (unb. / b.)", "busy (unb. / b.)"]
@@ -382,23 +389,40 @@ class Bench:
 
     command: str  # the full-size command the lead records with bench_record.py
     render: Callable[[dict[str, Any]], list[Table]]
+    size_flags: tuple[str, ...] = ()  # flags that make a run smaller than the full bench
 
 
 BENCHES: dict[str, Bench] = {
-    "pipeline": Bench("fedpipe bench pipeline --json", _pipeline),
-    "server": Bench("fedpipe bench server --json", _server),
-    "plan": Bench("fedpipe bench plan --json", _plan),
+    "pipeline": Bench(
+        "fedpipe bench pipeline --json",
+        _pipeline,
+        ("--links", "--schedules", "--steps", "--warmup", "--microbatches", "--batch-size"),
+    ),
+    "server": Bench(
+        "fedpipe bench server --json", _server, ("--quick", "--devices", "--steps", "--warmup")
+    ),
+    "plan": Bench(
+        "fedpipe bench plan --json", _plan, ("--links", "--steps", "--warmup", "--sessions")
+    ),
     "memory": Bench("fedpipe bench memory --model default", _memory),
-    "quality": Bench("fedpipe bench quality --json", _quality),
-    "privacy": Bench("fedpipe bench privacy --json", _privacy),
-    "transport": Bench("python benchmarks/transport_bench.py --json", _generic),
-    "codec": Bench("python benchmarks/codec_bench.py", _codec),
-    "batch": Bench("python benchmarks/batch_bench.py --reps 5", _batch),
-    "load": Bench("python benchmarks/load_bench.py --json", _load),
+    "quality": Bench("fedpipe bench quality --json", _quality, ("--quick",)),
+    "privacy": Bench("fedpipe bench privacy --json", _privacy, ("--quick",)),
+    "transport": Bench(
+        "python benchmarks/transport_bench.py --json", _generic, ("--messages", "--trials")
+    ),
+    "codec": Bench("python benchmarks/codec_bench.py", _codec, ("--repeats", "--batch")),
+    "batch": Bench("python benchmarks/batch_bench.py --reps 5", _batch, ("--sessions",)),
+    "load": Bench("python benchmarks/load_bench.py --json", _load, ("--devices", "--steps")),
     "step-end": Bench("python benchmarks/step_end_bench.py", _step_end),
-    "gpu-check": Bench("python benchmarks/gpu_check.py", _gpu_check),
+    "gpu-check": Bench("python benchmarks/gpu_check.py", _gpu_check, ("--devices", "--steps")),
     "aggregation-residual": Bench("python benchmarks/aggregation_residual.py", _generic),
 }
+
+
+def smaller(bench: Bench, command: str) -> bool:
+    """Whether ``command`` ran ``bench`` at less than its full size (one of its size flags)."""
+    words = command.split()
+    return any(w == flag or w.startswith(flag + "=") for w in words for flag in bench.size_flags)
 
 
 # --- records, provenance, pages ---------------------------------------------------------------
@@ -473,7 +497,7 @@ def render(name: str, data_dir: Path = DATA_DIR, link: str = "data/") -> str:
             f"with:\n\n        python scripts/bench_record.py -- {bench.command}\n"
         )
     out = []
-    if record["command"] != bench.command:
+    if smaller(bench, record["command"]):
         out.append(
             f'!!! info "A smaller run"\n    These figures come from `{record["command"]}`; the '
             f"full bench is `{bench.command}`.\n"

@@ -80,11 +80,17 @@ def test_a_record_renders_as_its_tables_with_the_source(tmp_path: Path) -> None:
 
 def test_a_loaded_machine_and_a_smaller_run_are_said(tmp_path: Path) -> None:
     loaded = {"before": [3.0, 2.0, 1.0], "peak": 5.0}  # 3.0 on 4 cores: past half
-    command = "fedpipe bench pipeline --json --steps 2"
+    command = "fedpipe bench pipeline --json --links 1gbit-5ms --steps 2"
     write(tmp_path, "pipeline", record(PIPELINE, load_average=loaded, command=command))
     text = rb.render("pipeline", tmp_path)
     assert "measured while other work loaded the machine" in text
     assert f"These figures come from `{command}`" in text
+
+
+def test_a_run_of_full_size_with_other_settings_is_not_called_smaller(tmp_path: Path) -> None:
+    command = "fedpipe bench pipeline --json --codec int8"
+    write(tmp_path, "pipeline", record(PIPELINE, command=command))
+    assert "A smaller run" not in rb.render("pipeline", tmp_path)
 
 
 def test_local_changes_to_the_benched_code_are_named(tmp_path: Path) -> None:
