@@ -21,7 +21,7 @@ lint-imports
 step "mkdocs build --strict"
 site=$(mktemp -d)
 trap 'rm -rf "$site"' EXIT
-mkdocs build --strict --site-dir "$site"
+NO_MKDOCS_2_WARNING=1 mkdocs build --strict --site-dir "$site"
 step "README's result matches its bench record"
 python scripts/render_bench_docs.py --check-readme
 step "pytest"
