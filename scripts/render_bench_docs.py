@@ -63,6 +63,13 @@ def pct(value: Any, digits: int = 1) -> str:
     return f"{value * 100:+.{digits}f}%"
 
 
+def sci(value: Any) -> str:
+    """An error or other small figure in scientific notation (``0`` stays ``0``)."""
+    if not isinstance(value, int | float) or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    return "0" if value == 0 else f"{value:.2e}"
+
+
 def mib(nbytes: Any) -> str:
     return "–" if not isinstance(nbytes, int | float) else f"{nbytes / 2**20:.1f} MiB"
 
@@ -219,9 +226,9 @@ def _codec(r: dict[str, Any]) -> list[Table]:
                     name,
                     num(c.get("bytes_per_value"), 4),
                     num(c.get("bytes_per_token"), 1),
-                    num(c.get("rms_err_rel")),
-                    num(c.get("max_abs_err")),
-                    num(get(grads, name, "rms_err_rel")),
+                    sci(c.get("rms_err_rel")),
+                    sci(c.get("max_abs_err")),
+                    sci(get(grads, name, "rms_err_rel")),
                     num(c.get("encode_ms"), 1),
                     num(c.get("decode_ms"), 1),
                     pct(step.get("loss_rel_diff"), 2),
