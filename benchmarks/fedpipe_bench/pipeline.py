@@ -1,8 +1,9 @@
 """``fedpipe bench pipeline``: step times of every schedule at every reference link setting.
 
 The StageServer runs in a child process and the device in this one; each is pinned to its own
-core with one torch thread (two threads per process on two cores halved the speedup in the
-prototype, notes/pipeline-bound.md). Links are emulated inside the device's transport.
+core with one torch thread (two threads per process on two cores fight over the cores and
+blur every timing: docs/design/pipeline-bound.md). Links are emulated inside the device's
+transport.
 
 For every link setting the benchmark keeps one session per run open and walks them round robin,
 step by step (``round_robin``), so that drift on a shared machine hits every schedule alike:

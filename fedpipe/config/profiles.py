@@ -162,8 +162,9 @@ def _ms(ms: float) -> float:
     return ms / 1e3
 
 
-# Reference settings from notes/pipeline-bound.md (Petals' three, PiPar-style edge). No jitter, so
-# benchmark runs are reproducible.
+# The reference settings the benchmarks report (docs/reference/configuration.md): the three
+# Petals reports its throughput at, and a PiPar-style edge uplink. No jitter, so benchmark runs
+# are reproducible.
 _REFERENCE = (
     LinkProfile("1gbit-5ms", up_mbps=1000, down_mbps=1000, rtt_s=_ms(5)),
     LinkProfile("100mbit-5ms", up_mbps=100, down_mbps=100, rtt_s=_ms(5)),

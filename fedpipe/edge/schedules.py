@@ -11,11 +11,10 @@ through three device actions, in this order of dependency:
 With the two-part split the server computes the loss, so a microbatch has only ``F`` and ``B``.
 
 A schedule is an ordered tuple of actions (``F0 F1 T0 B0 ...``) that prints, validates and is
-walked by :class:`fedpipe.pipeline.runtime.DeviceRuntime`. Strict schedules are walked in order,
+walked by :class:`fedpipe.edge.runtime.DeviceRuntime`. Strict schedules are walked in order,
 blocking on each action's input. The ``greedy`` schedule is dynamic instead: at each point the
 runtime runs whatever is ready by priority, tail work before head backwards before new forwards,
-so forwards only fill idle time (see notes/pipeline-bound.md:
-tail-first priority gave 0.91 efficiency at 100 ms RTT where oldest-first gave 0.78).
+so forwards only fill idle time (docs/design/pipeline-bound.md says why tail work goes first).
 """
 
 from __future__ import annotations

@@ -23,8 +23,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from fedpipe.runs.plots import plot_devices, plot_losses, plot_step_times, plot_timeline
 from fedpipe.runs.folder import RunFolder
+from fedpipe.runs.plots import plot_devices, plot_losses, plot_step_times, plot_timeline
 from fedpipe.trace import Event
 
 __all__ = ["build_summary", "finish_run", "judge"]

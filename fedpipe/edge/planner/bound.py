@@ -1,4 +1,4 @@
-"""The lower bound on a pipelined step (notes/pipeline-bound.md), from measured components.
+"""The lower bound on a pipelined step (docs/design/pipeline-bound.md), from measured components.
 
 Per microbatch the device runs a head forward ``c_f`` and, after the server's gradient comes
 back, a head backward ``c_b``; the server runs ``s_f`` and ``s_b``. The two split modes differ
@@ -161,9 +161,9 @@ def predict_step(
 
     The one model the benchmark and the per-device planner share. Stop-and-wait is its sum
     (:func:`sequential_model`). A pipelined schedule is predicted by the lower bound, which the
-    tail-first greedy schedule came within 5-15% of in the benchmark (notes/pipeline-bound.md),
-    plus one term when at most ``k < m`` microbatches may be live: each of the ``k`` slots
-    carries its microbatches one after another, so ``T >= ceil(m / k)`` critical paths.
+    tail-first greedy schedule comes close to (docs/benchmarks/pipeline.md), plus one term
+    when at most ``k < m`` microbatches may be live: each of the ``k`` slots carries its
+    microbatches one after another, so ``T >= ceil(m / k)`` critical paths.
     """
     if schedule == "sequential":
         return sequential_model(c, m), "sequential"

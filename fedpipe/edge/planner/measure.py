@@ -3,7 +3,7 @@
 - Device compute (:func:`time_device_ops`): head forward, tail forward + loss + backward and
   head backward, back to back on slices of a real batch for every candidate microbatch size,
   a few repeats after a warm-up, median (timing ops one at a time after idle gaps inflates them
-  20-40% on a shared machine: notes/pipeline-bound.md). The emulated device slowdown applies.
+  on a shared machine: docs/design/pipeline-bound.md). The emulated device slowdown applies.
   The same pass counts the bytes autograd stashes per live microbatch (for the memory cap) and
   times each codec's encode + decode of one boundary tensor.
 - The link (:func:`probe_link`): ECHO messages on the session's own stream, answered by the

@@ -271,8 +271,9 @@ def plan_step(measured: Mapping[str, Measured], options: Options) -> StepPlan:
 
 
 NOISE_FLOOR_S = 0.005
-"""Changes of link time smaller than this are noise (a sleep-based emulator runs 5-7 ms late
-on a busy machine: notes/pipeline-bound.md); only larger ones count as drift."""
+"""Changes of link time smaller than this are noise (a sleep-based emulator delivers a few
+milliseconds late on a busy machine: docs/design/pipeline-bound.md); only larger ones count as
+drift."""
 
 
 def link_drift(

@@ -1,0 +1,572 @@
+"""Turn the benches' records (``docs/benchmarks/data/*.json``) into the docs' tables.
+
+A record is what ``scripts/bench_record.py`` wrote: the bench's JSON (``result``) with the
+command, date, commit and machine. A page asks for a bench's tables with a marker on a line of
+its own, ``<!-- fedpipe:bench NAME -->``; the docs build (``scripts/mkdocs_hooks.py``) replaces
+it with the tables of ``data/NAME.json``, each followed by where the figures come from. Without
+a record the marker becomes a note naming the command that makes one: no figure is shown.
+
+The README's one result sits between ``<!-- fedpipe:readme-result -->`` and
+``<!-- /fedpipe:readme-result -->``, rendered from the same record:
+
+    python scripts/render_bench_docs.py --readme          # rewrite the README's block
+    python scripts/render_bench_docs.py --check-readme    # fail if it is stale
+    python scripts/render_bench_docs.py NAME              # print NAME's tables
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DATA_DIR = REPO_ROOT / "docs" / "benchmarks" / "data"
+README = REPO_ROOT / "README.md"
+MARKER = re.compile(r"^<!-- fedpipe:bench (?P<name>[\w.@-]+) -->$", re.MULTILINE)
+README_BEGIN, README_END = "<!-- fedpipe:readme-result -->", "<!-- /fedpipe:readme-result -->"
+README_BENCH = "pipeline"  # the bench whose figure the README shows
+LOADED = 0.5  # load average before the run, per core, past which the machine was shared
+
+Row = Sequence[Any]
+Table = tuple[str, list[str], list[Row]]  # (caption, headers, rows)
+
+
+# --- formatting -----------------------------------------------------------------------------
+
+
+def num(value: Any, digits: int = 3) -> str:
+    """A figure as text: ``-`` when absent, integers as they are, floats to ``digits`` places."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int):
+        return f"{value:,}" if abs(value) >= 10_000 else str(value)
+    if isinstance(value, float):
+        if value != 0 and (abs(value) < 10**-digits or abs(value) >= 1e6):
+            return f"{value:.2e}"
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def pct(value: Any, digits: int = 1) -> str:
+    """A fraction as a signed percentage (``0.052`` -> ``+5.2%``)."""
+    if not isinstance(value, int | float) or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    return f"{value * 100:+.{digits}f}%"
+
+
+def sci(value: Any) -> str:
+    """An error or other small figure in scientific notation (``0`` stays ``0``)."""
+    if not isinstance(value, int | float) or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    return "0" if value == 0 else f"{value:.2e}"
+
+
+def mib(nbytes: Any) -> str:
+    return "–" if not isinstance(nbytes, int | float) else f"{nbytes / 2**20:.1f} MiB"
+
+
+def escape_pipes(text: str) -> str:
+    """``|`` escaped for a Markdown table cell, except inside code spans (kept as they are)."""
+    parts = text.split("`")
+    return "`".join(p if i % 2 else p.replace("|", "\\|") for i, p in enumerate(parts))
+
+
+def cell(text: Any) -> str:
+    """Text safe inside a Markdown table cell."""
+    return escape_pipes(str(text).replace("\n", " "))
+
+
+def markdown_table(headers: Sequence[str], rows: Iterable[Row]) -> str:
+    lines = ["| " + " | ".join(cell(h) for h in headers) + " |"]
+    lines.append("|" + "---|" * len(headers))
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def get(data: Any, *path: str | int, default: Any = None) -> Any:
+    """``data[path[0]][path[1]]...``, or ``default`` where a step is missing."""
+    for key in path:
+        try:
+            data = data[key]
+        except (KeyError, IndexError, TypeError):
+            return default
+    return data
+
+
+# --- one renderer per bench: result -> tables -------------------------------------------------
+
+
+def _pipeline(r: dict[str, Any]) -> list[Table]:
+    caption = (
+        f"{r.get('model')} ({r.get('split')}), batch {' x '.join(map(str, r.get('batch', [])))} "
+        f"tokens in {r.get('microbatches')} microbatches, {r.get('codec')} on the wire, median "
+        f"of {r.get('steps')} steps after {r.get('warmup')} warm-up"
+    )
+    headers = ["link", "T_seq s", "T_seq whole s", "T_pipe s (best)", "T_bound s (term)"]
+    headers += ["T_bound in-run s", "speedup", "efficiency", "ceiling", "noisy"]
+    rows = [
+        [
+            e.get("link"),
+            num(e.get("t_seq_s")),
+            num(e.get("t_seq_whole_s")),
+            f"{num(e.get('t_pipe_s'))} ({e.get('best_schedule')})",
+            f"{num(e.get('t_bound_s'))} ({e.get('bound_term')})",
+            num(e.get("t_bound_inrun_s")),
+            num(e.get("speedup"), 2),
+            num(e.get("efficiency"), 2),
+            num(e.get("ceiling"), 2),
+            num(e.get("noisy")),
+        ]
+        for e in r.get("links", [])
+    ]
+    schedules = sorted({s for e in r.get("links", []) for s in e.get("schedules", {})})
+    per = [[e.get("link"), *(num(get(e, "schedules", s)) for s in schedules)] for e in r["links"]]
+    return [
+        (caption, headers, rows),
+        ("Step time of every schedule, seconds", ["link", *schedules], per),
+    ]
+
+
+def _server(r: dict[str, Any]) -> list[Table]:
+    caption = (
+        f"{r.get('model')} ({r.get('split')}), {r.get('microbatches')} microbatches of "
+        f"{' x '.join(map(str, r.get('microbatch', [])))} tokens per step, link {r.get('link')}, "
+        f"{r.get('mode')} devices; N* = {num(r.get('n_star'), 2)}, knee {r.get('knee')}; "
+        f"{get(r, 'pinning', 'text')}"
+        + ("; **noisy**: the server got too little of its cores" if r.get("noisy") else "")
+    )
+    headers = ["N", "unbatched mb/s", "batched mb/s", "batched / unbatched"]
+    headers += ["step p50 s (unb. / b.)", "step p95 s (unb. / b.)", "busy (unb. / b.)"]
+    headers += ["mean batch (b.)", "model mb/s"]
+    rows = []
+    for row in r.get("rows", []):
+        u, b = row.get("unbatched", {}), row.get("batched", {})
+        rows.append(
+            [
+                row.get("devices"),
+                num(u.get("mb_per_s"), 2),
+                num(b.get("mb_per_s"), 2),
+                num(row.get("batched_over_unbatched"), 2),
+                f"{num(u.get('step_p50_s'), 2)} / {num(b.get('step_p50_s'), 2)}",
+                f"{num(u.get('step_p95_s'), 2)} / {num(b.get('step_p95_s'), 2)}",
+                f"{num(u.get('busy'), 2)} / {num(b.get('busy'), 2)}",
+                num(b.get("mean_batch"), 2),
+                num(row.get("predicted_mb_per_s"), 2),
+            ]
+        )
+    return [(caption, headers, rows)]
+
+
+def _plan(r: dict[str, Any]) -> list[Table]:
+    caption = (
+        f"{r.get('model')} ({r.get('split')}), batch {' x '.join(map(str, r.get('batch', [])))}, "
+        f"codecs {', '.join(r.get('codecs', []))}, {r.get('sessions')} sessions per link, "
+        f"{r.get('steps')} measured steps after {r.get('warmup')} warm-up"
+    )
+    headers = ["link", "plan", "predicted s", "measured s", "error", "error from in-run compute"]
+    rows = []
+    for e in r.get("links", []):
+        p = e.get("plan", {})
+        plan = f"{p.get('schedule')} M={p.get('microbatches')} {p.get('codec', '')}".strip()
+        rows.append(
+            [
+                e.get("link"),
+                plan,
+                num(e.get("predicted_s")),
+                num(e.get("measured_s")),
+                pct(e.get("error")),
+                pct(e.get("error_inrun")),
+            ]
+        )
+    return [(caption, headers, rows)]
+
+
+def _memory(r: dict[str, Any]) -> list[Table]:
+    headers = ["model", "split", "device parameters", "whole model", "device RSS growth"]
+    headers += ["whole model RSS growth"]
+    row = [
+        r.get("model"),
+        r.get("plan"),
+        f"{mib(r.get('device_param_bytes'))} ({pct(r.get('param_fraction')).lstrip('+')})",
+        mib(r.get("model_param_bytes")),
+        f"{mib(r.get('device_rss_bytes'))} ({pct(r.get('rss_fraction')).lstrip('+')})",
+        mib(r.get("model_rss_bytes")),
+    ]
+    return [("fp32 parameters, and resident memory growth while loading", headers, [row])]
+
+
+def _codec(r: dict[str, Any]) -> list[Table]:
+    tables: list[Table] = []
+    for head in r.get("heads", []):
+        grads = {c.get("codec"): c for c in get(head, "output_grad", "codecs", default=[])}
+        steps = {c.get("codec"): c for c in get(head, "step", "codecs", default=[])}
+        caption = (
+            f"{r.get('model')}, {head.get('head_layers')} head block(s): activation "
+            f"{head.get('shape')} ({num(head.get('fp32_mb'))} MB fp32, max {head.get('max_abs')}, "
+            f"RMS {head.get('rms')}); one training step of {get(head, 'step', 'shape')} tokens"
+        )
+        headers = ["codec", "bytes/value", "bytes/token", "activation rel. RMS err"]
+        headers += ["activation max abs err", "output grad rel. RMS err", "encode ms"]
+        headers += ["decode ms", "one step's loss vs fp32", "head gradient cosine"]
+        rows = []
+        for c in head.get("codecs", []):
+            name = c.get("codec")
+            step = steps.get(name, {})
+            rows.append(
+                [
+                    name,
+                    num(c.get("bytes_per_value"), 4),
+                    num(c.get("bytes_per_token"), 1),
+                    sci(c.get("rms_err_rel")),
+                    sci(c.get("max_abs_err")),
+                    sci(get(grads, name, "rms_err_rel")),
+                    num(c.get("encode_ms"), 1),
+                    num(c.get("decode_ms"), 1),
+                    pct(step.get("loss_rel_diff"), 2),
+                    num(step.get("input_grad_cos", 1.0 if name == "fp32" else None)),
+                ]
+            )
+        tables.append((caption, headers, rows))
+        pairs = [s for s in steps.values() if "/" in str(s.get("codec"))]
+        if pairs:
+            tables.append(
+                (
+                    "Pairs: forward tensors in the first codec, both gradients in the second",
+                    ["forward / gradients", "bytes/value (all four)", "loss vs fp32", "cosine"],
+                    [
+                        [
+                            s.get("codec"),
+                            num(s.get("bytes_per_value"), 4),
+                            pct(s.get("loss_rel_diff"), 2),
+                            num(s.get("input_grad_cos")),
+                        ]
+                        for s in pairs
+                    ],
+                )
+            )
+    return tables
+
+
+def _load(r: dict[str, Any]) -> list[Table]:
+    headers = ["devices", "steps", "every device equal to its solo run", "step p50 s"]
+    headers += ["step p95 s", "server RSS at step 5", "growth after", "peak RSS"]
+    row = [
+        r.get("devices"),
+        r.get("steps"),
+        num(r.get("exact")),
+        num(r.get("step_p50_s"), 2),
+        num(r.get("step_p95_s"), 2),
+        f"{num(r.get('rss_mb_at_step5'), 1)} MB",
+        f"{num(r.get('rss_growth_mb'), 1)} MB",
+        f"{num(r.get('peak_rss_mb'), 1)} MB",
+    ]
+    return [("Emulated devices against one StageServer process", headers, [row])]
+
+
+def _step_end(r: dict[str, Any]) -> list[Table]:
+    headers = ["link", "lazy STEP_DONE, s per step", "waiting for STEP_DONE, s per step"]
+    row = [r.get("link"), num(r.get("lazy_step_s")), num(r.get("wait_step_s"))]
+    return [("One session, blocks of 5 steps alternating", headers, [row])]
+
+
+def _privacy(r: dict[str, Any]) -> list[Table]:
+    caption = (
+        f"{r.get('model')}; chance accuracy {num(r.get('chance_acc'))}, always guessing the "
+        f"commonest private token {num(r.get('majority_token_acc'))}"
+    )
+    headers = ["head blocks", "defence", "noise multiplier", "reconstruction acc", "label acc"]
+    headers += ["held-out loss", "cost", "ε per sample", "attacker"]
+    rows = [
+        [
+            row.get("head_layers"),
+            row.get("defence"),
+            num(row.get("strength")) if row.get("defence") != "none" else "–",
+            num(row.get("reconstruction_acc")),
+            num(row.get("label_acc")),
+            num(row.get("eval_loss"), 4),
+            f"{row['eval_loss_cost_pct']:+.1f}%"
+            if isinstance(row.get("eval_loss_cost_pct"), int | float)
+            else "–",
+            num(row.get("epsilon")),
+            row.get("attacker", "–"),
+        ]
+        for row in r.get("rows", [])
+    ]
+    return [(caption, headers, rows)]
+
+
+def _quality(r: dict[str, Any]) -> list[Table]:
+    caption = f"{r.get('model')}, {r.get('devices')} devices, {r.get('rounds')} rounds"
+    headers = ["run", "eval loss", "ppl", "bytes/token", "bytes up", "bytes down", "steps"]
+    rows = [
+        [
+            run.get("name"),
+            num(run.get("eval_loss"), 4),
+            num(run.get("eval_ppl"), 2),
+            num(run.get("bytes_per_token"), 1),
+            num(run.get("bytes_up")),
+            num(run.get("bytes_down")),
+            run.get("steps", "–"),
+        ]
+        for run in r.get("runs", [])
+    ]
+    return [(caption, headers, rows)]
+
+
+def _batch(r: dict[str, Any]) -> list[Table]:
+    caption = f"{r.get('model')}, {r.get('sessions')} sessions of {r.get('microbatch')} tokens"
+    headers = ["torch threads", "clock", "unbatched s", "batched s (ratio)"]
+    headers += ["batched backward s (ratio)"]
+    rows = [
+        [
+            e.get("threads"),
+            clock,
+            num(e.get(f"unbatched_{clock}_s")),
+            f"{num(e.get(f'batched_{clock}_s'))} ({num(e.get(f'ratio_{clock}'), 2)}x)",
+            f"{num(e.get(f'batched_bwd_{clock}_s'))} ({num(e.get(f'ratio_bwd_{clock}'), 2)}x)",
+        ]
+        for e in r.get("forward_backward", [])
+        for clock in ("wall", "cpu")
+    ]
+    costs = [
+        [present, bank, *(num(get(r, "per_session", present, key, k), 2) for k in _COSTS)]
+        for present in r.get("per_session", {})
+        for key, bank in (("old", "peft"), ("new", "batched"))
+    ]
+    per_session = ["sessions present", "adapter bank", "add ms", "switch ms", "forward ms"]
+    return [
+        (caption, headers, rows),
+        ("One more session's costs", [*per_session, "remove ms"], costs),
+    ]
+
+
+_COSTS = ("add_ms", "switch_ms", "forward_ms", "remove_ms")
+
+
+def _gpu_check(r: dict[str, Any]) -> list[Table]:
+    if "skipped" in r:
+        return [("", ["skipped"], [[r["skipped"]]])]
+    caption = f"{r.get('gpu')}, {r.get('dtype')}, grouped LoRA kernel: {r.get('grouped_lora')}"
+    headers = ["model", "devices", "column", "tokens/s", "peak GPU MB", "idle", "mean batch"]
+    rows = []
+    for res in r.get("results", []):
+        for column, f in res.items():
+            if isinstance(f, dict) and "tokens_per_s" in f:
+                rows.append(
+                    [
+                        res.get("model"),
+                        res.get("devices"),
+                        column,
+                        num(f.get("tokens_per_s"), 0),
+                        num(f.get("peak_gpu_mb"), 0),
+                        num(f.get("idle"), 2),
+                        num(f.get("mean_batch"), 2),
+                    ]
+                )
+    return [(caption, headers, rows)]
+
+
+def _generic(r: dict[str, Any]) -> list[Table]:
+    """Any other bench: its top-level figures, then each list of objects as a table."""
+    scalars = [[k, num(v)] for k, v in r.items() if not isinstance(v, dict | list)]
+    tables: list[Table] = [("", ["figure", "value"], scalars)] if scalars else []
+    for key, value in r.items():
+        if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            headers = list(dict.fromkeys(k for v in value for k in v if _flat(v[k])))
+            tables.append((key, headers, [[num(v.get(h)) for h in headers] for v in value]))
+    return tables
+
+
+def _flat(value: Any) -> bool:
+    return not isinstance(value, dict | list)
+
+
+@dataclass(frozen=True)
+class Bench:
+    """How one bench is recorded and shown."""
+
+    command: str  # the full-size command the lead records with bench_record.py
+    render: Callable[[dict[str, Any]], list[Table]]
+    size_flags: tuple[str, ...] = ()  # flags that make a run smaller than the full bench
+
+
+BENCHES: dict[str, Bench] = {
+    "pipeline": Bench(
+        "fedpipe bench pipeline --json",
+        _pipeline,
+        ("--links", "--schedules", "--steps", "--warmup", "--microbatches", "--batch-size"),
+    ),
+    "server": Bench(
+        "fedpipe bench server --json", _server, ("--quick", "--devices", "--steps", "--warmup")
+    ),
+    "plan": Bench(
+        "fedpipe bench plan --json", _plan, ("--links", "--steps", "--warmup", "--sessions")
+    ),
+    "memory": Bench("fedpipe bench memory --model default", _memory),
+    "quality": Bench("fedpipe bench quality --json", _quality, ("--quick",)),
+    "privacy": Bench("fedpipe bench privacy --json", _privacy, ("--quick",)),
+    "transport": Bench(
+        "python benchmarks/transport_bench.py --json", _generic, ("--messages", "--trials")
+    ),
+    "codec": Bench("python benchmarks/codec_bench.py", _codec, ("--repeats", "--batch")),
+    "batch": Bench("python benchmarks/batch_bench.py --reps 5", _batch, ("--sessions",)),
+    "load": Bench("python benchmarks/load_bench.py --json", _load, ("--devices", "--steps")),
+    "step-end": Bench("python benchmarks/step_end_bench.py", _step_end),
+    "gpu-check": Bench("python benchmarks/gpu_check.py", _gpu_check, ("--devices", "--steps")),
+    "aggregation-residual": Bench("python benchmarks/aggregation_residual.py", _generic),
+}
+
+
+def smaller(bench: Bench, command: str) -> bool:
+    """Whether ``command`` ran ``bench`` at less than its full size (one of its size flags)."""
+    words = command.split()
+    return any(w == flag or w.startswith(flag + "=") for w in words for flag in bench.size_flags)
+
+
+# --- records, provenance, pages ---------------------------------------------------------------
+
+
+def _bench(name: str) -> Bench:
+    base = name.split("@", 1)[0]  # "memory@2-2": a second record of the memory bench
+    if base not in BENCHES:
+        raise ValueError(f"unknown bench {name!r}; known: {', '.join(BENCHES)}")
+    return BENCHES[base]
+
+
+def load_record(name: str, data_dir: Path = DATA_DIR) -> dict[str, Any] | None:
+    """The record ``data_dir/NAME.json``, or None when the bench has not been recorded."""
+    path = data_dir / f"{name}.json"
+    if not path.is_file():
+        return None
+    record: dict[str, Any] = json.loads(path.read_text())
+    missing = {"command", "date", "commit", "machine", "result"} - set(record)
+    if missing:
+        raise ValueError(f"{path}: not a bench record, it lacks {sorted(missing)}")
+    return record
+
+
+def machine_text(m: dict[str, Any]) -> str:
+    gpu = m.get("gpu")
+    gpu_text = f"{gpu['name']} x{gpu.get('count', 1)}" if gpu else "no GPU"
+    ram = f", {m['ram_gib']} GiB RAM" if m.get("ram_gib") else ""
+    return f"{m.get('cpu')}, {m.get('cores')} cores{ram}, {gpu_text}, torch {m.get('torch')}"
+
+
+def load_text(record: dict[str, Any]) -> str:
+    """The load the run shared the machine with, and a warning when it was busy."""
+    load, cores = record.get("load_average"), get(record, "machine", "cores", default=0)
+    if not load or not cores:
+        return ""
+    before, peak = load["before"][0], load["peak"]
+    text = f"load average {before:.1f} before the run, up to {peak:.1f} during it"
+    if before > LOADED * cores:
+        text += (
+            f" on {cores} cores: **measured while other work loaded the machine**, so its "
+            "timings are noisy (sizes, bytes and losses are not)"
+        )
+    return text
+
+
+def provenance(name: str, record: dict[str, Any], link: str) -> str:
+    """The line under a table: command, date, commit, machine, load."""
+    commit = str(record["commit"])[:10]
+    if record.get("dirty"):
+        commit += " with local changes to " + ", ".join(f"`{p}`" for p in record["dirty"])
+    parts = [
+        f"`{record['command']}`",
+        str(record["date"]).replace("T", " ").replace("+00:00", " UTC"),
+        f"commit {commit}",
+        machine_text(record["machine"]),
+    ]
+    if load_text(record):
+        parts.append(load_text(record))
+    if record.get("wall_s") is not None:
+        parts.append(f"{record['wall_s']:.0f} s")
+    return f"<small>Source: {'; '.join(parts)} ([{name}.json]({link}{name}.json)).</small>"
+
+
+def render(name: str, data_dir: Path = DATA_DIR, link: str = "data/") -> str:
+    """Markdown for one marker: the bench's tables with their source, or how to make them."""
+    bench = _bench(name)
+    record = load_record(name, data_dir)
+    if record is None:
+        return (
+            f'!!! note "No figure yet"\n    Nothing has been recorded for this bench. Record it '
+            f"with:\n\n        python scripts/bench_record.py -- {bench.command}\n"
+        )
+    out = []
+    if smaller(bench, record["command"]):
+        out.append(
+            f'!!! info "A smaller run"\n    These figures come from `{record["command"]}`; the '
+            f"full bench is `{bench.command}`.\n"
+        )
+    for caption, headers, rows in bench.render(record["result"]):
+        if caption:
+            out.append(f"*{caption}*\n")
+        out.append(markdown_table(headers, rows) + "\n")
+    out.append(provenance(name, record, link) + "\n")
+    return "\n".join(out)
+
+
+def expand(markdown: str, data_dir: Path = DATA_DIR, link: str = "data/") -> str:
+    """A page with every ``<!-- fedpipe:bench NAME -->`` replaced by ``render(NAME)``."""
+    return MARKER.sub(lambda m: render(m.group("name"), data_dir, link), markdown)
+
+
+def readme_block(data_dir: Path = DATA_DIR) -> str:
+    """The README's one result: the pipeline bench's main table and its source."""
+    record = load_record(README_BENCH, data_dir)
+    page = "docs/benchmarks/pipeline.md"
+    if record is None:
+        return f"No pipeline figure is recorded yet: see [{page}]({page}).\n"
+    caption, headers, rows = _bench(README_BENCH).render(record["result"])[0]
+    keep = [0, 1, 2, 3, 6, 7]  # link, T_seq, T_seq whole, T_pipe, speedup, efficiency
+    table = markdown_table([headers[i] for i in keep], [[row[i] for i in keep] for row in rows])
+    return (
+        f"*{caption}*\n\n{table}\n\n"
+        + provenance(README_BENCH, record, link="docs/benchmarks/data/")
+        + f"\n\nWhat each column means, and every other figure: [{page}]({page}).\n"
+    )
+
+
+def replace_readme_block(text: str, block: str) -> str:
+    begin, end = text.find(README_BEGIN), text.find(README_END)
+    if begin < 0 or end < begin:
+        raise ValueError(f"README.md lacks the {README_BEGIN} ... {README_END} block")
+    return text[: begin + len(README_BEGIN)] + "\n" + block + text[end:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("names", nargs="*", help="benches whose tables to print")
+    parser.add_argument("--data", type=Path, default=DATA_DIR, help="folder of the records")
+    parser.add_argument("--readme", action="store_true", help="rewrite the README's result")
+    parser.add_argument("--check-readme", action="store_true", help="fail if it is stale")
+    args = parser.parse_args(argv)
+    if args.readme or args.check_readme:
+        text = README.read_text()
+        new = replace_readme_block(text, readme_block(args.data))
+        if args.check_readme and new != text:
+            print(
+                "README.md's result is stale: run python scripts/render_bench_docs.py --readme",
+                file=sys.stderr,
+            )
+            return 1
+        if args.readme:
+            README.write_text(new)
+    for name in args.names:
+        print(render(name, args.data))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

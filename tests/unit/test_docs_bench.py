@@ -1,0 +1,197 @@
+"""The benchmark pages' tables come from bench records, rendered with their source."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import mkdocs_hooks  # noqa: E402
+import render_bench_docs as rb  # noqa: E402
+
+PIPELINE = {
+    "model": "tiny-llama",
+    "split": "u: head 1, tail 1",
+    "batch": [4, 16],
+    "microbatches": 2,
+    "codec": "fp32",
+    "steps": 2,
+    "warmup": 1,
+    "links": [
+        {
+            "link": "100mbit-100ms",
+            "t_seq_s": 0.5,
+            "t_seq_whole_s": 0.4,
+            "t_pipe_s": 0.25,
+            "best_schedule": "greedy",
+            "t_bound_s": 0.2,
+            "bound_term": "server",
+            "t_bound_inrun_s": 0.21,
+            "speedup": 1.6,
+            "efficiency": 0.8,
+            "ceiling": 2.0,
+            "noisy": False,
+            "schedules": {"gpipe": 0.27, "greedy": 0.25},
+        }
+    ],
+}
+
+
+def record(result: dict[str, Any], **over: Any) -> dict[str, Any]:
+    entry = {
+        "command": "fedpipe bench pipeline --json",
+        "date": "2026-01-02T03:04:05+00:00",
+        "commit": "0123456789abcdef0123456789abcdef01234567",
+        "dirty": [],
+        "machine": {"cpu": "Test CPU", "cores": 4, "ram_gib": 8.0, "gpu": None, "torch": "2.x"},
+        "load_average": {"before": [0.5, 0.5, 0.5], "peak": 1.0},
+        "wall_s": 12.0,
+        "result": result,
+    }
+    return entry | over
+
+
+def write(folder: Path, name: str, entry: dict[str, Any]) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.json"
+    path.write_text(json.dumps(entry))
+    return path
+
+
+def test_a_record_renders_as_its_tables_with_the_source(tmp_path: Path) -> None:
+    write(tmp_path, "pipeline", record(PIPELINE))
+    text = rb.render("pipeline", tmp_path)
+    assert "| 100mbit-100ms | 0.500 | 0.400 | 0.250 (greedy) | 0.200 (server) |" in text
+    assert "| link | gpipe | greedy |" in text  # every schedule's time
+    source = text.splitlines()[-1]
+    for part in ("`fedpipe bench pipeline --json`", "2026-01-02 03:04:05 UTC", "0123456789"):
+        assert part in source
+    assert "Test CPU, 4 cores, 8.0 GiB RAM, no GPU, torch 2.x" in source
+    assert "[pipeline.json](data/pipeline.json)" in source
+    assert "loaded the machine" not in text and "A smaller run" not in text
+
+
+def test_a_loaded_machine_and_a_smaller_run_are_said(tmp_path: Path) -> None:
+    loaded = {"before": [3.0, 2.0, 1.0], "peak": 5.0}  # 3.0 on 4 cores: past half
+    command = "fedpipe bench pipeline --json --links 1gbit-5ms --steps 2"
+    write(tmp_path, "pipeline", record(PIPELINE, load_average=loaded, command=command))
+    text = rb.render("pipeline", tmp_path)
+    assert "measured while other work loaded the machine" in text
+    assert f"These figures come from `{command}`" in text
+
+
+def test_a_run_of_full_size_with_other_settings_is_not_called_smaller(tmp_path: Path) -> None:
+    command = "fedpipe bench pipeline --json --codec int8"
+    write(tmp_path, "pipeline", record(PIPELINE, command=command))
+    assert "A smaller run" not in rb.render("pipeline", tmp_path)
+
+
+def test_local_changes_to_the_benched_code_are_named(tmp_path: Path) -> None:
+    write(tmp_path, "pipeline", record(PIPELINE, dirty=["fedpipe/x.py"]))
+    assert "with local changes to `fedpipe/x.py`" in rb.render("pipeline", tmp_path)
+
+
+def test_without_a_record_the_page_shows_the_command_and_no_figure(tmp_path: Path) -> None:
+    text = rb.render("server", tmp_path)
+    assert "No figure yet" in text
+    assert "python scripts/bench_record.py -- fedpipe bench server --json" in text
+    assert "|" not in text
+
+
+def test_a_file_that_is_not_a_record_is_refused(tmp_path: Path) -> None:
+    write(tmp_path, "pipeline", {"result": PIPELINE})
+    with pytest.raises(ValueError, match="not a bench record"):
+        rb.render("pipeline", tmp_path)
+
+
+def test_an_unknown_bench_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="unknown bench 'nosuch'"):
+        rb.render("nosuch", tmp_path)
+
+
+def test_a_second_record_of_one_bench_uses_its_renderer(tmp_path: Path) -> None:
+    memory = {"model": "m", "plan": "u:1+1", "device_param_bytes": 2**20}
+    write(tmp_path, "memory@1-1", record(memory, command="fedpipe bench memory --model default"))
+    assert "| m | u:1+1 | 1.0 MiB" in rb.render("memory@1-1", tmp_path)
+
+
+def test_an_unknown_result_shape_still_renders_every_figure(tmp_path: Path) -> None:
+    result = {"ratio": 0.8, "rows": [{"size_mb": 9.4, "mb_per_s": 500.0}]}
+    write(tmp_path, "transport", record(result))
+    text = rb.render("transport", tmp_path)
+    assert "| ratio | 0.800 |" in text
+    assert "| 9.400 | 500.000 |" in text
+
+
+def test_the_hook_replaces_markers_with_links_relative_to_the_page(tmp_path: Path) -> None:
+    data = tmp_path / "benchmarks" / "data"
+    write(data, "pipeline", record(PIPELINE))
+    page = "# Title\n\n<!-- fedpipe:bench pipeline -->\n\nafter\n"
+    out = mkdocs_hooks.expand_page(page, data, Path("guides"))
+    assert "<!-- fedpipe" not in out and out.endswith("after\n")
+    assert "(../benchmarks/data/pipeline.json)" in out
+    at_root = mkdocs_hooks.expand_page(page, data, Path("."))
+    assert "(benchmarks/data/pipeline.json)" in at_root
+
+
+def test_the_hook_refuses_an_unknown_marker(tmp_path: Path) -> None:
+    from mkdocs.exceptions import PluginError
+
+    with pytest.raises(PluginError, match="fedpipe:setings"):
+        mkdocs_hooks.expand_page("<!-- fedpipe:setings -->\n", tmp_path, Path("."))
+    with pytest.raises(PluginError, match="unknown bench"):
+        mkdocs_hooks.expand_page("<!-- fedpipe:bench nosuch -->\n", tmp_path, Path("."))
+
+
+def test_the_readme_block_is_rewritten_between_its_markers(tmp_path: Path) -> None:
+    write(tmp_path, "pipeline", record(PIPELINE))
+    text = f"before\n{rb.README_BEGIN}\nold\n{rb.README_END}\nafter\n"
+    new = rb.replace_readme_block(text, rb.readme_block(tmp_path))
+    assert new.startswith(f"before\n{rb.README_BEGIN}\n")
+    assert new.endswith(f"{rb.README_END}\nafter\n")
+    assert "old" not in new and "| 100mbit-100ms |" in new
+    assert "(docs/benchmarks/data/pipeline.json)" in new
+
+
+# --- the repository's own pages and records ---------------------------------------------------
+
+
+def test_every_committed_record_renders() -> None:
+    for path in sorted(rb.DATA_DIR.glob("*.json")):
+        assert "Source:" in rb.render(path.stem), path
+
+
+def test_every_marker_in_the_docs_names_a_known_bench() -> None:
+    names = {
+        m.group("name")
+        for page in (ROOT / "docs").rglob("*.md")
+        for m in rb.MARKER.finditer(page.read_text())
+    }
+    assert names, "no page asks for a bench's tables"
+    for name in names:
+        rb._bench(name)  # raises for an unknown one
+
+
+def test_the_readme_result_is_current() -> None:
+    text = rb.README.read_text()
+    assert rb.replace_readme_block(text, rb.readme_block()) == text, (
+        "run python scripts/render_bench_docs.py --readme"
+    )
+
+
+def test_the_readme_quickstart_holds_two_commands_the_second_runs_test_sh() -> None:
+    text = rb.README.read_text()
+    quickstart = text.split("## Quickstart", 1)[1]
+    block = re.search(r"```\w*\n(.*?)```", quickstart, re.DOTALL)
+    assert block is not None
+    lines = block.group(1).strip().splitlines()
+    assert len(lines) == 2
+    assert "fedpipe simulate --config examples/demo.toml" in lines[0]
+    assert lines[1].endswith("bash scripts/test.sh")
