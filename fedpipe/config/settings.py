@@ -252,6 +252,9 @@ class ServerConfig:
     batching: bool = True
     batch_tokens: int = 2048  # tokens (rows x seq) per call: 8 microbatches of 2 x 128
     batch_wait_ms: float = 5.0  # cap on waiting to fill a call (25% of a measured call below it)
+    # Serve without a secret on an address others can reach (sessions and round control need
+    # no token): only for a closed network. On loopback a server may always run without one.
+    allow_unauthenticated: bool = False
     tls_cert: str = ""  # the StageServer's certificate (PEM); with tls_key, serves TLS
     tls_key: str = ""
     tls_ca: str = ""  # CA that devices and the ServerApp verify the StageServer with

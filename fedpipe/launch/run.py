@@ -9,12 +9,15 @@ folder on the server host, where ``fedpipe run`` then writes the summary and plo
 
 from __future__ import annotations
 
+import secrets
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from fedpipe.auth.tokens import new_secret
+from fedpipe.auth.secret_files import create_secret_file, read_secret_file
 from fedpipe.config import FedpipeConfig
 from fedpipe.fl.device_work import RUN_DEFAULTS
 from fedpipe.launch.engines import FlwrRunResult, flwr_run, run_simulation_engine, write_flower_app
@@ -92,11 +95,11 @@ def simulate(
     folder = RunFolder.open(runs_dir, name, resume=resume)
     config = _settle_settings(folder, config, resume=resume, explicit=explicit)
     resolve_model(config.model.name)  # convert once, before the devices start
-    secret_file = folder.path / ".secret"
-    if not secret_file.exists():
-        secret_file.write_text(new_secret())
-        secret_file.chmod(0o600)
-    server = build_stage_server(config, secret=secret_file.read_text().strip(), port=0).start()
+    # The secret lives outside the run folder (people share run folders), in a private
+    # folder of this run's own, and goes with it.
+    secrets_dir = Path(tempfile.mkdtemp(prefix="fedpipe-secret-"))  # 0700
+    secret_file = create_secret_file(secrets_dir / "secret")
+    server = build_stage_server(config, secret=read_secret_file(secret_file), port=0).start()
     live = LiveReport(folder.metrics_path, rounds=config.federated.rounds, quiet=not progress)
     started = time.time()
     try:
@@ -107,7 +110,7 @@ def simulate(
             "run.resume": resume,
             "run.stage-address": server.address,
             "run.secret-file": str(secret_file.resolve()),
-            "run.id": name,
+            "run.id": _run_instance(name),
         }
         for key, value in (faults or {}).items():
             run_config[f"faults.{key}"] = value
@@ -123,6 +126,7 @@ def simulate(
     finally:
         live.stop()
         server.stop(grace=1.0)
+        shutil.rmtree(secrets_dir, ignore_errors=True)
     return _finish(folder, config, result, started, timeout_s)
 
 
@@ -197,7 +201,7 @@ def deploy_run(
         "run.resume": resume,
         "run.stage-address": stage_address,
         "run.secret-file": str(secret_file.expanduser().resolve()) if secret_file else "",
-        "run.id": name,
+        "run.id": _run_instance(name),
     }
     flat = config.to_flat()
     for key in overrides or {}:
@@ -222,3 +226,9 @@ def deploy_run(
     finally:
         live.stop()
     return _finish(folder, config, result, started, timeout_s)
+
+
+def _run_instance(name: str) -> str:
+    """The id tokens and round control carry: the run's name and a random suffix, so that no
+    token of an earlier attempt at a run (or another run of the same name) is valid in this one."""
+    return f"{name}.{secrets.token_hex(6)}"

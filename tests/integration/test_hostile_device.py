@@ -411,6 +411,18 @@ def test_an_unknown_uplink_codec_is_refused_before_a_session_opens(folder: Path)
         server.stop(grace=None)
 
 
+# -- who may serve without a secret ---------------------------------------------------------------
+def test_a_server_others_can_reach_needs_a_secret_or_an_explicit_opt_out(folder: Path) -> None:
+    reachable = _config(host="0.0.0.0")
+    with pytest.raises(ValueError, match="server.allow_unauthenticated = true"):
+        build_stage_server(reachable, port=0, folder=folder)
+    server = build_stage_server(reachable, port=0, folder=folder, secret="s" * 32).start()
+    server.stop(grace=None)
+    opted = _config(host="0.0.0.0", allow_unauthenticated=True)
+    build_stage_server(opted, port=0, folder=folder).start().stop(grace=None)
+    build_stage_server(_config(), port=0, folder=folder).start().stop(grace=None)  # loopback
+
+
 @pytest.fixture(autouse=True)
 def _no_stray_children() -> Iterator[None]:
     yield

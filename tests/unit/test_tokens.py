@@ -116,6 +116,16 @@ def test_ledger_admits_one_session_per_device_and_round() -> None:
     assert len(ledger) == 4
 
 
+def test_a_token_is_refused_again_when_its_round_is_begun_again() -> None:
+    """A round begun anew (a resumed run) takes fresh tokens only: one that opened a session
+    in the earlier attempt, even if issued within the clock skew of the new start, is refused."""
+    ledger = TokenLedger()
+    token = verify_token(SECRET, _token(), round=1, now=NOW)
+    ledger.claim(token, epoch=NOW, now=NOW)
+    with pytest.raises(InvalidTokenError, match="this session token .* already used"):
+        ledger.claim(token, epoch=NOW + 10, now=NOW + 10)
+
+
 def test_ledger_forgets_expired_tokens() -> None:
     ledger = TokenLedger()
     ledger.claim(verify_token(SECRET, _token(ttl_s=10), round=1, now=NOW), now=NOW)
