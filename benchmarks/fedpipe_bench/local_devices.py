@@ -6,7 +6,9 @@ puts a clipping norm in the round's config), then the round's global adapters lo
 local steps over the stage link with the round's token (and FedProx's ``proximal-mu`` under
 ``fedprox``), and a reply holding the device's adapters, its ``RoundReport`` as metrics, its
 plan and cut. A node's device id is its node id, as a Flower node's is, so the ServerApp's
-commit names the sessions it trained on the StageServer.
+commit names the sessions it trained on the StageServer. Left out, as a simulation's devices
+do not use them: a device's own data and TLS files, test fault injection, and a delta cache
+kept on disk (each device's stays in memory for the run, as its DeviceWork does).
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@
   ``fedpipe simulate``, on Flower's simulation engine, and through the bench. It uses FedAvgM
   with fedpipe's ``server_lr``: a bench with an aggregation of its own (plain FedAvg) gives a
   different loss there.
-- The strategy's sampling (``fraction_train``) decides which devices train in a bench round.
+- The strategy's sampling (``fraction_train``) decides which devices train in a bench round,
+  and Flower's adapter DP clips on the side ``privacy.adapter_dp`` names.
 - A setting the bench does not model is refused before anything is built, naming it.
 """
 
@@ -57,6 +58,24 @@ def test_the_strategy_samples_the_devices_of_a_bench_round() -> None:
     steps, batch = QUICK_SIZE["train.local_steps"], QUICK_SIZE["train.batch_size"]
     seq = QUICK_SIZE["train.seq_len"]
     assert row["trained_tokens"] == 2 * steps * batch * (seq - 1)  # 2 rounds x 1 device
+
+
+@pytest.mark.slow
+def test_adapter_dp_clips_the_bench_updates_on_either_side() -> None:
+    """Flower's DP wrappers run in the bench: server-side through the ServerApp's strategy,
+    client-side through the ClientApp's clipping mod. Clipped to ~0 and without noise, both
+    leave the device adapters where they started; without DP they move."""
+    loss = {}
+    for side in ("off", "server", "client"):
+        dp = {
+            "privacy.adapter_dp": side,
+            "privacy.adapter_noise": 0.0,
+            "privacy.adapter_clip": 1e-9,
+        }
+        report = run_quality_bench(quick=True, names=["lossless"], overrides={**SMALL, **dp})
+        loss[side] = report["runs"][0]["eval_loss"]
+    assert loss["server"] == pytest.approx(loss["client"], abs=1e-6)
+    assert abs(loss["off"] - loss["server"]) > 1e-3
 
 
 def test_bench_quality_refuses_a_setting_it_does_not_model() -> None:
