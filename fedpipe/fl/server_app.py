@@ -6,6 +6,10 @@ StageServer which round it is, gives every sampled device a token for it, aggreg
 device adapters with the strategy, asks the StageServer to merge the server-side adapters of
 the devices whose replies arrived (same weights) and to drop the rest, evaluates the split
 model on held-out text, and checkpoints both sides.
+
+The rounds themselves (:class:`Rounds` and :func:`run_rounds`: the configured Flower strategy
+wrapped in fedpipe's round hooks and round policy) do not depend on where the devices run:
+``fedpipe bench quality`` drives the same code over a grid of its own.
 """
 
 from __future__ import annotations
@@ -15,10 +19,12 @@ import math
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
+import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid, ServerApp
+from flwr.serverapp.strategy import Result
 
 from fedpipe.auth.tokens import issue_token
 from fedpipe.config import FederatedConfig, FedpipeConfig
@@ -33,43 +39,40 @@ from fedpipe.runs.folder import RunFolder
 from fedpipe.runs.tensorboard import Board
 from fedpipe.wire.control_client import StageControlClient
 
-__all__ = ["server_app"]
+__all__ = ["Rounds", "run_rounds", "seeded_adapters", "server_app"]
 
 log = logging.getLogger(__name__)
 
 server_app = ServerApp()
 
 
-class _Rounds:
-    """Per-round hooks around a Flower strategy: tokens, commit, and the round offset on resume."""
+class Rounds:
+    """Per-round hooks around a Flower strategy: tokens, commit, and the round offset on resume.
+
+    ``log`` takes every record of the run (the ServerApp's: metrics.jsonl and TensorBoard).
+    """
 
     def __init__(
         self,
         control: StageControlClient,
-        folder: RunFolder,
         run: RunSettings,
         offset: int,
         *,
+        log: Callable[[dict[str, Any]], None],
         policy: FederatedConfig | None = None,
     ) -> None:
-        self.control, self.folder, self.offset = control, folder, offset
+        self.control, self.offset, self.log = control, offset, log
         self.secret, self.run_id = run.secret, run.run_id
         self.stage_address, self.token_ttl_s = run.stage_address, run.round_timeout_s
         self.last_commit: tuple[int, int] = (0, 0)
         self.finished: dict[str, float] = {}
         self.policy = policy or FederatedConfig()
-        self.board = Board(folder.path / "tensorboard")
         self.devices = DeviceBook()
         self.grid: RoundGrid | None = None
         self.stats: dict[str, float | int] = {}  # the last committed round's, for its record
         self.failures_total = 0
         self.started = self.round_started = time.time()
         self.exact = ExactState(mode=self.policy.aggregation)  # `exact`, `stack` across rounds
-
-    def log(self, record: dict[str, object]) -> None:
-        """One metrics record: metrics.jsonl (read live by the CLI) and TensorBoard."""
-        self.folder.log_metrics(record)
-        self.board.write(record)
 
     def begin(self, server_round: int, grid: RoundGrid) -> None:
         """Before a round: wait (no longer than stated) for the devices to connect."""
@@ -206,7 +209,7 @@ def _round_stats(ok: list[Message], failed: int) -> dict[str, float | int]:
     return stats
 
 
-def _wrap_strategy(strategy, rounds: _Rounds):  # type: ignore[no-untyped-def]
+def _wrap_strategy(strategy, rounds: Rounds):  # type: ignore[no-untyped-def]
     base = type(strategy)
 
     class FedpipeStrategy(base):  # type: ignore[misc, valid-type]
@@ -234,14 +237,14 @@ def _wrap_strategy(strategy, rounds: _Rounds):  # type: ignore[no-untyped-def]
 
 
 def _make_evaluate(
-    work: DeviceWork, rounds: _Rounds, run: RunSettings, *, resumed: bool
+    work: DeviceWork, rounds: Rounds, run: RunSettings, folder: RunFolder, *, resumed: bool
 ) -> Callable[[int, ArrayRecord], MetricRecord]:
     """Flower's ``evaluate_fn``: held-out loss, the round's record and its checkpoint.
 
     The round's record (``event: eval``) holds its own duration (``wall_s``, from the start
     of the round to its checkpoint), the run's ``elapsed_s`` and the round's device counts.
     """
-    control, folder = rounds.control, rounds.folder
+    control = rounds.control
 
     def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
         round_ = rounds.offset + server_round
@@ -273,7 +276,7 @@ def _make_evaluate(
     return evaluate
 
 
-def _strategy(cfg: FedpipeConfig, rounds: _Rounds):  # type: ignore[no-untyped-def]
+def _strategy(cfg: FedpipeConfig, rounds: Rounds):  # type: ignore[no-untyped-def]
     """The configured Flower strategy; fedpipe's RoundGrid, not Flower, waits for devices."""
     fed = cfg.federated
     strategy = make_strategy(
@@ -288,6 +291,52 @@ def _strategy(cfg: FedpipeConfig, rounds: _Rounds):  # type: ignore[no-untyped-d
     )
     sampled = max(1, int(fed.num_devices * fed.fraction_train))
     return _wrap_strategy(with_adapter_dp(strategy, cfg.privacy, sampled_devices=sampled), rounds)
+
+
+def seeded_adapters(cfg: FedpipeConfig, work: DeviceWork) -> dict[str, torch.Tensor]:
+    """The global device adapters a run starts from: the seeded ones of every offered cut."""
+    if len(cfg.model.offered_cuts) > 1:
+        return initial_device_adapters(cfg, work.trainer.folder)
+    return work.trainer.adapters()
+
+
+def run_rounds(
+    cfg: FedpipeConfig,
+    rounds: Rounds,
+    grid: Grid,
+    arrays: dict[str, torch.Tensor],
+    *,
+    initial: dict[str, torch.Tensor],
+    num_rounds: int,
+    evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+) -> Result:
+    """``num_rounds`` rounds from the global device adapters ``arrays``, over ``grid``.
+
+    The configured Flower strategy (``federated.strategy``, ``server_lr``, ``fraction_train``,
+    ``privacy.adapter_dp``) wrapped in fedpipe's round hooks (``rounds``: tokens, finite
+    checks, cuts, exact aggregation, the StageServer's commit) runs Flower's own round loop,
+    with fedpipe's round policy (:class:`RoundGrid`) between it and ``grid``. ``initial``:
+    the seeded adapters (``stack`` restarts from them every round).
+    """
+    fed = cfg.federated
+    rounds.exact.device_initial = initial
+    rounds.exact.lora_scale = cfg.model.lora_alpha / cfg.model.lora_r
+    rounds.grid = RoundGrid(
+        grid,
+        log=rounds.log,
+        devices=rounds.devices,
+        deadline_s=fed.round_deadline_s,
+        report_every_s=fed.report_every_s,
+        straggler_s=fed.straggler_s,
+    )
+    return _strategy(cfg, rounds).start(
+        grid=rounds.grid,
+        initial_arrays=ArrayRecord(arrays),
+        num_rounds=num_rounds,
+        timeout=fed.round_deadline_s,
+        train_config=ConfigRecord({"proximal-mu": fed.proximal_mu}),
+        evaluate_fn=evaluate_fn,
+    )
 
 
 @server_app.main()
@@ -305,11 +354,7 @@ def server_main(grid: Grid, context: Context) -> None:
     work = DeviceWork(
         cfg, device_id="evaluator", partition=-1, num_partitions=cfg.federated.num_devices
     )
-    # The seeded adapters of every offered cut, before any checkpoint is loaded.
-    several = len(cfg.model.offered_cuts) > 1
-    arrays = (
-        initial_device_adapters(cfg, work.trainer.folder) if several else work.trainer.adapters()
-    )
+    arrays = seeded_adapters(cfg, work)  # before any checkpoint is loaded
     offset = 0
     initial = dict(arrays)
     checkpoint = folder.latest_checkpoint() if run.resume else None
@@ -323,33 +368,31 @@ def server_main(grid: Grid, context: Context) -> None:
     if remaining <= 0:
         log.info("all %d rounds are done already", cfg.federated.rounds)
         return
-    rounds = _Rounds(control, folder, run, offset, policy=cfg.federated)
-    rounds.exact.device_initial = initial
-    rounds.exact.lora_scale = cfg.model.lora_alpha / cfg.model.lora_r
+    board = Board(folder.path / "tensorboard")
+
+    def record(entry: dict[str, Any]) -> None:
+        """One metrics record: metrics.jsonl (read live by the CLI) and TensorBoard."""
+        folder.log_metrics(entry)
+        board.write(entry)
+
+    rounds = Rounds(control, run, offset, log=record, policy=cfg.federated)
     # Records of rounds after `offset` from an earlier attempt (a crash between commit and
     # checkpoint) are superseded from here on; build_summary drops them.
     rounds.log({"event": "start", "round": offset, "resumed": checkpoint is not None})
     control.begin_round(offset, run.run_id, cfg.federated.aggregation)
-    fed = cfg.federated
-    rounds.grid = RoundGrid(
-        grid,
-        log=rounds.log,
-        devices=rounds.devices,
-        deadline_s=fed.round_deadline_s,
-        report_every_s=fed.report_every_s,
-        straggler_s=fed.straggler_s,
-    )
     try:
-        _strategy(cfg, rounds).start(
-            grid=rounds.grid,
-            initial_arrays=ArrayRecord(arrays),
+        run_rounds(
+            cfg,
+            rounds,
+            grid,
+            arrays,
+            initial=initial,
             num_rounds=remaining,
-            timeout=fed.round_deadline_s,
-            train_config=ConfigRecord({"proximal-mu": fed.proximal_mu}),
-            evaluate_fn=_make_evaluate(work, rounds, run, resumed=checkpoint is not None),
+            evaluate_fn=_make_evaluate(work, rounds, run, folder, resumed=checkpoint is not None),
         )
     except StopRun as stop:
-        rounds.log({"event": "stop", "round": rounds.grid.round, "reason": str(stop)})
+        stopped = rounds.grid.round if rounds.grid is not None else offset
+        rounds.log({"event": "stop", "round": stopped, "reason": str(stop)})
         log.error("run stopped: %s", stop)
     finally:
-        rounds.board.close()
+        board.close()
