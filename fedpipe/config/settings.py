@@ -35,6 +35,8 @@ __all__ = [
 ]
 
 AGGREGATIONS = ("separate", "exact", "ffa", "stack")  # see fedpipe.lora.aggregation
+# Flower strategies that combine adapters robustly (fedpipe.fl.strategies, fedpipe.lora.robust).
+ROBUST_STRATEGIES = ("fedmedian", "fedtrimmedavg", "krum", "multikrum")
 # The device schedules (fedpipe.edge.schedules builds them; a test keeps the two in step).
 SCHEDULE_NAMES = ("sequential", "gpipe", "1f1b", "greedy")
 _BOOLS = {"1": True, "true": True, "yes": True, "on": True}
@@ -347,7 +349,7 @@ class FederatedConfig:
     """Flower rounds, devices and their data."""
 
     rounds: int = 3
-    strategy: str = "fedavg"  # fedavg | fedprox | fedadam | ...
+    strategy: str = "fedavg"  # fedavg | fedprox | fedadam | ... | fedmedian | krum (fl.strategies)
     fraction_train: float = 1.0
     num_devices: int = 4
     profiles: str = "jetson-ethernet,rpi-wifi,phone-lte,laptop-wifi"  # cycled over devices
@@ -359,6 +361,11 @@ class FederatedConfig:
     eval_fraction: float = 0.1
     proximal_mu: float = 0.01
     server_lr: float = 0.1
+    # Robust strategies (fedmedian, fedtrimmedavg, krum, multikrum) run on both sides.
+    trim_beta: float = 0.2  # fedtrimmedavg: the fraction cut from each end, per element
+    malicious_devices: int = 0  # krum, multikrum: the hostile devices they assume (f)
+    krum_select: int = 1  # multikrum: the updates it keeps and averages
+    update_norm_bound: float = 0.0  # > 0: every update's L2 norm clipped to it, on both sides
     # How LoRA adapters are aggregated on both sides: separate | exact | ffa | stack
     # (fedpipe.lora.aggregation); exact and stack need a FedAvg-style strategy.
     aggregation: str = "separate"
@@ -405,6 +412,27 @@ class FederatedConfig:
             self.aggregation in AGGREGATIONS,
             f"federated.aggregation {self.aggregation!r} unknown; choose one of "
             f"{', '.join(AGGREGATIONS)}",
+        )
+        _check(
+            0 <= self.trim_beta < 0.5,
+            f"federated.trim_beta must be in [0, 0.5), got {self.trim_beta}",
+        )
+        _check(
+            self.malicious_devices >= 0 and self.krum_select >= 1,
+            "federated.malicious_devices must be >= 0 and federated.krum_select >= 1",
+        )
+        _check(
+            self.update_norm_bound >= 0,
+            f"federated.update_norm_bound must be >= 0 (0: off), got {self.update_norm_bound}",
+        )
+        _check(
+            self.strategy not in ROBUST_STRATEGIES
+            and self.update_norm_bound == 0
+            or self.aggregation in ("separate", "ffa"),
+            f"federated.strategy = {self.strategy!r} with federated.update_norm_bound = "
+            f"{self.update_norm_bound:g} combines adapters robustly, which "
+            f"federated.aggregation = {self.aggregation!r} cannot (it folds a weighted mean); "
+            "use separate or ffa",
         )
         _check(
             self.aggregation not in ("exact", "stack") or self.strategy in ("fedavg", "fedprox"),

@@ -27,14 +27,24 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Result
 
 from fedpipe.auth.tokens import issue_token
-from fedpipe.config import FederatedConfig, FedpipeConfig
+from fedpipe.config import FederatedConfig, FedpipeConfig, format_cut
 from fedpipe.edge.trainer import initial_device_adapters
 from fedpipe.fl.adapter_dp import with_adapter_dp
-from fedpipe.fl.aggregate import ExactState, aggregate_exactly, held, non_finite, pad_to_union
+from fedpipe.fl.aggregate import (
+    ExactState,
+    aggregate_exactly,
+    by_holders,
+    clip_replies,
+    held,
+    non_finite,
+    pad_to_union,
+)
 from fedpipe.fl.device_work import DeviceWork, RunSettings, evaluate_split, server_run_settings
+from fedpipe.fl.replies import ReplyRules, check_reply, device_keys
 from fedpipe.fl.rounds import DeviceBook, RoundGrid, StopRun
-from fedpipe.fl.strategies import make_strategy
+from fedpipe.fl.strategies import STATEFUL, aggregation_rule, make_strategy, robust_options
 from fedpipe.lora.aggregation import split_deltas
+from fedpipe.models import load_config, resolve_model
 from fedpipe.runs.folder import RunFolder
 from fedpipe.runs.tensorboard import Board
 from fedpipe.wire.control_client import StageControlClient
@@ -73,6 +83,8 @@ class Rounds:
         self.failures_total = 0
         self.started = self.round_started = time.time()
         self.exact = ExactState(mode=self.policy.aggregation)  # `exact`, `stack` across rounds
+        self.rule = aggregation_rule(self.policy)  # both sides combine adapters by it
+        self.reply_rules: ReplyRules | None = None  # what replies may carry (run_rounds)
 
     def begin(self, server_round: int, grid: RoundGrid) -> None:
         """Before a round: wait (no longer than stated) for the devices to connect."""
@@ -84,7 +96,7 @@ class Rounds:
 
     def configure(self, server_round: int, messages: Iterable[Message]) -> list[Message]:
         round_ = self.offset + server_round
-        self.control.begin_round(round_, self.run_id, self.policy.aggregation)
+        self.control.begin_round(round_, self.run_id, self.policy.aggregation, self.rule.text())
         out = []
         for msg in messages:
             node = str(msg.metadata.dst_node_id)
@@ -147,17 +159,16 @@ class Rounds:
         assert self.grid is not None, "rounds run on fedpipe's RoundGrid"
         self.grid.failure(node, reason)
 
-    def finite_replies(self, replies: list[Message]) -> list[Message]:
-        """The replies whose device adapters are finite; the others are failures, not averaged."""
+    def valid_replies(self, replies: list[Message]) -> list[Message]:
+        """The replies that carry what an honest device of the run sends (fedpipe.fl.replies);
+        each other one is its device's failure, named with the reason, and is not averaged."""
         kept = []
         for reply in replies:
-            bad = [] if reply.has_error() else non_finite(reply)
-            if bad:
-                self._fail(
-                    reply.metadata.src_node_id,
-                    f"device adapter not aggregated: {len(bad)} tensors hold NaN or Inf "
-                    f"(e.g. {bad[0]})",
-                )
+            why = ""
+            if not reply.has_error():
+                why = check_reply(reply, self.reply_rules) if self.reply_rules else _finite(reply)
+            if why:
+                self._fail(reply.metadata.src_node_id, why)
             else:
                 kept.append(reply)
         return kept
@@ -171,6 +182,13 @@ class Rounds:
                 f"round {round_}: {self.failures_total} device failures so far, more than "
                 f"federated.max_failures={limit}"
             )
+
+
+def _finite(reply: Message) -> str:
+    bad = non_finite(reply)
+    if not bad:
+        return ""
+    return f"device adapter not aggregated: {len(bad)} tensors hold NaN or Inf (e.g. {bad[0]})"
 
 
 def _log_privacy(round_: int, ok: list[Message]) -> None:
@@ -209,7 +227,7 @@ def _round_stats(ok: list[Message], failed: int) -> dict[str, float | int]:
     return stats
 
 
-def _wrap_strategy(strategy, rounds: Rounds):  # type: ignore[no-untyped-def]
+def _wrap_strategy(strategy, rounds: Rounds, *, stateful: bool):  # type: ignore[no-untyped-def]
     base = type(strategy)
 
     class FedpipeStrategy(base):  # type: ignore[misc, valid-type]
@@ -223,12 +241,17 @@ def _wrap_strategy(strategy, rounds: Rounds):  # type: ignore[no-untyped-def]
             )
 
         def aggregate_train(self, server_round, replies):  # type: ignore[no-untyped-def]
-            replies = rounds.finite_replies(list(replies))
+            replies = rounds.valid_replies(list(replies))
+            global_state = rounds.exact.device_global
+            if rounds.rule.norm_bound > 0:
+                clip_replies(replies, global_state, rounds.rule.norm_bound)
             states = held(replies)
-            pad_to_union(replies, states, rounds.exact.device_global)
-            result = aggregate_exactly(
-                rounds.exact, states, super().aggregate_train(server_round, replies)
-            )
+            if stateful:  # momentum over the whole adapter: every reply holds every key
+                pad_to_union(replies, states, global_state)
+                result = super().aggregate_train(server_round, replies)
+            else:
+                result = by_holders(super().aggregate_train, server_round, replies, global_state)
+            result = aggregate_exactly(rounds.exact, states, result)
             rounds.commit(server_round, replies)
             return result
 
@@ -288,9 +311,14 @@ def _strategy(cfg: FedpipeConfig, rounds: Rounds):  # type: ignore[no-untyped-de
         server_lr=fed.server_lr
         if fed.strategy in ("fedadam", "fedyogi", "fedadagrad", "fedavgm")
         else None,
+        **robust_options(fed),
     )
     sampled = max(1, int(fed.num_devices * fed.fraction_train))
-    return _wrap_strategy(with_adapter_dp(strategy, cfg.privacy, sampled_devices=sampled), rounds)
+    return _wrap_strategy(
+        with_adapter_dp(strategy, cfg.privacy, sampled_devices=sampled),
+        rounds,
+        stateful=fed.strategy.strip().lower() in STATEFUL,
+    )
 
 
 def seeded_adapters(cfg: FedpipeConfig, work: DeviceWork) -> dict[str, torch.Tensor]:
@@ -321,6 +349,12 @@ def run_rounds(
     fed = cfg.federated
     rounds.exact.device_initial = initial
     rounds.exact.lora_scale = cfg.model.lora_alpha / cfg.model.lora_r
+    num_layers = int(load_config(resolve_model(cfg.model.name)).num_hidden_layers)
+    rounds.reply_rules = ReplyRules(
+        device_keys(cfg, initial, num_layers),
+        default_cut=format_cut((cfg.model.head_layers, cfg.model.tail_layers)),
+        max_examples=cfg.train.batch_size * cfg.train.local_steps,
+    )
     rounds.grid = RoundGrid(
         grid,
         log=rounds.log,
@@ -379,7 +413,7 @@ def server_main(grid: Grid, context: Context) -> None:
     # Records of rounds after `offset` from an earlier attempt (a crash between commit and
     # checkpoint) are superseded from here on; build_summary drops them.
     rounds.log({"event": "start", "round": offset, "resumed": checkpoint is not None})
-    control.begin_round(offset, run.run_id, cfg.federated.aggregation)
+    control.begin_round(offset, run.run_id, cfg.federated.aggregation, rounds.rule.text())
     try:
         run_rounds(
             cfg,

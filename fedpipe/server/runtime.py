@@ -44,6 +44,7 @@ from fedpipe.errors import (
     UnknownSessionError,
 )
 from fedpipe.lora import AdapterBank, BatchedAdapterBank
+from fedpipe.lora.robust import AggregationRule
 from fedpipe.messages import END, Kind, StageMsg
 from fedpipe.server.batch_policy import BatchChoice, BatchPolicy, Lane, choose_batch
 from fedpipe.server.budget import ByteBudget
@@ -492,10 +493,10 @@ class StageRuntime:
             self._drop(info, reason=dropped.get(info.device_id, f"round {round_} committed"))
         return CommitResult(len(merge), len(stale), dropped)
 
-    def set_aggregation(self, mode: str) -> None:
-        """How commits aggregate from now on (federated.aggregation)."""
+    def set_aggregation(self, mode: str, rule: AggregationRule | None = None) -> None:
+        """How commits aggregate from now on (federated.aggregation), by which rule."""
         with self._bank_lock:
-            self.bank.set_aggregation(mode)
+            self.bank.set_aggregation(mode, rule)
 
     def global_state(self) -> dict[str, torch.Tensor]:
         """A copy of the global adapter (and folded base deltas), never half-way through a merge."""

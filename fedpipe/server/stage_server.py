@@ -15,6 +15,7 @@ import torch
 
 from fedpipe.compress.delta import DeltaCache
 from fedpipe.errors import InvalidRequestError
+from fedpipe.lora.robust import AggregationRule
 from fedpipe.server.commit import CommitResult
 from fedpipe.server.delta_store import DeltaStore
 from fedpipe.server.rounds import Authenticator, RoundState
@@ -203,10 +204,10 @@ class StageServer:
         return steps
 
     # -- round control (StageBackend) ------------------------------------------------------------
-    def begin_round(self, round_: int, run_id: str, aggregation: str) -> None:
+    def begin_round(self, round_: int, run_id: str, aggregation: str, rule: str = "") -> None:
         self.rounds.require_run("BeginRound")
-        try:  # federated.aggregation: how this round's CommitRound merges
-            self.runtime.set_aggregation(aggregation)
+        try:  # federated.aggregation and the strategy's rule: how this round's commit merges
+            self.runtime.set_aggregation(aggregation, AggregationRule.parse(rule))
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from None
         self.rounds.begin(round_, run_id)

@@ -65,11 +65,16 @@ class StageControlClient:
 
         return retry_call(once)
 
-    def begin_round(self, round_: int, run_id: str = "", aggregation: str = "") -> None:
+    def begin_round(
+        self, round_: int, run_id: str = "", aggregation: str = "", rule: str = ""
+    ) -> None:
         """Tell the StageServer that ``round_`` of ``run_id`` starts: tokens must name both.
 
-        ``aggregation`` (federated.aggregation; "" = separate) is how its commit merges."""
-        request = pb.BeginRoundRequest(round=round_, run_id=run_id, aggregation=aggregation)
+        ``aggregation`` (federated.aggregation; "" = separate) is how its commit merges, and
+        ``rule`` (``AggregationRule.text()``; "" = the weighted mean) by which rule."""
+        request = pb.BeginRoundRequest(
+            round=round_, run_id=run_id, aggregation=aggregation, rule=rule
+        )
         self._call("BeginRound", request, 30)
 
     def commit_round(self, round_: int, finished: dict[str, float]) -> Committed:

@@ -50,7 +50,7 @@ class ControlServicer(pb_grpc.StageControlServicer):
         self._check("BeginRound", request, context)
         try:
             self.backend.begin_round(
-                request.round, request.run_id, request.aggregation or "separate"
+                request.round, request.run_id, request.aggregation or "separate", request.rule
             )
         except Exception as exc:
             context.abort(status_for(exc), str(exc))

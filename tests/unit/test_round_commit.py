@@ -62,7 +62,7 @@ def test_a_non_finite_device_adapter_is_not_aggregated() -> None:
     control = _Control(dropped={})
     rounds, records = _rounds(control)
     replies = [_reply(1, 0.5), _reply(2, float("nan")), _reply(3, float("inf"))]
-    kept = rounds.finite_replies(replies)
+    kept = rounds.valid_replies(replies)
     assert [r.metadata.src_node_id for r in kept] == [1]
     assert [(r["node_id"], r["event"]) for r in records] == [(2, "failure"), (3, "failure")]
     assert (
