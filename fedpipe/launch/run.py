@@ -97,7 +97,9 @@ def simulate(
     round and whom a round waits for. On
     resume, ``explicit`` names the settings given anew (None: all of ``config``); the rest
     come from the run folder. The summary's ``ok`` and ``problems`` say whether the run did
-    all it should (see :func:`fedpipe.runs.summary.judge`); a timeout is one of them.
+    all it should (see :func:`fedpipe.runs.summary.judge`); a timeout is one of them. When
+    Ray timed out starting the engine, it is started once more (said in one line on stderr,
+    and in the summary's ``flower_run.retried_after``).
     """
     folder = RunFolder.open(runs_dir, name, resume=resume)
     config = _settle_settings(folder, config, resume=resume, explicit=explicit)
