@@ -412,13 +412,31 @@ def test_step_after_a_failed_one_equals_a_clean_step(
 
 
 # -- 3. no client can starve the others ----------------------------------------------------------
-def test_session_ids_carry_at_least_128_random_bits(stub: pb_grpc.StageLinkStub) -> None:
-    ids = {_open(stub, f"id-{i}") for i in range(8)}
-    assert len(ids) == 8
+def test_session_ids_are_distinct_192_bit_values_without_structure(
+    stub: pb_grpc.StageLinkStub,
+) -> None:
+    """64 session ids, each opened by one device (a new one replaces the last): every id is 24
+    bytes (192 bits), none repeats, and together they look like independent uniform bits: every
+    bit position takes both values (a counter, a clock or a shared prefix leaves positions
+    fixed), the share of ones is within 5 standard deviations of a half, and any two ids differ
+    in at least 48 of 192 bits (random pairs differ in 96 +- 7; the chance that a pair of
+    random ids differs in 48 or fewer is below 1e-11). Each bound fails a true random
+    source with probability below 1e-6."""
+    ids = [_open(stub, "one-device") for _ in range(64)]
+    assert len(set(ids)) == len(ids)
+    raw = []
     for session_id in ids:
-        assert "id-" not in session_id
-        raw = base64.urlsafe_b64decode(session_id + "=" * (-len(session_id) % 4))
-        assert len(raw) * 8 >= 128
+        assert "one-device" not in session_id
+        value = base64.urlsafe_b64decode(session_id + "=" * (-len(session_id) % 4))
+        assert len(value) == 24, session_id
+        raw.append(int.from_bytes(value, "big"))
+    bits = 192
+    for position in range(bits):
+        assert len({(v >> position) & 1 for v in raw}) == 2, f"bit {position} never changes"
+    ones, total = sum(v.bit_count() for v in raw), bits * len(raw)
+    assert abs(ones - total / 2) <= 5 * (total / 4) ** 0.5, (ones, total)
+    closest = min((a ^ b).bit_count() for i, a in enumerate(raw) for b in raw[i + 1 :])
+    assert closest >= 48, closest
 
 
 def test_queued_work_past_the_bound_is_resource_exhausted(folder) -> None:  # type: ignore[no-untyped-def]
