@@ -274,7 +274,11 @@ class ServerConfig:
             self.dtype in ("auto", "float32", "bfloat16"),
             f"server.dtype must be auto, float32 or bfloat16, got {self.dtype!r}",
         )
-        _check(self.max_message_mb > 0, "server.max_message_mb must be > 0")
+        _check(
+            self.max_message_mb >= 0.5,
+            f"server.max_message_mb must be >= 0.5 (round control moves adapters in pieces of "
+            f"256 KiB), got {self.max_message_mb}",
+        )
         for name in (
             "max_sessions",
             "max_in_flight",

@@ -381,6 +381,7 @@ def server_main(grid: Grid, context: Context) -> None:
     control = StageControlClient(
         run.stage_address,
         run.secret,
+        run_id=run.run_id,
         root_certificates=cfg.server.root_certificates(),
         certificate_chain=chain,
         private_key=key,

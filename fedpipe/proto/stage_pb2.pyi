@@ -245,18 +245,28 @@ class AdapterRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
-class AdapterReply(_message.Message):
-    __slots__ = ("safetensors",)
-    SAFETENSORS_FIELD_NUMBER: _ClassVar[int]
-    safetensors: bytes
-    def __init__(self, safetensors: _Optional[bytes] = ...) -> None: ...
-
-class LoadAdapterRequest(_message.Message):
-    __slots__ = ("safetensors",)
-    SAFETENSORS_FIELD_NUMBER: _ClassVar[int]
-    safetensors: bytes
-    def __init__(self, safetensors: _Optional[bytes] = ...) -> None: ...
+class AdapterChunk(_message.Message):
+    __slots__ = ("data", "total_bytes", "sha256", "reset")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    total_bytes: int
+    sha256: bytes
+    reset: bool
+    def __init__(self, data: _Optional[bytes] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[bytes] = ..., reset: _Optional[bool] = ...) -> None: ...
 
 class LoadAdapterReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class HelloRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HelloReply(_message.Message):
+    __slots__ = ("server_id",)
+    SERVER_ID_FIELD_NUMBER: _ClassVar[int]
+    server_id: str
+    def __init__(self, server_id: _Optional[str] = ...) -> None: ...

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import secrets
 from pathlib import Path
 
 import torch
@@ -219,17 +220,19 @@ def build_stage_server(
         log.warning("no secret on %s: sessions and round control need no token", host)
     runtime, split = build_runtime(config, folder=folder)
     tls, client_ca = _tls_files(config.server)
+    server_id = secrets.token_hex(8)
     return StageServer(
         runtime,
         split,
         host=config.server.host,
         port=config.server.port if port is None else port,
         authenticate=_authenticator(secret) if secret else None,
-        control_auth=ControlVerifier(secret) if secret else None,
+        control_auth=ControlVerifier(secret, server_id=server_id) if secret else None,
         max_message_bytes=config.server.max_message_bytes,
         tls=tls,
         client_ca=client_ca,
         max_streams=config.server.max_streams,
         max_delta_cache_bytes=int(config.server.max_delta_cache_mb * 2**20),
         delta_store_bytes=int(config.server.delta_store_mb * 2**20),
+        server_id=server_id,
     )

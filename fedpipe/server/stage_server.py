@@ -9,12 +9,13 @@ caches between their sessions. The gRPC server itself is :class:`fedpipe.wire.ho
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 
 import torch
 
 from fedpipe.compress.delta import DeltaCache
-from fedpipe.errors import InvalidRequestError
+from fedpipe.errors import AuthError, InvalidRequestError
 from fedpipe.lora.robust import AggregationRule
 from fedpipe.server.commit import CommitResult
 from fedpipe.server.delta_store import DeltaStore
@@ -53,9 +54,15 @@ class StageServer:
         max_streams: int = 64,
         max_delta_cache_bytes: int = 256 * 2**20,
         delta_store_bytes: int = 1024 * 2**20,
+        server_id: str = "",
     ) -> None:
         self.runtime = runtime
         self.split = split
+        # This process's identity (Hello): signed control calls must name it.
+        self.server_id = server_id or secrets.token_hex(8)
+        # What LoadAdapter takes: the stage's own size twice over (dense base deltas of exact
+        # aggregation are as large as the layers they change), and room for the adapters.
+        self.max_adapter_bytes = 2 * _stage_bytes(runtime) + 64 * 2**20
         self.max_message_bytes = max_message_bytes
         self.max_delta_cache_bytes = max_delta_cache_bytes
         self.rounds = RoundState(authenticate)
@@ -214,8 +221,22 @@ class StageServer:
         self.delta_store.begin_run(run_id)  # devices' delta caches never cross into another run
         log.info("round %d of run %r begun", round_, run_id)
 
-    def commit_round(self, round_: int, weights: dict[str, float]) -> CommitResult:
+    def _check_run(self, method: str, signed_run: str | None, *, read_only: bool = False) -> None:
+        """A signed call names the run it was made in; it must be this server's run. A
+        read-only call may name none (a preflight check of the secret, outside any run)."""
+        current = self.rounds.run_id
+        if read_only and signed_run == "":
+            return
+        if signed_run is not None and signed_run != current:
+            raise AuthError(
+                f"{method} refused: signed in run {signed_run!r}, this server's run is {current!r}"
+            )
+
+    def commit_round(
+        self, round_: int, weights: dict[str, float], *, signed_run: str | None = None
+    ) -> CommitResult:
         self.rounds.require_run("CommitRound", round_)
+        self._check_run("CommitRound", signed_run)
         result = self.runtime.commit_round(round_, weights)
         log.info(
             "round %d committed: %d merged, %d discarded, dropped %s",
@@ -226,8 +247,9 @@ class StageServer:
         )
         return result
 
-    def global_adapter(self) -> dict[str, torch.Tensor]:
+    def global_adapter(self, *, signed_run: str | None = None) -> dict[str, torch.Tensor]:
         self.rounds.require_run("GetAdapter")
+        self._check_run("GetAdapter", signed_run, read_only=True)
         return self.runtime.global_state()
 
     def load_adapter(self, state: dict[str, torch.Tensor] | None) -> None:
@@ -256,3 +278,11 @@ def _check_delta_cache(requested: int, limit: int) -> None:
             "server.max_delta_cache_mb per session); set pipeline.delta_cache_mb lower, or "
             "pipeline.delta = false"
         )
+
+
+def _stage_bytes(runtime: StageRuntime) -> int:
+    """Bytes of the stage's weights (frozen base and adapters), at fp32."""
+    stage = getattr(runtime.bank, "stage", None)
+    if stage is None:
+        return 0
+    return sum(p.numel() * 4 for p in stage.parameters())

@@ -34,6 +34,7 @@ from fedpipe.proto import stage_pb2_grpc as pb_grpc
 from fedpipe.server.build import build_stage_server
 from fedpipe.server.stage_server import StageServer
 from fedpipe.wire.channels import EXCHANGE_METHOD, SESSION_HEADER
+from fedpipe.wire.control_servicer import adapter_chunks
 from fedpipe.wire.serde import split_to_proto
 from fedpipe.wire.tensors import tensor_to_proto
 
@@ -284,6 +285,8 @@ def test_a_link_probes_reply_counts_like_any_reply(folder: Path) -> None:
             # The third probe is refused while the second's reply waits; the stream, stuck on the
             # first, is cancelled after the grace and gives everything back.
             slots = server._host.link.slots
+            info = server.runtime.session(session_id)
+            wait_for(lambda: info.echoes == 2, "two probes to be answered", timeout=15)
             wait_for(lambda: slots.live == 0, "the stream to be cut off", timeout=15)
             wait_for(lambda: server.runtime.budget.used == 0, "the probes' bytes to be given back")
             assert server.runtime.session(session_id).echoes == 2
@@ -385,7 +388,7 @@ def test_a_non_finite_or_negative_aggregation_weight_is_refused(
     try:
         with grpc.insecure_channel(server.address) as chan:
             control = pb_grpc.StageControlStub(chan)
-            control.LoadAdapter(pb.LoadAdapterRequest(), timeout=RPC_TIMEOUT)
+            control.LoadAdapter(adapter_chunks(None), timeout=RPC_TIMEOUT)
             control.BeginRound(pb.BeginRoundRequest(round=1, run_id="r"), timeout=RPC_TIMEOUT)
             request = pb.CommitRoundRequest(
                 round=1, finished=[pb.DeviceWeight(device_id="d", weight=weight)]
@@ -428,3 +431,81 @@ def _no_stray_children() -> Iterator[None]:
     yield
     stray = [c for c in psutil.Process(os.getpid()).children(recursive=True) if c.is_running()]
     assert not [c for c in stray if c.status() != psutil.STATUS_ZOMBIE], stray
+
+
+# -- round control: adapters of any size, calls bound to their server and run ---------------------
+def test_an_adapter_past_every_message_limit_moves_in_pieces() -> None:
+    """GetAdapter and LoadAdapter stream the adapter: exact aggregation's dense base deltas of
+    small-llama's server blocks (6 MiB) pass server.max_message_mb (here 1) and gRPC's default
+    4 MiB receive limit, both ways, intact."""
+    from fedpipe.config import ModelConfig
+    from fedpipe.wire.control_client import StageControlClient
+
+    config = FedpipeConfig(
+        model=ModelConfig(name="small-llama", head_layers=1, tail_layers=1),
+        server=ServerConfig(max_message_mb=1),
+    )
+    server = build_stage_server(config, port=0).start()
+    try:
+        control = StageControlClient(server.address, "")
+        try:
+            control.reset_adapter()
+            control.begin_round(1, "big")
+            state = control.get_adapter()
+            deltas = {}  # one dense delta per adapted layer, shaped as its weight
+            for key, a in state.items():
+                if key.endswith(".lora_A.weight"):
+                    layer = key.removesuffix(".lora_A.weight")
+                    b = state[f"{layer}.lora_B.weight"]
+                    deltas[f"{layer}.base_delta"] = torch.randn(b.shape[0], a.shape[1]) * 1e-3
+            big = {**state, **deltas}
+            assert sum(v.numel() * 4 for v in big.values()) > 5 * 2**20
+            control.load_adapter(big)
+            back = control.get_adapter()
+            assert back.keys() == big.keys()
+            for key in big:
+                assert torch.equal(back[key], big[key]), key
+        finally:
+            control.close()
+    finally:
+        server.stop(grace=None)
+
+
+def test_a_control_call_is_refused_by_a_sibling_server_and_in_another_run(folder: Path) -> None:
+    """Two StageServers share the secret: a call signed for one is refused by the other; a
+    CommitRound signed in another run than the server's is refused."""
+    from fedpipe.auth.calls import sign_call
+
+    secret = "s" * 32
+    one = build_stage_server(_config(), port=0, folder=folder, secret=secret).start()
+    two = build_stage_server(_config(), port=0, folder=folder, secret=secret).start()
+    try:
+        with grpc.insecure_channel(one.address) as a, grpc.insecure_channel(two.address) as b:
+            request = pb.BeginRoundRequest(round=1, run_id="r1")
+            body = request.SerializeToString(deterministic=True)
+            method = "/fedpipe.proto.StageControl/BeginRound"
+            one_id = pb_grpc.StageControlStub(a).Hello(pb.HelloRequest()).server_id
+            assert one_id != pb_grpc.StageControlStub(b).Hello(pb.HelloRequest()).server_id
+            metadata = sign_call(secret, method, body, server_id=one_id, run_id="r1")
+            with pytest.raises(grpc.RpcError) as info:
+                pb_grpc.StageControlStub(b).BeginRound(request, metadata=metadata, timeout=10)
+            assert info.value.code() == S.UNAUTHENTICATED
+            assert "signed for StageServer" in info.value.details()
+        from fedpipe.wire.control_client import StageControlClient
+
+        control = StageControlClient(one.address, secret, run_id="r1")
+        stranger = StageControlClient(one.address, secret, run_id="r0")
+        try:
+            control.reset_adapter()
+            control.begin_round(1, "r1")
+            with pytest.raises(grpc.RpcError) as info:
+                stranger.commit_round(1, {})
+            assert info.value.code() == S.UNAUTHENTICATED
+            assert "signed in run 'r0', this server's run is 'r1'" in info.value.details()
+            control.commit_round(1, {})
+        finally:
+            control.close()
+            stranger.close()
+    finally:
+        one.stop(grace=None)
+        two.stop(grace=None)
