@@ -1,11 +1,13 @@
 """The ServerApp's client for the StageServer's round control service.
 
 Every call is signed with a MAC of its request (see :mod:`fedpipe.auth.calls`); the
-secret itself never leaves this process. Calls are retried with backoff, each try signed anew.
+secret itself never leaves this process. Calls are retried with backoff, each try signed anew,
+except the read-only looks (RoundStatus, the access check), which try once.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -18,12 +20,15 @@ from safetensors.torch import save as st_save
 from fedpipe.auth.calls import sign_call
 from fedpipe.proto import stage_pb2 as pb
 from fedpipe.proto import stage_pb2_grpc as pb_grpc
+from fedpipe.wire.backend import SessionProgress
 from fedpipe.wire.channels import secure_channel_credentials
 from fedpipe.wire.status import retry_call
 
 __all__ = ["Committed", "StageControlClient"]
 
 _SERVICE = "/fedpipe.proto.StageControl/"
+
+log = logging.getLogger(__name__)
 
 
 class Committed(NamedTuple):
@@ -60,10 +65,13 @@ class StageControlClient:
         body = request.SerializeToString(deterministic=True)
 
         def once() -> Any:
-            metadata = sign_call(self._secret, _SERVICE + name, body) if self._secret else None
-            return method(request, timeout=timeout, metadata=metadata)
+            return method(request, timeout=timeout, metadata=self._signed(name, body))
 
         return retry_call(once)
+
+    def _signed(self, name: str, body: bytes) -> tuple[tuple[str, str], ...] | None:
+        """The metadata that signs one try of ``name`` (None without a secret)."""
+        return sign_call(self._secret, _SERVICE + name, body) if self._secret else None
 
     def begin_round(self, round_: int, run_id: str = "", aggregation: str = "") -> None:
         """Tell the StageServer that ``round_`` of ``run_id`` starts: tokens must name both.
@@ -95,13 +103,30 @@ class StageControlClient:
         """Start the server's global adapter afresh (a new run, not a resumed one)."""
         self._call("LoadAdapter", pb.LoadAdapterRequest(), 60)
 
+    def round_status(self, round_: int, timeout: float = 5.0) -> list[SessionProgress] | None:
+        """How far each session of ``round_`` has got, as the StageServer counts it; None when
+        the server cannot say (it is unreachable, or older and lacks RoundStatus).
+
+        Read-only and asked while a round runs, so one try, not retried: a later call asks again.
+        """
+        request = pb.RoundStatusRequest(round=round_)
+        body = request.SerializeToString(deterministic=True)
+        try:
+            reply = self.stub.RoundStatus(
+                request, timeout=timeout, metadata=self._signed("RoundStatus", body)
+            )
+        except grpc.RpcError as exc:
+            log.debug("RoundStatus: %s", exc)
+            return None
+        return [_session_from_proto(s) for s in reply.sessions]
+
     def check_access(self, timeout: float = 10.0) -> None:
         """One signed, read-only call (no retry): raises ``grpc.RpcError`` unless the server
         accepts this client's secret. A fresh StageServer answers FAILED_PRECONDITION (no run's
         adapter yet) only after it checked the signature, so that answer passes too."""
         request = pb.AdapterRequest()
         body = request.SerializeToString(deterministic=True)
-        metadata = sign_call(self._secret, _SERVICE + "GetAdapter", body) if self._secret else None
+        metadata = self._signed("GetAdapter", body)
         try:
             self.stub.GetAdapter(request, timeout=timeout, metadata=metadata)
         except grpc.RpcError as exc:
@@ -110,3 +135,15 @@ class StageControlClient:
 
     def close(self) -> None:
         self.channel.close()
+
+
+def _session_from_proto(status: pb.SessionStatus) -> SessionProgress:
+    stepped = status.steps_done > 0
+    return SessionProgress(
+        device_id=status.device_id,
+        steps_done=status.steps_done,
+        opened_s_ago=status.opened_s_ago,
+        first_step_s_ago=status.first_step_s_ago if stepped else None,
+        last_step_s_ago=status.last_step_s_ago if stepped else None,
+        closed=status.closed,
+    )

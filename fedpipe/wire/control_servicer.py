@@ -1,4 +1,4 @@
-"""The round-control servicer: BeginRound, CommitRound, GetAdapter, LoadAdapter.
+"""The round-control servicer: BeginRound, CommitRound, GetAdapter, LoadAdapter, RoundStatus.
 
 Only the ServerApp calls it. Each call's MAC is checked over the request as re-serialised here
 (:mod:`fedpipe.auth.calls`); the rest is the backend's
@@ -17,7 +17,7 @@ from safetensors.torch import save as st_save
 from fedpipe.errors import AuthError
 from fedpipe.proto import stage_pb2 as pb
 from fedpipe.proto import stage_pb2_grpc as pb_grpc
-from fedpipe.wire.backend import StageBackend
+from fedpipe.wire.backend import SessionProgress, StageBackend
 from fedpipe.wire.status import status_for
 
 __all__ = ["ControlAuth", "ControlServicer"]
@@ -86,3 +86,22 @@ class ControlServicer(pb_grpc.StageControlServicer):
         except Exception as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad adapter: {exc}")
         return pb.LoadAdapterReply()
+
+    def RoundStatus(self, request: pb.RoundStatusRequest, context: grpc.ServicerContext):  # noqa: N802
+        self._check("RoundStatus", request, context)
+        try:
+            sessions = self.backend.round_status(request.round)
+        except Exception as exc:
+            context.abort(status_for(exc), str(exc))
+        return pb.RoundStatusReply(sessions=[_session_to_proto(s) for s in sessions])
+
+
+def _session_to_proto(progress: SessionProgress) -> pb.SessionStatus:
+    return pb.SessionStatus(
+        device_id=progress.device_id,
+        steps_done=progress.steps_done,
+        opened_s_ago=progress.opened_s_ago,
+        first_step_s_ago=progress.first_step_s_ago or 0.0,
+        last_step_s_ago=progress.last_step_s_ago or 0.0,
+        closed=progress.closed,
+    )
