@@ -66,8 +66,11 @@ def _waiting_line(rec: dict[str, Any]) -> str:
 
 
 def _device_label(dev: dict[str, Any]) -> str:
-    partition = dev.get("partition")
-    return f"partition {partition}" if partition is not None else f"node {dev.get('node_id')}"
+    """``partition 2``; before a device's first reply its Flower node id, cut short."""
+    partition, node = dev.get("partition"), str(dev.get("node_id"))
+    if partition is not None:
+        return f"partition {partition}"
+    return f"node {node[:6]}…" if len(node) > 7 else f"node {node}"
 
 
 def _device_progress(dev: dict[str, Any], steps: int) -> str:
@@ -131,7 +134,7 @@ def format_record(rec: dict[str, Any], *, rounds: int) -> str | None:
     return None
 
 
-_BAR_FORMAT = "{desc} |{bar:10}| {n_fmt}/{total_fmt} steps [{elapsed}<{remaining}]{postfix}"
+_BAR_FORMAT = "{desc} |{bar:10}| {n_fmt}/{total_fmt} steps [{elapsed}]{postfix}"
 
 
 class LiveReport:
@@ -180,6 +183,8 @@ class LiveReport:
             except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
                 continue
         self._say_progress()
+        if self._bar is not None:
+            self._bar.refresh()  # its clock goes on between records
 
     def _show(self, record: dict[str, Any]) -> None:
         event = record.get("event")
@@ -239,9 +244,11 @@ class LiveReport:
             self._bar.close()
         self._bar, self._bar_round = None, None
 
-    def start(self, every_s: float = 1.0) -> LiveReport:
+    def start(self, poll_s: float = 1.0) -> LiveReport:
+        """Poll every ``poll_s`` on a thread of its own, until :meth:`stop`."""
+
         def loop() -> None:
-            while not self._stop.wait(every_s):
+            while not self._stop.wait(poll_s):
                 self.poll()
 
         self._thread = threading.Thread(target=loop, name="fedpipe-live-report", daemon=True)

@@ -39,8 +39,15 @@ def test_progress_line_gives_steps_done_per_device() -> None:
         "round 2/3: 10/20 steps, 12 s; partition 0 4/4 done, partition 1 2/4, partition 2 "
         "starting, partition 3 1/4 late, partition 4 3/4 failed"
     )
-    unknown = {**rec, "devices": [{"node_id": 7, "steps_done": 1, "state": "training"}]}
-    assert format_record(unknown, rounds=3) == "round 2/3: 1/4 steps, 12 s; node 7 1/4"
+    # before its first reply a device is known only by its Flower node id, cut short
+    devices = [
+        {"node_id": 17307674343159100829, "steps_done": 1, "state": "training"},
+        {"node_id": 7, "steps_done": 0, "state": "starting"},
+    ]
+    unknown = {**rec, "devices": devices}
+    assert format_record(unknown, rounds=3) == (
+        "round 2/3: 1/8 steps, 12 s; node 173076… 1/4, node 7 starting"
+    )
 
 
 def test_waiting_line_names_the_late_devices_and_why() -> None:
