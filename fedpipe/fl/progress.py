@@ -11,7 +11,8 @@ replies so far, :func:`assess` gives every device of the round a state:
 - ``late``, with the reason, when a device still owing its reply:
 
   - has done no step for :data:`LATE_STEPS` times its own mean step time (and ``grace_s``);
-  - opened its session but did no step in ``grace_s``;
+  - opened its session but did no step for :data:`LATE_STEPS` times the slowest step time
+    measured in the round (and ``grace_s``; ``connect_s`` while no step time is measured);
   - did all its steps ``grace_s`` ago and its reply has not arrived;
   - has no session (not connected) while no other device of the round trains, and the round
     has been quiet for ``grace_s`` since the others' last step (``connect_s`` when no device
@@ -57,11 +58,27 @@ def step_seconds(session: SessionProgress) -> float | None:
     return session.opened_s_ago - last
 
 
-def _late_in_session(session: SessionProgress, steps: int, grace_s: float) -> str:
+def _first_step_bound(others: list[SessionProgress], grace_s: float, connect_s: float) -> float:
+    """How long a session may go without its first step: ``LATE_STEPS`` of the slowest step
+    time the round has measured (at least ``grace_s``); ``connect_s`` while none is measured."""
+    measured = [t for t in map(step_seconds, others) if t is not None]
+    if not measured:
+        return max(grace_s, connect_s)
+    return max(grace_s, LATE_STEPS * max(measured))
+
+
+def _late_in_session(
+    session: SessionProgress,
+    others: list[SessionProgress],
+    *,
+    steps: int,
+    grace_s: float,
+    connect_s: float,
+) -> str:
     """Why a device with a session is late, or "" when it is not."""
     last = session.last_step_s_ago
     if last is None:
-        if session.opened_s_ago > grace_s:
+        if session.opened_s_ago > _first_step_bound(others, grace_s, connect_s):
             return f"connected {session.opened_s_ago:.0f} s ago, no step done yet"
         return ""
     if session.steps_done >= steps:
@@ -117,10 +134,14 @@ def assess(
     grace_s: float,
     connect_s: float,
 ) -> list[DeviceProgress]:
-    """Every device of the round (``nodes``, Flower node ids, which are the devices' session
-    ids' ``device_id``): its steps done and state. ``outcome``: node -> ``done`` or
-    ``failed`` for the devices whose reply is in; ``steps``: the steps each device owes."""
+    """Every device of the round: its steps done and state.
+
+    ``nodes``: the round's Flower node ids (a device opens its sessions with its node id as
+    ``device_id``; other sessions are left out); ``outcome``: node -> ``done`` or ``failed``
+    for the devices whose reply is in; ``steps``: the steps each device owes."""
     nodes = list(nodes)
+    ids = {str(n) for n in nodes}
+    sessions = {d: s for d, s in sessions.items() if d in ids}  # not the evaluator's, say
     pending = [n for n in nodes if n not in outcome]
     out = []
     for node in nodes:
@@ -130,7 +151,10 @@ def assess(
             out.append(DeviceProgress(node, done, outcome[node]))
             continue
         if session is not None:
-            why = _late_in_session(session, steps, grace_s)
+            others = [s for d, s in sessions.items() if d != str(node)]
+            why = _late_in_session(
+                session, others, steps=steps, grace_s=grace_s, connect_s=connect_s
+            )
         else:
             why = _late_unconnected(
                 node,

@@ -65,10 +65,19 @@ def test_training_devices_are_on_time_until_several_of_their_step_times_pass() -
     assert late.why == "no step for 101 s (its steps take 20.0 s)"
 
 
-def test_a_connected_device_without_a_step_is_late_after_the_grace() -> None:
-    assert _assess([_session(1, 0, opened=10)], [1], elapsed=20)[0].state == "starting"
-    [late] = _assess([_session(1, 0, opened=31)], [1], elapsed=40)
-    assert late.why == "connected 31 s ago, no step done yet"
+def test_a_connected_device_without_a_step_is_late_after_the_rounds_step_times() -> None:
+    """Its first step may take long (planning, a slow device): LATE_STEPS of the slowest step
+    time measured in the round, at least the grace; the connect wait while none is measured."""
+    alone = _session(1, 0, opened=CONNECT - 1)
+    assert _assess([alone], [1], elapsed=CONNECT)[0].state == "starting"
+    [late] = _assess([_session(1, 0, opened=CONNECT + 1)], [1], elapsed=CONNECT + 10)
+    assert late.why == "connected 121 s ago, no step done yet"
+    fast = _session(2, 2, opened=40, first=6, last=4)  # 2 s steps: the grace bounds it
+    assert _assess([_session(1, 0, opened=29), fast], [1, 2], 40)[0].state == "starting"
+    assert _assess([_session(1, 0, opened=31), fast], [1, 2], 40)[0].state == "late"
+    slow = _session(2, 2, opened=200, first=30, last=10)  # 20 s steps: 100 s
+    assert _assess([_session(1, 0, opened=99), slow], [1, 2], 200)[0].state == "starting"
+    assert _assess([_session(1, 0, opened=101), slow], [1, 2], 200)[0].state == "late"
 
 
 def test_a_device_that_did_its_steps_is_late_only_when_its_reply_does_not_come() -> None:
@@ -88,7 +97,8 @@ def test_an_unconnected_device_is_late_once_the_round_waits_for_it_alone() -> No
     finished = _session(1, 4, opened=100, first=90, last=25)
     assert _assess([finished], [1, 2], elapsed=100, n1="done")[1].state == "starting"
     gone_quiet = _session(1, 4, opened=100, first=90, last=31)
-    done, late = _assess([gone_quiet], [1, 2], elapsed=100, n1="done")
+    evaluator = SessionProgress("evaluator", 0, opened_s_ago=1.0)  # not a device of the round
+    done, late = _assess([gone_quiet, evaluator], [1, 2], elapsed=100, n1="done")
     assert (done.state, done.steps_done) == ("done", 4)
     assert late.state == "late"
     assert late.why == "not connected to the StageServer 100 s into the round"
