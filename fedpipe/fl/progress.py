@@ -12,15 +12,18 @@ replies so far, :func:`assess` gives every device of the round a state:
 
   - has done no step for :data:`LATE_STEPS` times its own mean step time (and ``grace_s``);
   - opened its session but did no step for :data:`LATE_STEPS` times the slowest step time
-    measured in the round (and ``grace_s``; ``connect_s`` while no step time is measured);
+    measured in the round (and ``grace_s``; ``start_s`` while no step time is measured);
   - did all its steps ``grace_s`` ago and its reply has not arrived;
   - has no session (not connected) while no other device of the round trains, and the round
-    has been quiet for ``grace_s`` since the others' last step (``connect_s`` when no device
+    has been quiet for ``grace_s`` since the others' last step (``start_s`` when no device
     of the round has connected at all). While others train, a device without a session is
     ``starting``: it may be waiting for their slot.
 
-:class:`RoundWatch` asks and assesses; :class:`~fedpipe.fl.rounds.RoundGrid` records the
-result as ``progress`` records and names only the late devices in its ``waiting`` records.
+``start_s`` is how long a device may take to start (a deployed device starts its ClientApp
+and loads the model every round): :class:`RoundWatch` allows the longest of
+``federated.connect_wait_s``, :data:`START_S` and twice the longest start it has seen in the
+run. It asks and assesses; :class:`~fedpipe.fl.rounds.RoundGrid` records the result as
+``progress`` records and names only the late devices in its ``waiting`` records.
 """
 
 from __future__ import annotations
@@ -30,9 +33,18 @@ from dataclasses import dataclass
 
 from fedpipe.wire.backend import SessionProgress
 
-__all__ = ["LATE_STEPS", "DeviceProgress", "RoundWatch", "assess", "by_device", "step_seconds"]
+__all__ = [
+    "LATE_STEPS",
+    "START_S",
+    "DeviceProgress",
+    "RoundWatch",
+    "assess",
+    "by_device",
+    "step_seconds",
+]
 
 LATE_STEPS = 5.0  # a device is late after this many of its mean step times without a step
+START_S = 120.0  # the least time a device may take to open its session in a round
 
 Status = Callable[[int], list[SessionProgress] | None]  # round -> its sessions (None: unknown)
 
@@ -58,12 +70,12 @@ def step_seconds(session: SessionProgress) -> float | None:
     return session.opened_s_ago - last
 
 
-def _first_step_bound(others: list[SessionProgress], grace_s: float, connect_s: float) -> float:
+def _first_step_bound(others: list[SessionProgress], grace_s: float, start_s: float) -> float:
     """How long a session may go without its first step: ``LATE_STEPS`` of the slowest step
-    time the round has measured (at least ``grace_s``); ``connect_s`` while none is measured."""
+    time the round has measured (at least ``grace_s``); ``start_s`` while none is measured."""
     measured = [t for t in map(step_seconds, others) if t is not None]
     if not measured:
-        return max(grace_s, connect_s)
+        return max(grace_s, start_s)
     return max(grace_s, LATE_STEPS * max(measured))
 
 
@@ -73,12 +85,12 @@ def _late_in_session(
     *,
     steps: int,
     grace_s: float,
-    connect_s: float,
+    start_s: float,
 ) -> str:
     """Why a device with a session is late, or "" when it is not."""
     last = session.last_step_s_ago
     if last is None:
-        if session.opened_s_ago > _first_step_bound(others, grace_s, connect_s):
+        if session.opened_s_ago > _first_step_bound(others, grace_s, start_s):
             return f"connected {session.opened_s_ago:.0f} s ago, no step done yet"
         return ""
     if session.steps_done >= steps:
@@ -103,13 +115,13 @@ def _late_unconnected(
     steps: int,
     elapsed_s: float,
     grace_s: float,
-    connect_s: float,
+    start_s: float,
 ) -> str:
     """Why a device without a session is late, or "" when it is not (see the module)."""
     if any(_trains(sessions.get(str(m)), steps) for m in pending if m != node):
         return ""
     others = [s for d, s in sessions.items() if d != str(node)]
-    quiet, bound = elapsed_s, max(grace_s, connect_s)
+    quiet, bound = elapsed_s, max(grace_s, start_s)
     if others:
         last = [s.opened_s_ago if s.last_step_s_ago is None else s.last_step_s_ago for s in others]
         quiet, bound = min(elapsed_s, *last), grace_s
@@ -132,7 +144,7 @@ def assess(
     steps: int,
     elapsed_s: float,
     grace_s: float,
-    connect_s: float,
+    start_s: float,
 ) -> list[DeviceProgress]:
     """Every device of the round: its steps done and state.
 
@@ -152,9 +164,7 @@ def assess(
             continue
         if session is not None:
             others = [s for d, s in sessions.items() if d != str(node)]
-            why = _late_in_session(
-                session, others, steps=steps, grace_s=grace_s, connect_s=connect_s
-            )
+            why = _late_in_session(session, others, steps=steps, grace_s=grace_s, start_s=start_s)
         else:
             why = _late_unconnected(
                 node,
@@ -163,7 +173,7 @@ def assess(
                 steps=steps,
                 elapsed_s=elapsed_s,
                 grace_s=grace_s,
-                connect_s=connect_s,
+                start_s=start_s,
             )
         out.append(DeviceProgress(node, done, "late" if why else _state(session, steps), why))
     return out
@@ -197,19 +207,32 @@ class RoundWatch:
     ) -> None:
         self.status, self.steps, self.every_s = status, steps, every_s
         self.grace_s, self.connect_s = grace_s, connect_s
+        self.longest_start_s = 0.0  # the longest a device of the run took to open a session
+
+    @property
+    def start_s(self) -> float:
+        """How long a device may take to open its session in a round (see the module)."""
+        return max(self.connect_s, START_S, 2 * self.longest_start_s)
 
     def look(
         self, round_: int, nodes: Iterable[int], outcome: Mapping[int, str], elapsed_s: float
     ) -> list[DeviceProgress] | None:
-        sessions = self.status(round_)
-        if sessions is None:
+        """The round's devices ``elapsed_s`` after it sent them their work."""
+        status = self.status(round_)
+        if status is None:
             return None
+        nodes = list(nodes)
+        sessions = by_device(status)
+        for node in nodes:  # when each device opened its session, after the round began
+            if (session := sessions.get(str(node))) is not None:
+                start = elapsed_s - session.opened_s_ago
+                self.longest_start_s = max(self.longest_start_s, start)
         return assess(
             nodes,
-            by_device(sessions),
+            sessions,
             outcome,
             steps=self.steps,
             elapsed_s=elapsed_s,
             grace_s=self.grace_s,
-            connect_s=self.connect_s,
+            start_s=self.start_s,
         )

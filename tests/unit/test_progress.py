@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from fedpipe.fl.progress import LATE_STEPS, assess, by_device, step_seconds
+from fedpipe.fl.progress import LATE_STEPS, START_S, RoundWatch, assess, by_device, step_seconds
 from fedpipe.wire.backend import SessionProgress
 
-STEPS, GRACE, CONNECT = 4, 30.0, 120.0
+STEPS, GRACE, START = 4, 30.0, 120.0
 
 
 def _session(
@@ -37,7 +37,7 @@ def _assess(sessions: list[SessionProgress], nodes: list[int], elapsed: float, *
         steps=STEPS,
         elapsed_s=elapsed,
         grace_s=GRACE,
-        connect_s=CONNECT,
+        start_s=START,
     )
 
 
@@ -67,10 +67,10 @@ def test_training_devices_are_on_time_until_several_of_their_step_times_pass() -
 
 def test_a_connected_device_without_a_step_is_late_after_the_rounds_step_times() -> None:
     """Its first step may take long (planning, a slow device): LATE_STEPS of the slowest step
-    time measured in the round, at least the grace; the connect wait while none is measured."""
-    alone = _session(1, 0, opened=CONNECT - 1)
-    assert _assess([alone], [1], elapsed=CONNECT)[0].state == "starting"
-    [late] = _assess([_session(1, 0, opened=CONNECT + 1)], [1], elapsed=CONNECT + 10)
+    time measured in the round, at least the grace; the start allowance while none is."""
+    alone = _session(1, 0, opened=START - 1)
+    assert _assess([alone], [1], elapsed=START)[0].state == "starting"
+    [late] = _assess([_session(1, 0, opened=START + 1)], [1], elapsed=START + 10)
     assert late.why == "connected 121 s ago, no step done yet"
     fast = _session(2, 2, opened=40, first=6, last=4)  # 2 s steps: the grace bounds it
     assert _assess([_session(1, 0, opened=29), fast], [1, 2], 40)[0].state == "starting"
@@ -104,10 +104,10 @@ def test_an_unconnected_device_is_late_once_the_round_waits_for_it_alone() -> No
     assert late.why == "not connected to the StageServer 100 s into the round"
 
 
-def test_while_no_device_has_connected_the_connect_wait_applies() -> None:
-    """All devices loading the model at once is no fault: late only after connect_s."""
-    assert {d.state for d in _assess([], [1, 2], elapsed=CONNECT - 1)} == {"starting"}
-    devices = _assess([], [1, 2], elapsed=CONNECT + 1)
+def test_while_no_device_has_connected_the_start_allowance_applies() -> None:
+    """All devices loading the model at once is no fault: late only after start_s."""
+    assert {d.state for d in _assess([], [1, 2], elapsed=START - 1)} == {"starting"}
+    devices = _assess([], [1, 2], elapsed=START + 1)
     assert [d.why for d in devices] == ["not connected to the StageServer 121 s into the round"] * 2
 
 
@@ -122,3 +122,24 @@ def test_the_newest_session_of_a_device_counts(order: tuple[int, int]) -> None:
     old, new = _session(1, 3, opened=90, first=80, last=60), _session(1, 1, opened=20, last=10)
     both = [(old, new)[i] for i in order]
     assert by_device(both) == {"1": new}
+
+
+def test_the_start_allowance_grows_with_the_slowest_start_seen() -> None:
+    """A deployed device starts its ClientApp and loads the model every round: once one took
+    200 s to open its session, later rounds allow it twice that before calling it late."""
+    seen: list[SessionProgress] = []
+    watch = RoundWatch(lambda round_: list(seen), steps=STEPS, grace_s=GRACE, connect_s=10.0)
+    assert watch.start_s == START_S
+    assert [d.state for d in watch.look(1, [1], {}, elapsed_s=START_S + 1) or []] == ["late"]
+    seen.append(_session(1, 0, opened=100))
+    watch.look(1, [1], {}, elapsed_s=300)  # it opened its session 200 s into the round
+    assert watch.start_s == 400
+    seen.clear()
+    assert [d.state for d in watch.look(2, [1], {}, elapsed_s=399) or []] == ["starting"]
+    assert [d.state for d in watch.look(2, [1], {}, elapsed_s=401) or []] == ["late"]
+    assert (
+        RoundWatch(lambda round_: None, steps=STEPS, grace_s=1, connect_s=1).look(
+            1, [1], {}, elapsed_s=1000
+        )
+        is None
+    )  # the server cannot say: nothing is assessed
