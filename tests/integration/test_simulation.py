@@ -178,12 +178,13 @@ def test_dead_device_is_dropped_and_comes_back(
     assert "vanished in round 1 (injected)" in err
     assert "round 1/2: eval loss" in err and "2/3 devices trained, 1 failed" in err
     # While each round ran, the StageServer's step counts: the last record of a round holds
-    # each device's final count (the dead device did one of its two steps), and the console
-    # (not a terminal here) said the round's progress as a plain line.
-    assert _last_progress(run) == {
-        1: {0: (2, "done"), 1: (1, "failed"), 2: (2, "done")},
-        2: {0: (2, "done"), 1: (2, "done"), 2: (2, "done")},
-    }
+    # each device's final count, and the console (not a terminal here) said the round's
+    # progress as a plain line. The dead device trained one step; whether the server applied
+    # it depends on whether its STEP_END arrived before the device dropped its stream.
+    last = _last_progress(run)
+    assert last[2] == {0: (2, "done"), 1: (2, "done"), 2: (2, "done")}
+    assert last[1][0] == last[1][2] == (2, "done")
+    assert last[1][1][1] == "failed" and last[1][1][0] in (0, 1)
     assert re.search(r"fedpipe: round 1/2: \d+/6 steps, \d+ s; ", err), err
     # ... and recorded in summary.json
     written = json.loads((run / "summary.json").read_text())
