@@ -5,7 +5,9 @@ metrics; per-step traffic goes over fedpipe's stage link. Each round the ServerA
 StageServer which round it is, gives every sampled device a token for it, aggregates the
 device adapters with the strategy, asks the StageServer to merge the server-side adapters of
 the devices whose replies arrived (same weights) and to drop the rest, evaluates the split
-model on held-out text, and checkpoints both sides.
+model on held-out text, and checkpoints both sides. While a round's replies are out it records
+every few seconds how many steps each device has done, as the StageServer counts them
+(:mod:`fedpipe.fl.progress`).
 
 The rounds themselves (:class:`Rounds` and :func:`run_rounds`: the configured Flower strategy
 wrapped in fedpipe's round hooks and round policy) do not depend on where the devices run:
@@ -40,6 +42,7 @@ from fedpipe.fl.aggregate import (
     pad_to_union,
 )
 from fedpipe.fl.device_work import DeviceWork, RunSettings, evaluate_split, server_run_settings
+from fedpipe.fl.progress import RoundWatch
 from fedpipe.fl.replies import ReplyRules, check_reply, device_keys
 from fedpipe.fl.rounds import DeviceBook, RoundGrid, StopRun
 from fedpipe.fl.strategies import STATEFUL, aggregation_rule, make_strategy, robust_options
@@ -54,6 +57,8 @@ __all__ = ["Rounds", "run_rounds", "seeded_adapters", "server_app"]
 log = logging.getLogger(__name__)
 
 server_app = ServerApp()
+
+_PROGRESS_EVERY_S = 2.0  # how often a round asks the StageServer how far its devices have got
 
 
 class Rounds:
@@ -362,6 +367,13 @@ def run_rounds(
         deadline_s=fed.round_deadline_s,
         report_every_s=fed.report_every_s,
         straggler_s=fed.straggler_s,
+        watch=RoundWatch(  # each device's steps, as the StageServer counts them
+            rounds.control.round_status,
+            steps=cfg.train.local_steps,
+            grace_s=fed.report_every_s,
+            connect_s=fed.connect_wait_s,
+            every_s=min(_PROGRESS_EVERY_S, fed.report_every_s),
+        ),
     )
     return _strategy(cfg, rounds).start(
         grid=rounds.grid,

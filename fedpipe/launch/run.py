@@ -97,12 +97,12 @@ def simulate(
     """Run ``config`` on Flower's simulation engine; returns the run's summary.
 
     Failures and a stop go to stderr as they happen; with ``progress`` also a line per
-    round and whom a round waits for. On
-    resume, ``explicit`` names the settings given anew (None: all of ``config``); the rest
-    come from the run folder. The summary's ``ok`` and ``problems`` say whether the run did
-    all it should (see :func:`fedpipe.runs.summary.judge`); a timeout is one of them. When
-    Ray timed out starting the engine, it is started once more (said in one line on stderr,
-    and in the summary's ``flower_run.retried_after``).
+    round, each round's progress (steps done per device) and the devices it waits for that
+    are late. On resume, ``explicit`` names the settings given anew (None: all of
+    ``config``); the rest come from the run folder. The summary's ``ok`` and ``problems``
+    say whether the run did all it should (see :func:`fedpipe.runs.summary.judge`); a
+    timeout is one of them. When Ray timed out starting the engine, it is started once more
+    (said in one line on stderr, and in the summary's ``flower_run.retried_after``).
     """
     folder = RunFolder.open(runs_dir, name, resume=resume)
     config = _settle_settings(folder, config, resume=resume, explicit=explicit)
@@ -143,8 +143,7 @@ class _SimulationAttempt:
     progress: bool
 
     def __call__(self, workdir: Path, timeout_s: float) -> FlwrRunResult:
-        rounds = self.config.federated.rounds
-        live = LiveReport(self.folder.metrics_path, rounds=rounds, quiet=not self.progress)
+        live = _live_report(self.folder, self.config, progress=self.progress)
         try:
             live.start()
             return run_simulation_engine(
@@ -245,6 +244,16 @@ def _files(root: Path) -> list[Path]:
     return [p for p in root.rglob("*") if p.is_file()] if root.is_dir() else []
 
 
+def _live_report(folder: RunFolder, config: FedpipeConfig, *, progress: bool) -> LiveReport:
+    """The run's lines on stderr: a live progress line per round on a terminal, elsewhere a
+    plain one at most every ``federated.report_every_s``; only failures and a stop without
+    ``progress``."""
+    fed = config.federated
+    return LiveReport(
+        folder.metrics_path, rounds=fed.rounds, quiet=not progress, every_s=fed.report_every_s
+    )
+
+
 def _finish(
     folder: RunFolder,
     config: FedpipeConfig,
@@ -336,7 +345,7 @@ def deploy_run(
     app = write_app(folder.path / "app", config)
     # flwr wants an absolute path in its connection config
     ca_file = root_certificates.expanduser().resolve() if root_certificates else None
-    live = LiveReport(folder.metrics_path, rounds=config.federated.rounds, quiet=not progress)
+    live = _live_report(folder, config, progress=progress)
     started = time.time()
     try:
         live.start()

@@ -216,6 +216,11 @@ class StageControlStub:
                 request_serializer=fedpipe_dot_proto_dot_stage__pb2.AdapterChunk.SerializeToString,
                 response_deserializer=fedpipe_dot_proto_dot_stage__pb2.LoadAdapterReply.FromString,
                 _registered_method=True)
+        self.RoundStatus = channel.unary_unary(
+                '/fedpipe.proto.StageControl/RoundStatus',
+                request_serializer=fedpipe_dot_proto_dot_stage__pb2.RoundStatusRequest.SerializeToString,
+                response_deserializer=fedpipe_dot_proto_dot_stage__pb2.RoundStatusReply.FromString,
+                _registered_method=True)
         self.Hello = channel.unary_unary(
                 '/fedpipe.proto.StageControl/Hello',
                 request_serializer=fedpipe_dot_proto_dot_stage__pb2.HelloRequest.SerializeToString,
@@ -251,6 +256,12 @@ class StageControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RoundStatus(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Hello(self, request, context):
         """unsigned: only the server's identity
         """
@@ -280,6 +291,11 @@ def add_StageControlServicer_to_server(servicer, server):
                     servicer.LoadAdapter,
                     request_deserializer=fedpipe_dot_proto_dot_stage__pb2.AdapterChunk.FromString,
                     response_serializer=fedpipe_dot_proto_dot_stage__pb2.LoadAdapterReply.SerializeToString,
+            ),
+            'RoundStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.RoundStatus,
+                    request_deserializer=fedpipe_dot_proto_dot_stage__pb2.RoundStatusRequest.FromString,
+                    response_serializer=fedpipe_dot_proto_dot_stage__pb2.RoundStatusReply.SerializeToString,
             ),
             'Hello': grpc.unary_unary_rpc_method_handler(
                     servicer.Hello,
@@ -396,6 +412,33 @@ class StageControl:
             '/fedpipe.proto.StageControl/LoadAdapter',
             fedpipe_dot_proto_dot_stage__pb2.AdapterChunk.SerializeToString,
             fedpipe_dot_proto_dot_stage__pb2.LoadAdapterReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RoundStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedpipe.proto.StageControl/RoundStatus',
+            fedpipe_dot_proto_dot_stage__pb2.RoundStatusRequest.SerializeToString,
+            fedpipe_dot_proto_dot_stage__pb2.RoundStatusReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -348,6 +348,9 @@ class StageExecutor:
         info.optimizer.step()
         info.optimizer.zero_grad(set_to_none=True)
         info.cache.clear()
+        now = time.monotonic()  # stamped before the count: a reader never sees one without it
+        info.first_step_at = info.first_step_at or now
+        info.last_step_at = now
         info.step += 1
         info.steps_done += 1
         return StageMsg(Kind.STEP_DONE, msg.step)

@@ -75,6 +75,10 @@ class SessionInfo:
     # microbatch -> (input, output with its graph | the batched bank's Tape): the executor's
     cache: dict[int, tuple[torch.Tensor, object]] = field(default_factory=dict)
     last_seen: float = field(default_factory=time.monotonic)
+    # time.monotonic() at open and at the first and last completed step (0: none yet)
+    opened_at: float = field(default_factory=time.monotonic)
+    first_step_at: float = 0.0
+    last_step_at: float = 0.0
     closed: bool = False  # CloseSession called: waits for its round's commit
     dropped: bool = False  # gone from the runtime; late work is refused
     stream: Any = None  # the live Exchange stream, a fedpipe.server.streams.StreamHandle, or None

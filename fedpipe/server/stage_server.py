@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
+import time
 
 import torch
 
@@ -24,7 +25,13 @@ from fedpipe.server.runtime import StageRuntime
 from fedpipe.server.sessions import SessionInfo
 from fedpipe.server.streams import StreamHandle
 from fedpipe.split.agreement import SplitInfo, check_agreement
-from fedpipe.wire.backend import OpenedSession, SessionRequest, StreamOptions, StreamPort
+from fedpipe.wire.backend import (
+    OpenedSession,
+    SessionProgress,
+    SessionRequest,
+    StreamOptions,
+    StreamPort,
+)
 from fedpipe.wire.control_servicer import ControlAuth
 from fedpipe.wire.host import GrpcHost
 from fedpipe.wire.stream_codec import rounding_seed
@@ -255,6 +262,23 @@ class StageServer:
     def load_adapter(self, state: dict[str, torch.Tensor] | None) -> None:
         self.runtime.load_global_state(state)
         self.rounds.adapter_loaded()
+
+    def round_status(self, round_: int) -> list[SessionProgress]:
+        """Read-only: the sessions of ``round_`` not yet committed or dropped, and their steps."""
+        now = time.monotonic()
+        return [_progress(info, now) for info in self.runtime.sessions() if info.round == round_]
+
+
+def _progress(info: SessionInfo, now: float) -> SessionProgress:
+    stepped = info.steps_done > 0
+    return SessionProgress(
+        device_id=info.device_id,
+        steps_done=info.steps_done,
+        opened_s_ago=now - info.opened_at,
+        first_step_s_ago=now - info.first_step_at if stepped else None,
+        last_step_s_ago=now - info.last_step_at if stepped else None,
+        closed=info.closed,
+    )
 
 
 def _with_cache(options: StreamOptions, cache: DeltaCache | None) -> StreamOptions:

@@ -24,6 +24,7 @@ from fedpipe.split.agreement import SplitInfo, SplitLike
 __all__ = [
     "CommitSummary",
     "OpenedSession",
+    "SessionProgress",
     "SessionRequest",
     "StageBackend",
     "StreamOptions",
@@ -74,6 +75,22 @@ class OpenedSession:
     session_id: str
     delta_resumed: bool = False
     delta_reset_reason: str = ""
+
+
+@dataclass(frozen=True)
+class SessionProgress:
+    """How far one session has got, as the StageServer counts it (RoundStatus).
+
+    Times are seconds before the answer, on the server's clock, so that no clock is compared
+    across hosts; the step times are None while the session has done no step.
+    """
+
+    device_id: str
+    steps_done: int
+    opened_s_ago: float
+    first_step_s_ago: float | None = None
+    last_step_s_ago: float | None = None
+    closed: bool = False
 
 
 class CommitSummary(Protocol):
@@ -146,3 +163,4 @@ class StageBackend(Protocol):
     ) -> CommitSummary: ...
     def global_adapter(self, *, signed_run: str | None = None) -> dict[str, torch.Tensor]: ...
     def load_adapter(self, state: dict[str, torch.Tensor] | None) -> None: ...
+    def round_status(self, round_: int) -> list[SessionProgress]: ...

@@ -5,10 +5,12 @@ Every call is signed with a MAC of its request, the server's identity and the ru
 comes from its Hello; a server that restarted has a new one, which the client fetches and signs
 with on the next try. Calls are retried with backoff, each try signed anew. The global adapter
 moves in pieces (:func:`~fedpipe.wire.control_servicer.adapter_chunks`), so any size works.
+The read-only looks (RoundStatus, the access check) try once.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -19,6 +21,7 @@ from google.protobuf.message import Message as ProtoMessage
 from fedpipe.auth.calls import sign_call
 from fedpipe.proto import stage_pb2 as pb
 from fedpipe.proto import stage_pb2_grpc as pb_grpc
+from fedpipe.wire.backend import SessionProgress
 from fedpipe.wire.channels import channel_options, secure_channel_credentials
 from fedpipe.wire.control_servicer import adapter_chunks, adapter_from_chunks
 from fedpipe.wire.status import retry_call
@@ -28,6 +31,8 @@ __all__ = ["Committed", "StageControlClient"]
 _SERVICE = "/fedpipe.proto.StageControl/"
 _MESSAGE_BYTES = 64 * 2**20  # the control link's messages: far above a piece of an adapter
 _ADAPTER_BYTES = 1 << 40  # what GetAdapter accepts: the ServerApp trusts its own StageServer
+
+log = logging.getLogger(__name__)
 
 
 class Committed(NamedTuple):
@@ -146,6 +151,24 @@ class StageControlClient:
 
         retry_call(once)
 
+    def round_status(self, round_: int, timeout: float = 5.0) -> list[SessionProgress] | None:
+        """How far each session of ``round_`` has got, as the StageServer counts it; None when
+        the server cannot say (it is unreachable, or older and lacks RoundStatus).
+
+        Read-only and asked while a round runs, so one try, not retried: a later call asks again.
+        """
+        request = pb.RoundStatusRequest(round=round_)
+        body = request.SerializeToString(deterministic=True)
+        try:
+            reply = self.stub.RoundStatus(
+                request, timeout=timeout, metadata=self._metadata("RoundStatus", body)
+            )
+        except grpc.RpcError as exc:
+            self._forget_server(exc)
+            log.debug("RoundStatus: %s", exc)
+            return None
+        return [_session_from_proto(s) for s in reply.sessions]
+
     def check_access(self, timeout: float = 10.0) -> None:
         """One signed, read-only call (no retry): raises ``grpc.RpcError`` unless the server
         accepts this client's secret. A fresh StageServer answers FAILED_PRECONDITION (no run's
@@ -161,3 +184,15 @@ class StageControlClient:
 
     def close(self) -> None:
         self.channel.close()
+
+
+def _session_from_proto(status: pb.SessionStatus) -> SessionProgress:
+    stepped = status.steps_done > 0
+    return SessionProgress(
+        device_id=status.device_id,
+        steps_done=status.steps_done,
+        opened_s_ago=status.opened_s_ago,
+        first_step_s_ago=status.first_step_s_ago if stepped else None,
+        last_step_s_ago=status.last_step_s_ago if stepped else None,
+        closed=status.closed,
+    )

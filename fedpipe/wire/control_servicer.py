@@ -1,4 +1,5 @@
-"""The round-control servicer: BeginRound, CommitRound, GetAdapter, LoadAdapter, Hello.
+"""The round-control servicer: BeginRound, CommitRound, GetAdapter, LoadAdapter, RoundStatus,
+Hello.
 
 Only the ServerApp calls it. Each call's MAC is checked over the request as re-serialised here
 (:mod:`fedpipe.auth.calls`): it names this server and the run it is made in. The global adapter
@@ -22,7 +23,7 @@ from safetensors.torch import save as st_save
 from fedpipe.errors import AuthError
 from fedpipe.proto import stage_pb2 as pb
 from fedpipe.proto import stage_pb2_grpc as pb_grpc
-from fedpipe.wire.backend import StageBackend
+from fedpipe.wire.backend import SessionProgress, StageBackend
 from fedpipe.wire.status import status_for
 
 __all__ = ["CHUNK_BYTES", "ControlAuth", "ControlServicer", "adapter_chunks", "adapter_from_chunks"]
@@ -141,5 +142,24 @@ class ControlServicer(pb_grpc.StageControlServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad adapter: {exc}")
         return pb.LoadAdapterReply()
 
+    def RoundStatus(self, request: pb.RoundStatusRequest, context: grpc.ServicerContext):  # noqa: N802
+        self._check("RoundStatus", request, context)
+        try:
+            sessions = self.backend.round_status(request.round)
+        except Exception as exc:
+            context.abort(status_for(exc), str(exc))
+        return pb.RoundStatusReply(sessions=[_session_to_proto(s) for s in sessions])
+
     def Hello(self, request: pb.HelloRequest, context: grpc.ServicerContext):  # noqa: N802
         return pb.HelloReply(server_id=self.backend.server_id)
+
+
+def _session_to_proto(progress: SessionProgress) -> pb.SessionStatus:
+    return pb.SessionStatus(
+        device_id=progress.device_id,
+        steps_done=progress.steps_done,
+        opened_s_ago=progress.opened_s_ago,
+        first_step_s_ago=progress.first_step_s_ago or 0.0,
+        last_step_s_ago=progress.last_step_s_ago or 0.0,
+        closed=progress.closed,
+    )

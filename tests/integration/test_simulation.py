@@ -8,7 +8,10 @@ Slow tier: every `simulate` call starts a private SuperLink, Ray and the ClientA
   the failure is said on the console as it happens and recorded in summary.json, and
   TensorBoard reads the event files the run wrote;
 - a round in which no device trained ends the run, and the run's exit status says so;
-- a device that stops answering does not hold a round past its deadline;
+- a device that stops answering does not hold a round past its deadline, and is named as
+  late while the round waits for it;
+- while a round runs, its ``progress`` records hold each device's steps as the StageServer
+  counts them;
 - two identical runs give identical results (data, adapter init and aggregation do not depend
   on Flower's random node ids or on timing);
 - a run stopped after round 2 and resumed (with no settings given again) gives the same
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -68,6 +72,19 @@ def _train_partitions(run: Path, round_: int) -> set[int]:
     ]
     return {
         int(r["partition"]) for r in records if r.get("event") == "train" and r["round"] == round_
+    }
+
+
+def _last_progress(run: Path) -> dict[int, dict[int, tuple[int, str]]]:
+    """Per round, the last ``progress`` record's (steps done, state) per partition."""
+    last: dict[int, list[dict[str, Any]]] = {}
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if rec.get("event") == "progress":
+            last[rec["round"]] = rec["devices"]
+    return {
+        r: {d["partition"]: (d["steps_done"], d["state"]) for d in devices}
+        for r, devices in last.items()
     }
 
 
@@ -160,6 +177,15 @@ def test_dead_device_is_dropped_and_comes_back(
     ) in err
     assert "vanished in round 1 (injected)" in err
     assert "round 1/2: eval loss" in err and "2/3 devices trained, 1 failed" in err
+    # While each round ran, the StageServer's step counts: the last record of a round holds
+    # each device's final count, and the console (not a terminal here) said the round's
+    # progress as a plain line. The dead device trained one step; whether the server applied
+    # it depends on whether its STEP_END arrived before the device dropped its stream.
+    last = _last_progress(run)
+    assert last[2] == {0: (2, "done"), 1: (2, "done"), 2: (2, "done")}
+    assert last[1][0] == last[1][2] == (2, "done")
+    assert last[1][1][1] == "failed" and last[1][1][0] in (0, 1)
+    assert re.search(r"fedpipe: round 1/2: \d+/6 steps, \d+ s; ", err), err
     # ... and recorded in summary.json
     written = json.loads((run / "summary.json").read_text())
     assert [(f["device"], f["round"]) for f in written["failures"]] == [
@@ -258,9 +284,11 @@ def test_a_silent_device_does_not_hold_the_round_past_its_deadline(
     assert rounds[2]["devices_trained"] == 1 and rounds[2]["merged"] == 1
     # ... and the next round was not held up
     assert rounds[3]["devices_trained"] >= 1 and math.isfinite(rounds[3]["eval_loss"])
-    # while it waited, it said for whom
+    # while it waited, it said for whom and why: not the device that trained
     err = capfd.readouterr().err
-    assert "round 2: waiting for partition 1 (loopback) (" in err
+    assert "round 2: waiting for partition 1 (loopback): not connected to the StageServer " in err
+    assert "round 2: waiting for partition 0" not in err
+    assert _last_progress(tmp_path / "silent")[2] == {0: (2, "done"), 1: (0, "failed")}
 
 
 @pytest.fixture(scope="module")
