@@ -65,6 +65,7 @@ class ReplyRules:
     keys_by_cut: Mapping[str, Mapping[str, tuple[int, ...]]]  # "2+1" -> {key: shape}
     default_cut: str  # the cut of a device that declares none
     max_examples: int  # train.batch_size x train.local_steps
+    rows_per_step: int = 0  # train.batch_size: a step the server counted weighs this much
 
 
 def device_keys(

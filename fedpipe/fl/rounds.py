@@ -6,8 +6,8 @@ round policy, as a :class:`RoundGrid` between the strategy and Flower's grid:
 
 - before a round, wait up to ``connect_wait_s`` for every device, then start with those that
   are connected if there are at least ``min_devices`` (else the run stops with the reason);
-  later rounds wait only for as many devices as the round before started with, so a device
-  that is gone for good costs one wait, not one per round;
+  later rounds wait only for the last round's devices that Flower still lists, so a device
+  Flower reports gone (its heartbeat expired) costs no wait at all;
 - after sending, wait for replies no longer than ``deadline_s``, and (``straggler_s`` > 0) no
   longer than ``straggler_s`` after the first device replied; a device that has not replied
   by then is a failure ("no reply within ...");
@@ -152,16 +152,21 @@ class RoundGrid(Grid):
         self.watch = watch
         self.round = 0
         self.failures: list[Record] = []  # this round's, as logged
-        self.last_started_with: int | None = None  # devices connected when the last round began
+        self.last_nodes: list[int] | None = None  # the nodes the last round began with
         self._progress: _Progress | None = None  # the round's, while its replies are out
 
     # -- waiting for devices ----------------------------------------------------------------
     def wait_for_devices(self, *, want: int, min_devices: int, wait_s: float) -> list[int]:
-        """Connected node ids once ``want`` are connected, or after ``wait_s`` if >= min."""
-        if self.last_started_with is not None:
-            want = min(want, max(self.last_started_with, min_devices))
+        """Connected node ids once ``want`` are connected, or after ``wait_s`` if >= min.
+
+        After the first round, the round waits only for the devices of the last round that
+        Flower still lists (a device Flower reports gone, its heartbeat expired, is not waited
+        for) and starts at once with them when there are at least ``min_devices``.
+        """
         start = last = time.monotonic()
-        while len(nodes := list(self.grid.get_node_ids())) < want:
+        while len(nodes := list(self.grid.get_node_ids())) < self._expected(
+            nodes, want, min_devices
+        ):
             now = time.monotonic()
             if now - start >= wait_s:
                 break
@@ -170,15 +175,25 @@ class RoundGrid(Grid):
                 self._log_connect_wait(nodes, want, now - start, wait_s)
             time.sleep(min(self.poll_s, max(wait_s - (now - start), 0.01)))
         if len(nodes) < min_devices:
+            if self.last_nodes is not None:  # the devices the round hoped for
+                want = min(want, max(len(self.last_nodes), min_devices))
             raise StopRun(
                 f"round {self.round}: only {len(nodes)} of {want} devices connected after "
                 f"{wait_s:.0f} s (federated.min_devices={min_devices}); start more devices "
                 "or lower federated.min_devices"
             )
-        if len(nodes) < want:
+        if len(nodes) < self._expected(nodes, want, min_devices):
             self._log_connect_wait(nodes, want, time.monotonic() - start, wait_s, going=True)
-        self.last_started_with = len(nodes)
+        self.last_nodes = nodes
         return nodes
+
+    def _expected(self, nodes: list[int], want: int, min_devices: int) -> int:
+        """How many connected devices the round starts with: ``want``, or after the first
+        round, the last round's devices Flower still lists (at least ``min_devices``)."""
+        if self.last_nodes is None:
+            return want
+        alive = len(set(self.last_nodes) & set(nodes))
+        return min(want, max(alive, min_devices))
 
     def _log_connect_wait(
         self, nodes: list[int], want: int, waited: float, wait_s: float, *, going: bool = False

@@ -178,6 +178,32 @@ class Rounds:
                 kept.append(reply)
         return kept
 
+    def weigh_by_server(self, server_round: int, replies: list[Message]) -> None:
+        """Each reply's weight (``num-examples``) as the StageServer counts it: the steps it
+        applied for the device's session times the rows of a step, never more than the device
+        claims. Without the server's counts (an older server), the checked claims stand."""
+        rows = self.reply_rules.rows_per_step if self.reply_rules else 0
+        status = self.control.round_status(self.offset + server_round) if rows else None
+        if status is None:
+            return
+        steps = {p.device_id: p.steps_done for p in status}
+        for reply in replies:
+            if reply.has_error():
+                continue
+            metrics = cast(MetricRecord, reply.content["metrics"])
+            claimed = int(cast(int, metrics["num-examples"]))
+            counted = rows * steps.get(str(reply.metadata.src_node_id), 0)
+            if claimed > counted:
+                log.warning(
+                    "round %d: device %s claims %d examples, the StageServer counted %d: "
+                    "weighted by the count",
+                    self.offset + server_round,
+                    self.devices.name(reply.metadata.src_node_id),
+                    claimed,
+                    counted,
+                )
+                metrics["num-examples"] = counted
+
     def _apply_stop_policy(self, round_: int, trained: int, failed: int) -> None:
         limit = self.policy.max_failures
         if trained == 0:
@@ -247,6 +273,7 @@ def _wrap_strategy(strategy, rounds: Rounds, *, stateful: bool):  # type: ignore
 
         def aggregate_train(self, server_round, replies):  # type: ignore[no-untyped-def]
             replies = rounds.valid_replies(list(replies))
+            rounds.weigh_by_server(server_round, replies)
             global_state = rounds.exact.device_global
             if rounds.rule.norm_bound > 0:
                 clip_replies(replies, global_state, rounds.rule.norm_bound)
@@ -359,6 +386,7 @@ def run_rounds(
         device_keys(cfg, initial, num_layers),
         default_cut=format_cut((cfg.model.head_layers, cfg.model.tail_layers)),
         max_examples=cfg.train.batch_size * cfg.train.local_steps,
+        rows_per_step=cfg.train.batch_size,
     )
     rounds.grid = RoundGrid(
         grid,
