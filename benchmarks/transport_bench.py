@@ -2,7 +2,8 @@
 
 Both paths move ``--messages`` messages of one activation (microbatch 8 x 512 tokens x the
 model's hidden size, fp32: 9.4 MB for SmolLM2-135M) up and a message of the same size back for
-each, in the same process and run, over loopback:
+each, one round trip at a time (a stream answers one link probe at a time), in the same
+process and run, over loopback:
 
 - **stage link**: the StageServer that ``fedpipe server`` runs, built from the same settings
   (:func:`~fedpipe.server.build.build_stage_server`), and a :class:`StageClient` session as a
@@ -12,7 +13,8 @@ each, in the same process and run, over loopback:
   link servicer answers an ECHO beside the compute worker, so **no compute is in the figure**
   and none is subtracted: nothing runs the model (the scheduler's queue is skipped too).
 - **plain grpcio**: the same payload as ``bytes`` through a stream-stream method whose
-  handler sends each message straight back (grpcio's own copies only).
+  handler sends each message straight back (grpcio's own copies only), also one round trip at
+  a time.
 
 Trials alternate between the two paths so that drift hits both alike; each stage trial is one
 session (opened and closed outside the timed part), and the medians are compared. The JSON
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import queue
 import statistics
 import time
 from concurrent import futures
@@ -38,8 +41,8 @@ import torch
 from fedpipe.config import FedpipeConfig
 from fedpipe.messages import Kind, StageMsg
 from fedpipe.server.build import build_stage_server
+from fedpipe.server.sessions import RuntimeLimits
 from fedpipe.server.stage_server import StageServer
-from fedpipe.server.streams import MAX_ECHOES
 from fedpipe.wire.channels import channel_options
 from fedpipe.wire.link_client import StageClient
 
@@ -88,15 +91,14 @@ def _stage_trial(
     )
     try:
         start = time.perf_counter()
-        for mb in range(n):
+        for mb in range(n):  # one probe outstanding at a time, as the server allows
             session.send(StageMsg(Kind.ECHO, 0, mb, tensor=tensor, tokens=MICROBATCH))
-        for mb in range(n):
             reply = session.receive(Kind.ECHO, 0, mb)
             assert reply.tensor is not None and reply.tensor.shape == tensor.shape
         seconds = time.perf_counter() - start
         held = server.runtime.session(session.session_id)  # the server's own record of it
         tally.sessions += 1
-        tally.echoes += held.stream.echoes
+        tally.echoes += held.echoes
     finally:
         session.close()
     tally.bytes_up += session.stats.bytes_up
@@ -105,19 +107,26 @@ def _stage_trial(
 
 
 def _plain_trial(channel: grpc.Channel, payload: bytes, n: int) -> float:
-    """Seconds to send ``payload`` ``n`` times and receive it back ``n`` times."""
-    call = channel.stream_stream(_PLAIN)
+    """Seconds to send ``payload`` and receive it back, ``n`` round trips one after another."""
+    sends: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+    replies = channel.stream_stream(_PLAIN)(iter(sends.get, None))
     start = time.perf_counter()
-    for data in call(iter([payload] * n)):
-        assert len(data) == len(payload)
-    return time.perf_counter() - start
+    for _ in range(n):
+        sends.put(payload)
+        assert len(next(replies)) == len(payload)
+    seconds = time.perf_counter() - start
+    sends.put(None)
+    for _ in replies:  # the stream's end
+        pass
+    return seconds
 
 
 def run(messages: int = 8, trials: int = 5, model: str = "default") -> dict[str, Any]:
     """Median throughputs (MB/s of tensor payload, both directions counted), their ratio, and
     what crossed the stage link."""
-    if not 1 <= messages <= MAX_ECHOES:
-        raise ValueError(f"--messages must be in 1..{MAX_ECHOES} (ECHOs a stream may send)")
+    most = RuntimeLimits().max_echoes
+    if not 1 <= messages <= most:
+        raise ValueError(f"--messages must be in 1..{most} (ECHOs a session may send)")
     cfg = FedpipeConfig().with_overrides({"model.name": model})
     server = build_stage_server(cfg, port=0).start()
     tensor = torch.randn(MICROBATCH, SEQ_LEN, server.split.hidden_size)
