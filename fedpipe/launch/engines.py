@@ -80,6 +80,7 @@ _RUN_ID = re.compile(r"Successfully started run (\d+)")
 _CONNECTION = "fedpipe"
 # Ray's error when a process of its head node (GCS server, raylet, ...) did not write its port
 # file in time: <session dir>/<name>_port_<node id, 28 bytes in hex>.
+_RAY_NODE_TIMEOUT = "The current node timed out during startup"
 _RAY_PORT_TIMEOUT = re.compile(r"Timed out waiting for file \S*/[a-z_]+_port_[0-9a-f]{56}\b")
 _ENGINE_CRASHED = "Simulation Runtime crashed"  # Flower: its Ray backend could not be built
 
@@ -306,13 +307,17 @@ def ray_start_timed_out(result: FlwrRunResult) -> bool:
     """Whether a simulation run failed because Ray timed out starting (a slow or busy machine).
 
     Read from the run's outcome (not completed, not stopped by our timeout) and its log: Flower
-    says its simulation runtime crashed, and Ray that a port file of its head node never came.
+    says its simulation runtime crashed, and Ray that a port file of its head node never came,
+    or that the node timed out starting (its raylet or GCS too slow on a loaded machine).
     """
     return (
         not result.completed
         and result.returncode != -1
         and _ENGINE_CRASHED in result.output
-        and _RAY_PORT_TIMEOUT.search(result.output) is not None
+        and (
+            _RAY_PORT_TIMEOUT.search(result.output) is not None
+            or _RAY_NODE_TIMEOUT in result.output
+        )
     )
 
 

@@ -234,9 +234,11 @@ class _FolderMark:
 
 
 def _before_a_round(record: dict[str, Any], start_round: object) -> bool:
-    """A record a ServerApp writes before its first round: its start, waits for devices, and
-    the evaluation of the round it starts from."""
+    """A record a ServerApp writes before its first round trained: its start, waits for
+    devices, the evaluation of the round it starts from, and progress with no step done."""
     event = record.get("event")
+    if event == "progress":
+        return not any(d.get("steps_done") for d in record.get("devices", ()))
     return event in ("start", "waiting") or (event == "eval" and record.get("round") == start_round)
 
 

@@ -4,7 +4,9 @@ The logs in ``flower_logs/`` were written by real runs on a 2-core machine:
 ``ray-start-timed-out.log``: `fedpipe simulate` (tiny-llama, 2 devices) while its GCS server was
 held stopped, so Ray's own 30 s wait for the GCS port file ran out; ``client-app-failed.log``:
 the toy app of tests/integration with an out-dir its ClientApps cannot create (Ray started,
-the run failed); ``completed.log``: the toy app run to completion.
+the run failed); ``completed.log``: the toy app run to completion;
+``ray-node-timed-out.log``: a simulation test of the suite on a machine loaded by other work,
+whose Ray node timed out starting (its raylet or GCS too slow).
 
 And what a retry takes back from a run folder: the records a ServerApp writes before any round,
 never a round.
@@ -29,8 +31,9 @@ def _result(log: str, status: str, returncode: int = 0) -> FlwrRunResult:
     return FlwrRunResult(1, status, returncode, path.read_text(), path, 60.0)
 
 
-def test_a_ray_start_that_timed_out_is_recognised() -> None:
-    assert ray_start_timed_out(_result("ray-start-timed-out.log", "finished:failed"))
+@pytest.mark.parametrize("log", ["ray-start-timed-out.log", "ray-node-timed-out.log"])
+def test_a_ray_start_that_timed_out_is_recognised(log: str) -> None:
+    assert ray_start_timed_out(_result(log, "finished:failed"))
 
 
 @pytest.mark.parametrize(
@@ -105,3 +108,15 @@ def test_a_record_cut_short_is_not_a_round(tmp_path: Path) -> None:
     with folder.metrics_path.open("a") as f:
         f.write(json.dumps({"event": "eval", "round": 0})[:10])  # its writer died mid-line
     assert not mark.round_written(folder)
+
+
+def test_progress_with_no_step_done_is_not_a_round(tmp_path: Path) -> None:
+    """The ServerApp records progress while the devices start: a round that never got a step
+    (the engine failed under it) was not written; one with a step done was."""
+    folder = RunFolder.open(tmp_path, "p")
+    mark = _FolderMark.of(folder)
+    waiting = {"event": "progress", "round": 1, "devices": [{"node_id": 1, "steps_done": 0}]}
+    _write(folder, {"event": "start", "round": 0}, waiting)
+    assert not mark.round_written(folder)
+    _write(folder, {**waiting, "devices": [{"node_id": 1, "steps_done": 1}]})
+    assert mark.round_written(folder)
