@@ -4,9 +4,10 @@ Each node answers a train message as fedpipe's ClientApp does (:mod:`fedpipe.fl.
 the ClientApp's mod first (Flower's client-side clipping, when ``privacy.adapter_dp = client``
 puts a clipping norm in the round's config), then the round's global adapters loaded, the
 local steps over the stage link with the round's token (and FedProx's ``proximal-mu`` under
-``fedprox``), and a reply holding the device's adapters, its ``RoundReport`` as metrics, its
-plan and cut. A node's device id is its node id, as a Flower node's is, so the ServerApp's
-commit names the sessions it trained on the StageServer. Left out, as a simulation's devices
+``fedprox``, the round's frozen blocks under ``pipeline.freeze``), and a reply holding the
+device's adapters, its ``RoundReport`` as metrics, its plan and cut. A node's device id is
+its node id, as a Flower node's is, so the ServerApp's commit names the sessions it trained on
+the StageServer. Left out, as a simulation's devices
 do not use them: a device's own data and TLS files, test fault injection, and a delta cache
 kept on disk (each device's stays in memory for the run, as its DeviceWork does).
 """
@@ -76,6 +77,7 @@ class LocalDevices:
             round_=round_,
             token=str(config["token"]),
             proximal_mu=float(cast(float, config.get("proximal-mu", 0.0))) if fedprox else 0.0,
+            frozen_below=int(cast(int, config.get("fedpipe-frozen-below", 0))),
         )
         adapters = work.trainer.adapters()
         self._count(round_, report, down=arrays, up=adapters)

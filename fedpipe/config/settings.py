@@ -20,6 +20,7 @@ from fedpipe.config.profile_spec import parse_device_profiles
 
 __all__ = [
     "AGGREGATIONS",
+    "FREEZE_MODES",
     "SCHEDULE_NAMES",
     "FedpipeConfig",
     "FederatedConfig",
@@ -39,6 +40,7 @@ AGGREGATIONS = ("separate", "exact", "ffa", "stack")  # see fedpipe.lora.aggrega
 ROBUST_STRATEGIES = ("fedmedian", "fedtrimmedavg", "krum", "multikrum")
 # The device schedules (fedpipe.edge.schedules builds them; a test keeps the two in step).
 SCHEDULE_NAMES = ("sequential", "gpipe", "1f1b", "greedy")
+FREEZE_MODES = ("off", "progressive")  # pipeline.freeze (fedpipe.fl.freeze)
 _BOOLS = {"1": True, "true": True, "yes": True, "on": True}
 _BOOLS |= {"0": False, "false": False, "no": False, "off": False}
 
@@ -143,6 +145,16 @@ class PipelineConfig:
     plan_codecs: str = "fp32"
     replan_drift: float = 0.25
     memory_cap_mb: float = 0.0
+    # off, or progressive: after each round the ServerApp freezes the lowest blocks whose
+    # adapters have converged, on the devices and the StageServer (fedpipe.fl.freeze); a
+    # device whose head blocks are all frozen runs its head forward only from the next round.
+    freeze: str = "off"
+    # progressive: a block has converged when its adapter's relative change in a round fell to
+    # freeze_ratio of the largest it made; no block freezes before round freeze_after + 1, and
+    # at most freeze_max of the model's blocks freeze.
+    freeze_ratio: float = 0.5
+    freeze_after: int = 2
+    freeze_max: float = 0.5
 
     def __post_init__(self) -> None:
         _check(
@@ -185,6 +197,22 @@ class PipelineConfig:
         _check(
             self.memory_cap_mb >= 0,
             f"pipeline.memory_cap_mb must be >= 0, got {self.memory_cap_mb}",
+        )
+        _check(
+            self.freeze in FREEZE_MODES,
+            f"pipeline.freeze must be {' or '.join(FREEZE_MODES)}, got {self.freeze!r}",
+        )
+        _check(
+            0 < self.freeze_ratio < 1,
+            f"pipeline.freeze_ratio must be in (0, 1), got {self.freeze_ratio}",
+        )
+        _check(
+            self.freeze_after >= 1, f"pipeline.freeze_after must be >= 1, got {self.freeze_after}"
+        )
+        _check(
+            0 < self.freeze_max < 1,
+            f"pipeline.freeze_max must be in (0, 1) (a fraction of the model's blocks), "
+            f"got {self.freeze_max}",
         )
 
     def _low_bit_gradients(self) -> bool:
@@ -512,6 +540,12 @@ class FedpipeConfig:
         if self.model.split == "two":
             _check(self.model.tail_layers == 0, "model.split='two' needs model.tail_layers=0")
         self._check_cuts()
+        _check(
+            self.pipeline.freeze == "off" or self.federated.aggregation != "stack",
+            "pipeline.freeze = progressive reads how far each block's global adapter moved in "
+            "a round, but federated.aggregation = stack restarts the adapters every round "
+            "(nothing to read); use separate, exact or ffa, or set pipeline.freeze = off",
+        )
         _check(
             not (self.pipeline.recompute_head and self.privacy.activation_clip > 0),
             "pipeline.recompute_head = true cannot be combined with privacy.activation_clip > 0: "

@@ -23,8 +23,15 @@ from fedpipe.config import FedpipeConfig
 from fedpipe.edge.planner.auto import DevicePlanner
 from fedpipe.edge.runtime import DeviceRuntime, StepResult
 from fedpipe.link import ComputeThrottle, DeviceProfile, LinkProfile, RealClock
-from fedpipe.lora import apply_lora, load_lora_state_dict, lora_settings, lora_state_dict
+from fedpipe.lora import (
+    apply_lora,
+    load_lora_state_dict,
+    lora_parameters,
+    lora_settings,
+    lora_state_dict,
+)
 from fedpipe.lora.aggregation import BaseFold, split_deltas
+from fedpipe.lora.freezing import freeze_blocks
 from fedpipe.models import load_config, model_family, model_fingerprint, resolve_model
 from fedpipe.models.cache import write_atomic
 from fedpipe.privacy import LinkDefence
@@ -178,6 +185,9 @@ class DeviceTrainer:
         self.device_id = device_id
         self.profile = profile
         self.folder = folder or resolve_model(config.model.name)
+        # pipeline.freeze: the adapters of blocks below this train nothing (the ServerApp's
+        # decision, set each round by freeze_below)
+        self.frozen_below = 0
         self._build((config.model.head_layers, config.model.tail_layers))
         self.tracer = Tracer()
         # Clipping and noise on what goes up the stage link; None (the default) sends as is.
@@ -223,18 +233,39 @@ class DeviceTrainer:
         return self.layout.head_layers, self.layout.tail_layers
 
     def _freeze(self, config: FedpipeConfig) -> None:
-        """Frozen-device mode trains nothing here; FFA-LoRA trains B only (A stays at init)."""
+        """Frozen-device mode trains nothing here; FFA-LoRA trains B only (A stays at init);
+        the blocks below ``frozen_below`` train nothing (pipeline.freeze)."""
         for stage in (self.head, self.tail):
             for name, param in stage.named_parameters() if stage is not None else ():
                 if not config.pipeline.device_trains or (
                     config.federated.aggregation == "ffa" and ".lora_A." in name
                 ):
                     param.requires_grad_(False)
+            if stage is not None and self.frozen_below:
+                freeze_blocks(lora_parameters(stage), self.frozen_below)
+
+    def freeze_below(self, blocks: int) -> None:
+        """The round's frozen blocks (pipeline.freeze): the adapters of blocks below ``blocks``
+        train nothing; a head whose blocks are all frozen runs forward only this round and
+        asks for no input gradient (frozen-head mode). Earlier rounds' flags are reset first."""
+        was = self.frozen
+        if blocks < self.frozen_below:  # a new run in this process: train again, then freeze
+            for stage in (self.head, self.tail):
+                for param in lora_parameters(stage).values() if stage is not None else ():
+                    param.requires_grad_(True)
+        self.frozen_below = blocks
+        self._freeze(self.config)
+        if self.frozen and not was:
+            log.info("[device %s] head frozen: it runs forward only", self.device_id)
+            if self.planner is not None:
+                self.planner.head_froze()
 
     @property
     def frozen(self) -> bool:
-        """Frozen-device mode: the head runs forward only, no input gradient comes down."""
-        return not self.config.pipeline.device_trains
+        """Frozen-device mode, or a head whose blocks are all frozen (pipeline.freeze): the
+        head runs forward only, no input gradient comes down."""
+        head_frozen = self.frozen_below >= self.layout.head_layers
+        return not self.config.pipeline.device_trains or head_frozen
 
     # -- adapters ---------------------------------------------------------------------------
     def adapters(self) -> dict[str, torch.Tensor]:

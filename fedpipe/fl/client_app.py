@@ -129,6 +129,7 @@ def client_train(msg: Message, context: Context) -> Message:
         else 0.0,
         fail_after_steps=1 if fail else None,
         trace_dir=Path(run.dir) / "traces" if run.dir else None,
+        frozen_below=int(cast(int, config.get("fedpipe-frozen-below", 0))),
     )
     metrics: dict[str, int | float | list[int] | list[float]] = {
         **report.metrics(),

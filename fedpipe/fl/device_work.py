@@ -192,8 +192,13 @@ class DeviceWork:
         proximal_mu: float = 0.0,
         fail_after_steps: int | None = None,
         trace_dir: Path | None = None,
+        frozen_below: int = 0,
     ) -> RoundReport:
-        """One round of local steps; batches depend only on (seed, partition, round, step)."""
+        """One round of local steps; batches depend only on (seed, partition, round, step).
+
+        ``frozen_below``: the round's frozen blocks (pipeline.freeze, from the round's config).
+        """
+        self.trainer.freeze_below(frozen_below)
         steps = self.cfg.train.local_steps
         sampler = BlockSampler(
             self.blocks, self.cfg.train.batch_size, seed=self.cfg.model.seed * 1000 + self.partition

@@ -42,11 +42,13 @@ from fedpipe.fl.aggregate import (
     pad_to_union,
 )
 from fedpipe.fl.device_work import DeviceWork, RunSettings, evaluate_split, server_run_settings
+from fedpipe.fl.freeze import FreezeRule, FreezeState, block_movement, decide, pin_frozen
 from fedpipe.fl.progress import RoundWatch
 from fedpipe.fl.replies import ReplyRules, check_reply, device_keys
 from fedpipe.fl.rounds import DeviceBook, RoundGrid, StopRun
 from fedpipe.fl.strategies import STATEFUL, aggregation_rule, make_strategy, robust_options
 from fedpipe.lora.aggregation import split_deltas
+from fedpipe.lora.freezing import trainable_part
 from fedpipe.models import load_config, resolve_model
 from fedpipe.runs.folder import RunFolder
 from fedpipe.runs.tensorboard import Board
@@ -90,6 +92,16 @@ class Rounds:
         self.exact = ExactState(mode=self.policy.aggregation)  # `exact`, `stack` across rounds
         self.rule = aggregation_rule(self.policy)  # both sides combine adapters by it
         self.reply_rules: ReplyRules | None = None  # what replies may carry (run_rounds)
+        # pipeline.freeze = progressive (fedpipe.fl.freeze): the rule and the decision so far
+        # (a resumed run's from its checkpoint); None: off, and nothing here changes a round.
+        self.freeze_rule: FreezeRule | None = None
+        self.freeze: FreezeState | None = None
+        self._server_before: dict[str, torch.Tensor] | None = None  # its global, last round
+
+    @property
+    def frozen_below(self) -> int:
+        """Blocks below this index train nothing this round (0: none; pipeline.freeze)."""
+        return self.freeze.frozen_below if self.freeze is not None else 0
 
     def begin(self, server_round: int, grid: RoundGrid) -> None:
         """Before a round: wait (no longer than stated) for the devices to connect."""
@@ -101,12 +113,22 @@ class Rounds:
 
     def configure(self, server_round: int, messages: Iterable[Message]) -> list[Message]:
         round_ = self.offset + server_round
-        self.control.begin_round(round_, self.run_id, self.policy.aggregation, self.rule.text())
+        self.control.begin_round(
+            round_,
+            self.run_id,
+            self.policy.aggregation,
+            self.rule.text(),
+            frozen_below=self.frozen_below,
+        )
+        if self.freeze is not None and self._server_before is None:
+            self._server_before = split_deltas(self.control.get_adapter())[0]
         out = []
         for msg in messages:
             node = str(msg.metadata.dst_node_id)
             config = ConfigRecord(dict(cast(ConfigRecord, msg.content["config"])))
             config["fedpipe-round"] = round_
+            if self.freeze is not None:  # the blocks that train nothing (lowest first)
+                config["fedpipe-frozen-below"] = self.frozen_below
             # All a device needs for the stage link comes here (its CA is its own file).
             config["stage-address"] = self.stage_address
             config["token"] = (
@@ -159,6 +181,38 @@ class Rounds:
         log.info("round %d: %d devices merged, %d failed", round_, len(ok), failed)
         _log_privacy(round_, ok)
         self._apply_stop_policy(round_, len(ok), failed)
+
+    def without_frozen(
+        self, held: tuple[list[dict[str, torch.Tensor]], list[float]]
+    ) -> tuple[list[dict[str, torch.Tensor]], list[float]]:
+        """The replies' adapters less their frozen blocks (``exact`` folds nothing there)."""
+        if not self.frozen_below:
+            return held
+        return [trainable_part(s, self.frozen_below) for s in held[0]], held[1]
+
+    def settle_freeze(
+        self, server_round: int, result: tuple[ArrayRecord | None, Any]
+    ) -> tuple[ArrayRecord | None, Any]:
+        """After the commit: frozen blocks keep their values; measure, and decide the next
+        round's frozen blocks (pipeline.freeze = progressive; otherwise ``result`` as it is)."""
+        if self.freeze is None or self.freeze_rule is None or result[0] is None:
+            return result
+        round_ = self.offset + server_round
+        before = self.exact.device_global  # what this round's devices started from
+        state = pin_frozen(result[0].to_torch_state_dict(), before, self.frozen_below)
+        server = split_deltas(self.control.get_adapter())[0]
+        movement = block_movement(
+            _sides(before, self._server_before or {}), _sides(split_deltas(state)[0], server)
+        )
+        self._server_before = server
+        was = self.frozen_below
+        now = decide(self.freeze_rule, self.freeze, round_, movement)
+        self.stats["frozen_below"] = now
+        self.log({"event": "freeze", **self.freeze.history[-1]})
+        if now != was:
+            log.info("round %d: blocks %d..%d froze (pipeline.freeze)", round_, was, now - 1)
+        arrays = ArrayRecord({k: v.contiguous() for k, v in state.items()})
+        return arrays, result[1]
 
     def _fail(self, node: int, reason: str) -> None:
         assert self.grid is not None, "rounds run on fedpipe's RoundGrid"
@@ -213,6 +267,14 @@ class Rounds:
                 f"round {round_}: {self.failures_total} device failures so far, more than "
                 f"federated.max_failures={limit}"
             )
+
+
+def _sides(
+    device: dict[str, torch.Tensor], server: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """Both sides' adapters in one mapping: a block both hold (cuts) is measured over both."""
+    sides = {f"device.{k}": v for k, v in device.items()}
+    return sides | {f"server.{k}": v for k, v in server.items()}
 
 
 def _finite(reply: Message) -> str:
@@ -283,9 +345,9 @@ def _wrap_strategy(strategy, rounds: Rounds, *, stateful: bool):  # type: ignore
                 result = super().aggregate_train(server_round, replies)
             else:
                 result = by_holders(super().aggregate_train, server_round, replies, global_state)
-            result = aggregate_exactly(rounds.exact, states, result)
+            result = aggregate_exactly(rounds.exact, rounds.without_frozen(states), result)
             rounds.commit(server_round, replies)
-            return result
+            return rounds.settle_freeze(server_round, result)
 
     strategy.__class__ = FedpipeStrategy
     return strategy
@@ -320,7 +382,7 @@ def _make_evaluate(
                 round_,
                 device=state,
                 server=control.get_adapter(),
-                state={"round": round_, "run_id": run.run_id},
+                state=_checkpoint_state(round_, run, rounds),
             )
         now = time.time()
         record |= {"wall_s": now - rounds.round_started, "elapsed_s": now - rounds.started}
@@ -329,6 +391,14 @@ def _make_evaluate(
         return MetricRecord({k: float(v) for k, v in record.items()})
 
     return evaluate
+
+
+def _checkpoint_state(round_: int, run: RunSettings, rounds: Rounds) -> dict[str, Any]:
+    """The round state a checkpoint keeps beside both sides' adapters."""
+    state: dict[str, Any] = {"round": round_, "run_id": run.run_id}
+    if rounds.freeze is not None:  # a resumed run goes on from this decision
+        state["freeze"] = rounds.freeze.to_json()
+    return state
 
 
 def _strategy(cfg: FedpipeConfig, rounds: Rounds):  # type: ignore[no-untyped-def]
@@ -388,6 +458,11 @@ def run_rounds(
         max_examples=cfg.train.batch_size * cfg.train.local_steps,
         rows_per_step=cfg.train.batch_size,
     )
+    if cfg.pipeline.freeze == "progressive":
+        rounds.freeze_rule = FreezeRule.of(cfg.pipeline, num_layers)
+        rounds.freeze = rounds.freeze or FreezeState()
+    else:
+        rounds.freeze_rule = rounds.freeze = None
     rounds.grid = RoundGrid(
         grid,
         log=rounds.log,
@@ -451,10 +526,18 @@ def server_main(grid: Grid, context: Context) -> None:
         board.write(entry)
 
     rounds = Rounds(control, run, offset, log=record, policy=cfg.federated)
+    if checkpoint is not None and "freeze" in checkpoint.state:  # the decision so far
+        rounds.freeze = FreezeState.from_json(checkpoint.state["freeze"])
     # Records of rounds after `offset` from an earlier attempt (a crash between commit and
     # checkpoint) are superseded from here on; build_summary drops them.
     rounds.log({"event": "start", "round": offset, "resumed": checkpoint is not None})
-    control.begin_round(offset, run.run_id, cfg.federated.aggregation, rounds.rule.text())
+    control.begin_round(
+        offset,
+        run.run_id,
+        cfg.federated.aggregation,
+        rounds.rule.text(),
+        frozen_below=rounds.frozen_below if cfg.pipeline.freeze == "progressive" else 0,
+    )
     try:
         run_rounds(
             cfg,

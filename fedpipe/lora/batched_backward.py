@@ -15,6 +15,7 @@ the caller adds them to ``.grad`` (:meth:`BatchedAdapterBank.backward`) or hands
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -48,15 +49,22 @@ def backward_blocks(
     """
     grads: Grads = {}
     dys = [dy.reshape(-1, dy.shape[-1]) for _, dy in items]
+    # Below an item's lowest block that trains (pipeline.freeze leaves the lowest ones frozen)
+    # nothing of it is needed unless its sender wants the input gradient.
+    lowest = [_lowest_trained(tape) for tape, _ in items]
     for index in reversed(runner.block_indices):
-        active = [i for i, (tape, _) in enumerate(items) if index in tape.blocks]
+        active = [
+            i
+            for i, (tape, _) in enumerate(items)
+            if index in tape.blocks and (tape.need_input_grad or lowest[i] <= index)
+        ]
         if not active:
             continue
-        # The input gradient of this block is needed by an item with an earlier block or one
-        # whose sender wants it; the others stop at their LoRA gradients.
+        # The input gradient of this block is needed by an item with an earlier block that
+        # trains or one whose sender wants it; the others stop at their LoRA gradients.
         rows = runner.chunk_rows(dys[active[0]].device)
         for chunk in _chunks(active, [items[i][0] for i in active], rows):
-            need_dx = any(_needs_below(items[i][0], index) for i in chunk)
+            need_dx = any(_needs_below(items[i][0], index, lowest[i]) for i in chunk)
             tapes = [items[i][0] for i in chunk]
             dxs = _Block(runner, index, tapes, grads).backward([dys[i] for i in chunk], need_dx)
             for i, dx in zip(chunk, dxs, strict=True):
@@ -87,8 +95,18 @@ def _chunks(positions: list[int], tapes: list[Tape], rows: int | None) -> list[l
     return out
 
 
-def _needs_below(tape: Tape, index: int) -> bool:
-    return tape.need_input_grad or min(tape.blocks) < index
+def _needs_below(tape: Tape, index: int, lowest: float) -> bool:
+    return tape.need_input_grad or lowest < index
+
+
+def _lowest_trained(tape: Tape) -> float:
+    """The lowest of the tape's blocks whose adapter has a tensor that trains (inf: none)."""
+    trained = {
+        int(key.split(".")[1])
+        for key, (a, b) in tape.adapter.items()
+        if a.requires_grad or b.requires_grad
+    }
+    return min((b for b in tape.blocks if b in trained), default=math.inf)
 
 
 class _Block:

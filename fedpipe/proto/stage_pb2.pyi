@@ -198,16 +198,18 @@ class CloseSessionReply(_message.Message):
     def __init__(self, steps: _Optional[int] = ...) -> None: ...
 
 class BeginRoundRequest(_message.Message):
-    __slots__ = ("round", "run_id", "aggregation", "rule")
+    __slots__ = ("round", "run_id", "aggregation", "rule", "frozen_below")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     AGGREGATION_FIELD_NUMBER: _ClassVar[int]
     RULE_FIELD_NUMBER: _ClassVar[int]
+    FROZEN_BELOW_FIELD_NUMBER: _ClassVar[int]
     round: int
     run_id: str
     aggregation: str
     rule: str
-    def __init__(self, round: _Optional[int] = ..., run_id: _Optional[str] = ..., aggregation: _Optional[str] = ..., rule: _Optional[str] = ...) -> None: ...
+    frozen_below: int
+    def __init__(self, round: _Optional[int] = ..., run_id: _Optional[str] = ..., aggregation: _Optional[str] = ..., rule: _Optional[str] = ..., frozen_below: _Optional[int] = ...) -> None: ...
 
 class BeginRoundReply(_message.Message):
     __slots__ = ()

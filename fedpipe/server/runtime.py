@@ -44,6 +44,7 @@ from fedpipe.errors import (
     UnknownSessionError,
 )
 from fedpipe.lora import AdapterBank, BatchedAdapterBank
+from fedpipe.lora.freezing import freeze_blocks
 from fedpipe.lora.robust import AggregationRule
 from fedpipe.messages import END, Kind, StageMsg
 from fedpipe.server.batch_policy import BatchChoice, BatchPolicy, Lane, choose_batch
@@ -136,6 +137,9 @@ class StageRuntime:
         self._ending: dict[StreamHandle, float] = {}  # ended by the server, not yet gone: by when
         self._drop_listeners: list[Callable[[SessionInfo], None]] = []
         self._commits: dict[int, CommitResult] = {}
+        # pipeline.freeze (BeginRound): sessions opened from now on train no adapter of a
+        # block below this, and their commit leaves those blocks' global values as they are.
+        self.frozen_below = 0
         self._opening = 0  # sessions being opened: their adapter is being added
         self._lock = threading.RLock()  # sessions, streams, counters; never held by compute
         self._bank_lock = threading.RLock()  # the bank; taken after _lock, never before
@@ -180,8 +184,10 @@ class StageRuntime:
             self._opening += 1  # a reserved place: adding the adapter may take a while
         session_id = secrets.token_urlsafe(24)  # 192 random bits
         try:
+            frozen_below = self.frozen_below
             with self._bank_lock:  # not under _lock: other sessions' streams keep flowing
                 self.bank.add(session_id)
+                freeze_blocks(self.bank.named_parameters(session_id), frozen_below)
                 opt = self.optimizer_factory(self.bank.parameters(session_id), lr, weight_decay)
         finally:
             with self._lock:
@@ -189,6 +195,7 @@ class StageRuntime:
         info = SessionInfo(session_id, device_id, round_, opt, rows, tokens, codecs)
         info.frozen_head = frozen_head  # frozen-device mode
         info.blocks = blocks
+        info.frozen_below = frozen_below
         with self._lock:
             for old in [s for s in self._sessions.values() if s.device_id == device_id]:
                 self._drop(old, reason="replaced by a newer session")  # a concurrent open
@@ -484,7 +491,7 @@ class StageRuntime:
         for device_id, reason in dropped.items():
             log.warning("[%s] round %d: adapter not merged: %s", device_id, round_, reason)
         if merge:
-            self.bank.merge(merge, blocks={s: self._sessions[s].blocks for s in merge})
+            self.bank.merge(merge, blocks={s: self._trained_blocks(s) for s in merge})
             for session_id in merge:
                 info = self._sessions.pop(session_id)
                 info.dropped = True
@@ -492,6 +499,20 @@ class StageRuntime:
         for info in stale:
             self._drop(info, reason=dropped.get(info.device_id, f"round {round_} committed"))
         return CommitResult(len(merge), len(stale), dropped)
+
+    def _trained_blocks(self, session_id: str) -> tuple[int, ...] | None:
+        """The blocks a session's adapter trained (None: all the stage's): its cut's, less the
+        frozen ones, which its commit must leave as they are."""
+        info = self._sessions[session_id]
+        if not info.frozen_below:
+            return info.blocks
+        held = info.blocks if info.blocks is not None else self.block_indices
+        return tuple(b for b in held if b >= info.frozen_below)
+
+    @property
+    def block_indices(self) -> tuple[int, ...]:
+        """The global indices of the stage's blocks."""
+        return tuple(getattr(self.bank.stage, "block_indices", ()))
 
     def set_aggregation(self, mode: str, rule: AggregationRule | None = None) -> None:
         """How commits aggregate from now on (federated.aggregation), by which rule."""

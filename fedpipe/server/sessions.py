@@ -84,6 +84,7 @@ class SessionInfo:
     stream: Any = None  # the live Exchange stream, a fedpipe.server.streams.StreamHandle, or None
     streams_opened: int = 0
     frozen_head: bool = False  # frozen-device mode: no input gradient goes back
+    frozen_below: int = 0  # pipeline.freeze: its adapter's blocks below this train nothing
     blocks: tuple[int, ...] | None = None  # the stage's blocks its cut runs (None: all)
     echoes: int = 0  # link probes answered, over all its streams
     held_bytes: int = 0  # drawn from the server's budget for the session itself (delta cache)

@@ -218,12 +218,15 @@ class StageServer:
         return steps
 
     # -- round control (StageBackend) ------------------------------------------------------------
-    def begin_round(self, round_: int, run_id: str, aggregation: str, rule: str = "") -> None:
+    def begin_round(
+        self, round_: int, run_id: str, aggregation: str, rule: str = "", *, frozen_below: int = 0
+    ) -> None:
         self.rounds.require_run("BeginRound")
         try:  # federated.aggregation and the strategy's rule: how this round's commit merges
             self.runtime.set_aggregation(aggregation, AggregationRule.parse(rule))
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from None
+        self.runtime.frozen_below = frozen_below  # pipeline.freeze: sessions opened from now on
         self.rounds.begin(round_, run_id)
         self.delta_store.begin_run(run_id)  # devices' delta caches never cross into another run
         log.info("round %d of run %r begun", round_, run_id)

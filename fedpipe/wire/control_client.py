@@ -97,15 +97,26 @@ class StageControlClient:
             self._server_id = None
 
     def begin_round(
-        self, round_: int, run_id: str = "", aggregation: str = "", rule: str = ""
+        self,
+        round_: int,
+        run_id: str = "",
+        aggregation: str = "",
+        rule: str = "",
+        *,
+        frozen_below: int = 0,
     ) -> None:
         """Tell the StageServer that ``round_`` of ``run_id`` starts: tokens must name both.
 
         ``aggregation`` (federated.aggregation; "" = separate) is how its commit merges, and
-        ``rule`` (``AggregationRule.text()``; "" = the weighted mean) by which rule."""
+        ``rule`` (``AggregationRule.text()``; "" = the weighted mean) by which rule; the
+        round's sessions train no adapter of a block below ``frozen_below`` (pipeline.freeze)."""
         self.run_id = run_id or self.run_id
         request = pb.BeginRoundRequest(
-            round=round_, run_id=self.run_id, aggregation=aggregation, rule=rule
+            round=round_,
+            run_id=self.run_id,
+            aggregation=aggregation,
+            rule=rule,
+            frozen_below=frozen_below,
         )
         self._call("BeginRound", request, 30)
 

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from fedpipe.errors import AuthError
+from fedpipe.errors import AuthError, InvalidRequestError
 from fedpipe.proto import stage_pb2 as pb
 from fedpipe.proto import stage_pb2_grpc as pb_grpc
 from fedpipe.wire.backend import SessionProgress, StageBackend
@@ -98,8 +98,16 @@ class ControlServicer(pb_grpc.StageControlServicer):
                 f"BeginRound refused: signed for run {signed!r}, it begins {request.run_id!r}",
             )
         try:
+            if request.frozen_below < 0:
+                raise InvalidRequestError(
+                    f"BeginRound: frozen_below must be >= 0, got {request.frozen_below}"
+                )
             self.backend.begin_round(
-                request.round, request.run_id, request.aggregation or "separate", request.rule
+                request.round,
+                request.run_id,
+                request.aggregation or "separate",
+                request.rule,
+                frozen_below=request.frozen_below,
             )
         except Exception as exc:
             context.abort(status_for(exc), str(exc))

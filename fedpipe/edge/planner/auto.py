@@ -40,6 +40,7 @@ from fedpipe.edge.planner.plan import (
     figures_for_cut,
     link_drift,
     plan_step,
+    with_frozen_head,
 )
 from fedpipe.edge.runtime import DeviceRuntime, StepResult
 from fedpipe.link import ComputeThrottle
@@ -71,6 +72,9 @@ class PlannedDevice(Protocol):
     @property
     def cut(self) -> tuple[int, int]: ...
 
+    @property
+    def frozen(self) -> bool: ...
+
     def remember_cut(self, cut: tuple[int, int]) -> None: ...
 
 
@@ -96,6 +100,7 @@ class DevicePlanner:
         self.link: LinkFigures | None = None  # this session's probe
         self.why = ""  # why the last plan was made
         self.walls: list[float] = []  # this session's steps under the plan
+        self.replan = ""  # why the next session must plan anew (its figures changed)
         self._mark: int | None = None  # trace events before the step the plan reads
         self._run_mark: int | None = None  # trace events before the plan's steps to learn from
 
@@ -123,6 +128,7 @@ class DevicePlanner:
         rows = self.train.batch_size // self.plan.microbatches
         nbytes = self.figures.message_bytes[self.plan.codec, rows]
         why = link_drift(self.plan.link, self.link, self.pipe.replan_drift, nbytes)
+        why, self.replan = why or self.replan, ""
         if why:
             self._make(session, f"re-planned: {why}")
         else:  # the same link: the same plan, priced with the calibrated figures
@@ -154,6 +160,13 @@ class DevicePlanner:
         self.figures = self._measure(batch, rows, self.trainer.tracer.events[self._mark :])
         self._make(session, "first plan, from this session's measurements")
         self._apply(runtime)
+
+    def head_froze(self) -> None:
+        """The head trains nothing from this round on (pipeline.freeze): its backward and the
+        gradient down leave the figures, and the next session plans anew."""
+        if self.figures is not None and not self.figures.frozen_head:
+            self.figures = with_frozen_head(self.figures)
+            self.replan = "the head froze (pipeline.freeze): no head backward, no gradient down"
 
     def take_cut(self) -> tuple[int, int]:
         """The cut chosen for the next round; the planner starts over with it (measures anew)."""
@@ -212,6 +225,7 @@ class DevicePlanner:
             c_opt=c_opt,
             s_opt=s_opt,
             split=trainer.layout.mode,
+            frozen_head=trainer.frozen,
         )
         if not self.cut_chosen:
             self.per_cut = self._per_cut(figures, sizes, throttle)

@@ -70,7 +70,10 @@ def _one_pass(
     gen: torch.Generator,
     run: Throttle,
 ) -> tuple[float, float, float, int]:
-    """Head forward, tail forward + loss + backward, head backward: seconds and stash bytes."""
+    """Head forward, tail forward + loss + backward, head backward: seconds and stash bytes.
+
+    A head that trains nothing (frozen) keeps no graph: its backward takes no time.
+    """
     stash = [0]
     t0 = time.perf_counter()
     with run(), _stash_counter(stash):
@@ -83,8 +86,9 @@ def _one_pass(
             loss_sum.backward()
     t2 = time.perf_counter()
     grad = torch.randn(h.shape, generator=gen) * 1e-3
-    with run():
-        h.backward(grad)
+    if h.requires_grad:
+        with run():
+            h.backward(grad)
     t3 = time.perf_counter()
     return t1 - t0, t2 - t1, t3 - t2, stash[0] + h.numel() * h.element_size()
 

@@ -29,6 +29,7 @@ __all__ = [
     "link_drift",
     "plan_step",
     "figures_for_cut",
+    "with_frozen_head",
 ]
 
 LOSSLESS = "fp32"
@@ -81,6 +82,15 @@ class Measured:
     c_opt: float = 0.0
     s_opt: float = 0.0
     split: str = "u"
+    # The head runs forward only (frozen-device mode, or pipeline.freeze froze its blocks): no
+    # head backward, and the server's gradient reply carries no tensor.
+    frozen_head: bool = False
+
+
+def with_frozen_head(figures: Measured) -> Measured:
+    """``figures`` once the head trains nothing: no head backward, no gradient down."""
+    device = {b: replace(ops, head_backward=0.0) for b, ops in figures.device.items()}
+    return replace(figures, device=device, frozen_head=True)
 
 
 @dataclass(frozen=True)
@@ -186,18 +196,22 @@ def components(figures: Measured, rows: int, codec: str, gradient_codec: str) ->
     ca = figures.codec_s.get((codec, rows), 0.0)
     cg = figures.codec_s.get((gradient_codec, rows), 0.0)
     two = figures.split == "two"
+    # A frozen head gets no gradient: nothing to decode, run or carry for it (the reply's
+    # header alone, a few bytes, is left out).
+    down_grad = 0 if figures.frozen_head else grad
+    cb = 0.0 if figures.frozen_head else cg
     # The device encodes its activation (F) and gradient (T), decodes the output (T) and the
     # head's gradient (B); the server decodes and encodes one of each per pass.
     return Components(
         c_f=ops.head_forward + ca / 2,
         c_t=0.0 if two else ops.tail + (ca + cg) / 2,
-        c_b=ops.head_backward + cg / 2,
+        c_b=ops.head_backward + cb / 2,
         s_f=s_f + (0.0 if two else ca),
-        s_b=s_b + (ca if two else cg),
+        s_b=s_b + (ca if two else (cg + cb) / 2),
         tau_up=link_occupancy(act, link.up_mbps),
         tau_down=link_occupancy(act, link.down_mbps),
         tau_up_grad=link_occupancy(grad, link.up_mbps),
-        tau_down_grad=link_occupancy(grad, link.down_mbps),
+        tau_down_grad=link_occupancy(down_grad, link.down_mbps),
         lat_up=link.rtt_s / 2,
         lat_down=link.rtt_s / 2,
         c_opt=figures.c_opt,
