@@ -43,12 +43,16 @@ def nest(flat: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def write_app(directory: Path, config: FedpipeConfig) -> Path:
-    """The Flower app project for fedpipe's apps, with every setting as a run-config key."""
+def write_app(directory: Path, config: FedpipeConfig, *, client_app: str = CLIENT_APP) -> Path:
+    """The Flower app project for fedpipe's apps, with every setting as a run-config key.
+
+    ``client_app`` (``"package.module:attribute"``) names the ClientApp the devices run:
+    fedpipe's own by default.
+    """
     return write_flower_app(
         directory,
         server_app=SERVER_APP,
-        client_app=CLIENT_APP,
+        client_app=client_app,
         config=nest({**config.to_flat(), **RUN_DEFAULTS}),
     )
 
@@ -77,9 +81,9 @@ def simulate(
     runs_dir: Path = Path("runs"),
     resume: bool = False,
     timeout_s: float = 3600.0,
-    faults: dict[str, int | float] | None = None,
     progress: bool = True,
     explicit: set[str] | None = None,
+    client_app: str = CLIENT_APP,
 ) -> dict[str, Any]:
     """Run ``config`` on Flower's simulation engine; returns the run's summary.
 
@@ -88,6 +92,11 @@ def simulate(
     resume, ``explicit`` names the settings given anew (None: all of ``config``); the rest
     come from the run folder. The summary's ``ok`` and ``problems`` say whether the run did
     all it should (see :func:`fedpipe.runs.summary.judge`); a timeout is one of them.
+
+    ``client_app`` (``"package.module:attribute"``) chooses the ClientApp the simulated
+    devices run, e.g. fedpipe's own (``fedpipe.fl.client_app:client_app``) called inside a
+    ClientApp with your own Flower mods. The simulation's processes import it, so its
+    module must be importable there (installed, or on ``PYTHONPATH``).
     """
     folder = RunFolder.open(runs_dir, name, resume=resume)
     config = _settle_settings(folder, config, resume=resume, explicit=explicit)
@@ -101,7 +110,7 @@ def simulate(
     started = time.time()
     try:
         live.start()
-        app = write_app(folder.path / "app", config)
+        app = write_app(folder.path / "app", config, client_app=client_app)
         run_config: dict[str, Any] = {
             "run.dir": str(folder.path.resolve()),
             "run.resume": resume,
@@ -109,8 +118,6 @@ def simulate(
             "run.secret-file": str(secret_file.resolve()),
             "run.id": name,
         }
-        for key, value in (faults or {}).items():
-            run_config[f"faults.{key}"] = value
         result = run_simulation_engine(
             app,
             num_supernodes=config.federated.num_devices,

@@ -31,7 +31,6 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable
 
 import torch
 
@@ -121,8 +120,6 @@ class StageRuntime:
             copies=self.copies,
         )
         self.max_seq_len = seq_bound(max_positions, self.limits.max_seq_len)
-        # Called on the worker before each message is computed, batched or not (tests).
-        self.on_compute: Callable[[str, StageMsg], None] | None = None
         self._sessions: dict[str, SessionInfo] = {}
         self._commits: dict[int, CommitResult] = {}
         self._opening = 0  # sessions being opened: their adapter is being added
@@ -428,8 +425,6 @@ class StageRuntime:
                 handle._end(END)
             else:
                 assert isinstance(item, StageMsg)
-                if self.on_compute is not None:
-                    self.on_compute(session_id, item)
                 work.append((info, item, handle))
         self._compute(work)
         if plan.lane is not Lane.CONTROL:

@@ -16,12 +16,12 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from harness.stage import stage_server
 
 from fedpipe.auth.certs import make_test_certificates
 from fedpipe.auth.tokens import issue_token
 from fedpipe.config import FedpipeConfig, load_config
 from fedpipe.edge.trainer import DeviceTrainer
-from fedpipe.server.build import build_stage_server
 from fedpipe.wire.control_client import StageControlClient
 from fedpipe.wire.link_client import StageClient
 
@@ -72,8 +72,7 @@ def test_stage_link_over_tls(certs: Path) -> None:
             "server.tls_ca": str(certs / "ca.pem"),
         },
     )
-    server = build_stage_server(config, port=0).start()
-    try:
+    with stage_server(config) as server:
         trainer = DeviceTrainer(config, device_id="tls-device")
         with _client(server.address, certs, None) as client:
             report = trainer.train_round(client, [_batch()])
@@ -82,8 +81,6 @@ def test_stage_link_over_tls(certs: Path) -> None:
             with pytest.raises(grpc.RpcError) as info:
                 plaintext.open_session(device_id="plain", timeout_s=5)
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-    finally:
-        server.stop(grace=None)
 
 
 def test_mutual_tls_admits_only_clients_with_a_certificate_from_the_ca(
@@ -101,8 +98,7 @@ def test_mutual_tls_admits_only_clients_with_a_certificate_from_the_ca(
             "server.tls_client_key": str(certs / "serverapp.key"),
         },
     )
-    server = build_stage_server(config, secret=SECRET, port=0).start()
-    try:
+    with stage_server(config, secret=SECRET) as server:
         assert server.tls == "mtls"
         chain, key = config.server.client_identity()
         control = StageControlClient(
@@ -129,8 +125,6 @@ def test_mutual_tls_admits_only_clients_with_a_certificate_from_the_ca(
                 with pytest.raises(grpc.RpcError) as info:
                     stranger.open_session(device_id="device-1", timeout_s=5)
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE, name
-    finally:
-        server.stop(grace=None)
 
 
 def test_plaintext_stage_link_warns_at_start(caplog: pytest.LogCaptureFixture) -> None:
@@ -139,10 +133,8 @@ def test_plaintext_stage_link_warns_at_start(caplog: pytest.LogCaptureFixture) -
     for host, warned in (("0.0.0.0", True), ("127.0.0.1", False)):
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="fedpipe.server.stage_server"):
-            server = build_stage_server(
-                config.with_overrides({"server.host": host}), port=0
-            ).start()
-            server.stop(grace=None)
+            with stage_server(config.with_overrides({"server.host": host})) as server:
+                pass
         assert server.tls == "plaintext"
         warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
         assert any("is plaintext" in w and "fedpipe certs" in w for w in warnings) is warned

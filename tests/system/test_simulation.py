@@ -1,7 +1,11 @@
 """fedpipe simulate end to end on Flower's simulation engine (Ray), with the tiny model.
 
-Slow tier: every `simulate` call starts a private SuperLink, Ray and the ClientApp actors
-(about a minute each on 2 cores). Properties of the federated loop checked:
+Every `simulate` call starts a private SuperLink, Ray and the ClientApp actors (about a minute
+each on 2 cores), so the properties below share runs where they can: faults on different
+partitions and rounds are independent, so one run carries a device that dies and one that
+goes silent (``faulty``), and the three-round runs serve both the identical-runs and the
+resume checks. Faults are injected by the test harness's ClientApp (harness.faults), which
+wraps fedpipe's own. Properties of the federated loop checked:
 
 - a device that dies mid-round is dropped from that round on both sides (its server-side
   adapter is discarded, not merged), the round completes, and the device is back next round;
@@ -17,22 +21,24 @@ Slow tier: every `simulate` call starts a private SuperLink, Ray and the ClientA
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
-import time
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from harness.faults import DeviceFailure, Faults, device_dies_after, injected
+from harness.processes import assert_no_flower_under
+from harness.stage import stage_server
 from safetensors.torch import load_file
 
 from fedpipe.cli.run_args import report as _report
 from fedpipe.config import FedpipeConfig, load_config
-from fedpipe.launch.engines import flower_processes_under
 from fedpipe.launch.run import simulate
-
-pytestmark = pytest.mark.slow
 
 SMALL = {
     "model.name": "tiny-llama",
@@ -42,13 +48,8 @@ SMALL = {
     "pipeline.microbatches": 2,
     "federated.profiles": "loopback",  # no emulated link delays or device slowdowns: fast
 }
-
-
-def _assert_all_stopped(under: Path, deadline_s: float = 30.0) -> None:
-    end = time.monotonic() + deadline_s
-    while (left := flower_processes_under(under)) and time.monotonic() < end:
-        time.sleep(0.5)
-    assert not left, f"processes left behind: {left}"
+KILLED = (1, 1)  # (partition, round): dies after one step
+SILENT = (2, 3, 60.0)  # (partition, round, seconds): stops answering, past the 20 s deadline
 
 
 def _config(devices: int, rounds: int, **more: Any) -> FedpipeConfig:
@@ -97,13 +98,10 @@ def _replay_round_one(config: FedpipeConfig, kill_partition: int) -> tuple[dict,
     can be recomputed here. Returns per partition the device adapters and the server-side
     adapter of its session (read from the server before the round is committed).
     """
-    from fedpipe.edge.trainer import DeviceFailure
     from fedpipe.fl.device_work import DeviceWork
-    from fedpipe.server.build import build_stage_server
 
-    server = build_stage_server(config, port=0).start()
     device_side, server_side = {}, {}
-    try:
+    with stage_server(config, grace=1.0) as server:
         for p in range(config.federated.num_devices):
             work = DeviceWork(
                 config,
@@ -111,38 +109,50 @@ def _replay_round_one(config: FedpipeConfig, kill_partition: int) -> tuple[dict,
                 partition=p,
                 num_partitions=config.federated.num_devices,
             )
-            fail = 1 if p == kill_partition else None
-            if fail:
-                with pytest.raises(DeviceFailure):
-                    work.train(server.address, round_=1, token="", fail_after_steps=fail)
+            if p == kill_partition:
+                with device_dies_after(1), pytest.raises(DeviceFailure):
+                    work.train(server.address, round_=1, token="")
             else:
                 work.train(server.address, round_=1, token="")
             device_side[p] = work.trainer.adapters()
         sessions = {s.device_id: s.session_id for s in server.runtime.sessions()}
         for p in range(config.federated.num_devices):
             server_side[p] = server.runtime.bank.state_dict(sessions[f"replay-{p}"])
-    finally:
-        server.stop(grace=1.0)
     return device_side, server_side
 
 
-def test_dead_device_is_dropped_and_comes_back(
-    tmp_path: Path, capfd: pytest.CaptureFixture[str]
-) -> None:
-    config = _config(devices=3, rounds=2)
-    summary = simulate(
-        config,
-        name="fault",
-        runs_dir=tmp_path,
-        faults={"kill-partition": 1, "kill-round": 1},
+def _simulate(config: FedpipeConfig, **kwargs: Any) -> tuple[dict[str, Any], str]:
+    """``simulate`` with what it said on stderr (also passed on, for the test's report)."""
+    said = io.StringIO()
+    with contextlib.redirect_stderr(said):
+        summary = simulate(config, **kwargs)
+    sys.stderr.write(said.getvalue())
+    return summary, said.getvalue()
+
+
+@pytest.fixture(scope="module")
+def faulty(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One run of 3 devices and 4 rounds: partition 1 dies in round 1 after one step,
+    partition 2 stops answering in round 3 for 60 s; a round waits at most 20 s for the rest
+    once a device has replied (federated.straggler_s)."""
+    runs = tmp_path_factory.mktemp("faulty")
+    config = _config(
+        devices=3, rounds=4, **{"federated.straggler_s": 20, "federated.report_every_s": 5}
     )
-    run = tmp_path / "fault"
-    _assert_all_stopped(tmp_path)
+    with injected(Faults(kill=(KILLED,), hang=(SILENT,))) as client_app:
+        summary, err = _simulate(config, name="fault", runs_dir=runs, client_app=client_app)
+    assert_no_flower_under(runs)
+    return {"config": config, "summary": summary, "err": err, "run": runs / "fault"}
+
+
+@pytest.mark.xdist_group("simulation-faulty")
+def test_dead_device_is_dropped_and_comes_back(faulty: dict[str, Any]) -> None:
+    summary, run, config = faulty["summary"], faulty["run"], faulty["config"]
     assert summary["flower_run"]["status"] == "finished:completed"
     assert summary["ok"] and summary["problems"] == []  # no failure limit was set
     rounds = _by_round(summary)
-    assert sorted(rounds) == [0, 1, 2]
-    for r in (0, 1, 2):
+    assert sorted(rounds) == [0, 1, 2, 3, 4]
+    for r in rounds:
         assert math.isfinite(rounds[r]["eval_loss"]), rounds[r]
     # round 1: partition 1 died after one step; its server session trained but was dropped
     assert rounds[1]["merged"] == 2 and rounds[1]["discarded"] >= 1, rounds[1]
@@ -154,27 +164,27 @@ def test_dead_device_is_dropped_and_comes_back(
     assert _train_partitions(run, 2) == {0, 1, 2}
 
     # The failure: said on the console as it happened, with the device, round and reason ...
-    err = capfd.readouterr().err
+    err = faulty["err"]
     assert (
         "fedpipe: device partition 1 (loopback) failed in round 1: DeviceFailure: device "
     ) in err
     assert "vanished in round 1 (injected)" in err
-    assert "round 1/2: eval loss" in err and "2/3 devices trained, 1 failed" in err
-    # ... and recorded in summary.json
+    assert "round 1/4: eval loss" in err and "2/3 devices trained, 1 failed" in err
+    # ... and recorded in summary.json (with the silent device's, in round 3)
     written = json.loads((run / "summary.json").read_text())
     assert [(f["device"], f["round"]) for f in written["failures"]] == [
-        ("partition 1 (loopback)", 1)
+        ("partition 1 (loopback)", 1),
+        ("partition 2 (loopback)", 3),
     ]
     assert "DeviceFailure" in written["failures"][0]["reason"]
     assert _report(written, run) == 0
     _check_tensorboard(run)
-    assert (run / "checkpoints" / "round-0001").is_dir() and (
-        run / "checkpoints" / "round-0002"
-    ).is_dir()
+    for r in (1, 2, 3, 4):
+        assert (run / "checkpoints" / f"round-{r:04d}").is_dir()
 
     # No trace of the dead device: both sides' global adapters after round 1 are the weighted
     # averages of only the two finished devices' adapters (num-examples: 8 each).
-    devices, servers = _replay_round_one(config, kill_partition=1)
+    devices, servers = _replay_round_one(config, kill_partition=KILLED[0])
     weights = [8.0, 8.0]
     got_server, got_device = _checkpoint(run, 1, "server"), _checkpoint(run, 1, "device")
     want_server = _average([servers[0], servers[2]], weights)
@@ -198,24 +208,23 @@ def _check_tensorboard(run: Path) -> None:
     assert [(e.step, e.value) for e in acc.Scalars("eval/loss")] == [
         (r, pytest.approx(loss)) for r, loss in sorted(evals.items())
     ]
-    assert [(e.step, e.value) for e in acc.Scalars("round/devices_failed")] == [(1, 1), (2, 0)]
-    assert [(e.step, e.value) for e in acc.Scalars("failures/total")] == [(1, 1)]
+    failed = [(e.step, e.value) for e in acc.Scalars("round/devices_failed")]
+    assert failed == [(1, 1), (2, 0), (3, 1), (4, 0)]
+    assert [(e.step, e.value) for e in acc.Scalars("failures/total")] == [(1, 1), (3, 2)]
     for p in (0, 1, 2):
         assert f"device/p{p}-loopback/step_time_s" in tags
         assert f"device/p{p}-loopback/bytes_up" in tags
-    assert [e.step for e in acc.Scalars("device/p1-loopback/bytes_up")] == [2]
+    assert [e.step for e in acc.Scalars("device/p1-loopback/bytes_up")] == [2, 3, 4]
 
 
 def test_a_round_without_a_trained_device_fails_the_run(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    summary = simulate(
-        _config(devices=1, rounds=3),
-        name="nobody",
-        runs_dir=tmp_path,
-        faults={"kill-partition": 0, "kill-round": 1},
-    )
-    _assert_all_stopped(tmp_path)
+    with injected(Faults(kill=((0, 1),))) as client_app:
+        summary = simulate(
+            _config(devices=1, rounds=3), name="nobody", runs_dir=tmp_path, client_app=client_app
+        )
+    assert_no_flower_under(tmp_path)
     run = tmp_path / "nobody"
     assert not summary["ok"]
     assert summary["stopped"]["reason"] == "round 1: no device trained (1 failed)"
@@ -229,38 +238,30 @@ def test_a_round_without_a_trained_device_fails_the_run(
     assert written["ok"] is False and written["failures"][0]["round"] == 1
 
 
+@pytest.mark.xdist_group("simulation-faulty")
 def test_a_silent_device_does_not_hold_the_round_past_its_deadline(
-    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+    faulty: dict[str, Any],
 ) -> None:
-    """Partition 1 stops answering in round 2 for 60 s; once the other device has replied,
-    a round waits at most 20 s for the rest (federated.straggler_s)."""
-    config = _config(
-        devices=2, rounds=3, **{"federated.straggler_s": 20, "federated.report_every_s": 5}
-    )
-    summary = simulate(
-        config,
-        name="silent",
-        runs_dir=tmp_path,
-        faults={"hang-partition": 1, "hang-round": 2, "hang-s": 60.0},
-    )
-    _assert_all_stopped(tmp_path)
+    """Partition 2 stops answering in round 3 for 60 s; once the other devices have replied,
+    the round waits at most 20 s for the rest (federated.straggler_s)."""
+    summary = faulty["summary"]
     rounds = _by_round(summary)
-    assert sorted(rounds) == [0, 1, 2, 3] and summary["ok"], summary["problems"]
-    # round 2 went on without it (its reply would have come after 60 s) ...
-    assert summary["failures"] == [
+    assert sorted(rounds) == [0, 1, 2, 3, 4] and summary["ok"], summary["problems"]
+    # round 3 went on without it (its reply would have come after 60 s) ...
+    silent = [f for f in summary["failures"] if f["round"] == SILENT[1]]
+    assert silent == [
         {
-            "device": "partition 1 (loopback)",
-            "round": 2,
+            "device": "partition 2 (loopback)",
+            "round": 3,
             "reason": "no reply within 20 s of the first reply (federated.straggler_s)",
-            "partition": 1,
+            "partition": 2,
         }
     ]
-    assert rounds[2]["devices_trained"] == 1 and rounds[2]["merged"] == 1
+    assert rounds[3]["devices_trained"] == 2 and rounds[3]["merged"] == 2
     # ... and the next round was not held up
-    assert rounds[3]["devices_trained"] >= 1 and math.isfinite(rounds[3]["eval_loss"])
+    assert rounds[4]["devices_trained"] >= 1 and math.isfinite(rounds[4]["eval_loss"])
     # while it waited, it said for whom
-    err = capfd.readouterr().err
-    assert "round 2: waiting for partition 1 (loopback) (" in err
+    assert "round 3: waiting for partition 2 (loopback) (" in faulty["err"]
 
 
 @pytest.fixture(scope="module")
@@ -279,10 +280,11 @@ def three_round_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]
         progress=False,
         explicit={"federated.rounds"},
     )
-    _assert_all_stopped(runs)
+    assert_no_flower_under(runs)
     return {"runs": runs, "a": a, "b2": b2, "b3": b3}
 
 
+@pytest.mark.xdist_group("simulation-three-rounds")
 def test_identical_runs_give_identical_losses(three_round_runs: dict[str, Any]) -> None:
     a, b2 = _by_round(three_round_runs["a"]), _by_round(three_round_runs["b2"])
     assert three_round_runs["b2"]["flower_run"]["status"] == "finished:completed"
@@ -299,6 +301,7 @@ def test_identical_runs_give_identical_losses(three_round_runs: dict[str, Any]) 
             )
 
 
+@pytest.mark.xdist_group("simulation-three-rounds")
 def test_resume_continues_from_the_last_checkpoint(three_round_runs: dict[str, Any]) -> None:
     runs = three_round_runs["runs"]
     a, b3 = three_round_runs["a"], three_round_runs["b3"]
@@ -328,14 +331,15 @@ def test_timeout_ends_the_run_with_a_summary(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
     """The only device stops answering; --timeout (here 45 s) ends the run, with a summary."""
-    summary = simulate(
-        _config(devices=1, rounds=2),
-        name="late",
-        runs_dir=tmp_path,
-        timeout_s=45,
-        faults={"hang-partition": 0, "hang-round": 1, "hang-s": 600.0},
-    )
-    _assert_all_stopped(tmp_path)
+    with injected(Faults(hang=((0, 1, 600.0),))) as client_app:
+        summary = simulate(
+            _config(devices=1, rounds=2),
+            name="late",
+            runs_dir=tmp_path,
+            timeout_s=45,
+            client_app=client_app,
+        )
+    assert_no_flower_under(tmp_path)
     assert not summary["ok"]
     assert summary["problems"][0] == "the run reached --timeout (45 s) and was stopped"
     written = json.loads((tmp_path / "late" / "summary.json").read_text())

@@ -7,11 +7,9 @@ reordered under load. The server's resident memory stays flat from step 5 on.
 
 from __future__ import annotations
 
-import pytest
 from fedpipe_bench.load import run_load
 
 
-@pytest.mark.slow
 def test_32_devices_20_steps_exact_and_flat_memory() -> None:
     report = run_load(devices=32, steps=20)
     assert report.mismatched == [] and report.exact

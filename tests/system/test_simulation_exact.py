@@ -1,6 +1,6 @@
 """Exact aggregation in a real Flower simulation, and a resume that continues it exactly.
 
-Slow tier (three Flower simulations). Run A trains 2 rounds under
+Three Flower simulations: run A trains 2 rounds under
 ``federated.aggregation = exact``; run B trains 1, then resumes to 2. Both sides' checkpoints
 carry the folded base deltas, and B's losses and checkpoints equal A's round by round: the
 resume restored what the aggregation changed.
@@ -17,8 +17,6 @@ from safetensors.torch import load_file
 
 from fedpipe.config import load_config
 from fedpipe.launch.run import simulate
-
-pytestmark = pytest.mark.slow
 
 SMALL = {
     "model.name": "tiny-llama",

@@ -7,7 +7,6 @@ for every recorded PID to be gone. Processes are found by PID (psutil), never by
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -16,111 +15,58 @@ from pathlib import Path
 
 import psutil
 import pytest
+from harness.processes import FEDPIPE, GONE_WITHIN_S, Started, assert_gone, kill_all, process_tree
 
 from fedpipe.launch.processes import free_port, start_superlink
 
-pytestmark = pytest.mark.slow
-
-FEDPIPE = [sys.executable, "-m", "fedpipe.cli"]
-GONE_WITHIN_S = 30.0
-
-
-def _spawn(args: list[str], log: Path, home: Path) -> subprocess.Popen[bytes]:
-    env = dict(os.environ, FLWR_HOME=str(home), PYTHONUNBUFFERED="1")
-    with log.open("wb") as out:
-        return subprocess.Popen(  # noqa: S603 - fixed argv
-            [*FEDPIPE, *args], stdout=out, stderr=subprocess.STDOUT, env=env
-        )
-
-
-def _wait_for(proc: subprocess.Popen[bytes], log: Path, text: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while text not in log.read_text(errors="replace"):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise AssertionError(f"no {text!r} (rc {proc.poll()}):\n{log.read_text()[-3000:]}")
-        time.sleep(0.3)
-
-
-def _tree(pid: int) -> list[psutil.Process]:
-    parent = psutil.Process(pid)
-    return [parent, *parent.children(recursive=True)]
-
-
-def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:
-    alive = []
-    for proc in procs:
-        try:
-            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
-                alive.append(proc)
-        except psutil.NoSuchProcess:
-            pass
-    return alive
-
-
-def _assert_all_gone(procs: list[psutil.Process]) -> None:
-    deadline = time.monotonic() + GONE_WITHIN_S
-    while _alive(procs) and time.monotonic() < deadline:
-        time.sleep(0.3)
-    left = [(p.pid, p.cmdline()[:3]) for p in _alive(procs)]
-    assert left == [], f"left behind after {GONE_WITHIN_S:.0f} s: {left}"
-
-
-def _cleanup(procs: list[psutil.Process]) -> None:
-    for proc in _alive(procs):
-        proc.kill()
-
 
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGHUP])
-def test_client_takes_its_supernode_down(tmp_path: Path, how: signal.Signals) -> None:
+def test_client_takes_its_supernode_down(
+    tmp_path: Path, started: Started, how: signal.Signals
+) -> None:
     link = start_superlink(workdir=tmp_path / "superlink")
     tree: list[psutil.Process] = []
     client = None
     try:
-        log = tmp_path / "client.out"
-        client = _spawn(
+        client = started.spawn(
+            "client",
             ["client", "--superlink", link.address, "--workdir", str(tmp_path / "node")],
-            log,
-            tmp_path / "home-node",
+            flwr_home=tmp_path / "home-node",
         )
-        _wait_for(client, log, "connected to", timeout_s=120)
-        tree = _tree(client.pid)
+        started.wait_for_text("client", "connected to", timeout_s=120)
+        tree = process_tree(client.pid)
         names = " ".join(" ".join(p.cmdline()) for p in tree[1:])
         assert "flower-supernode" in names, names
         client.send_signal(how)
         rc = client.wait(timeout=60)
         assert rc == (-signal.SIGKILL if how == signal.SIGKILL else 0)
-        _assert_all_gone(tree)
+        assert_gone(tree)
     finally:
-        if client is not None and client.poll() is None:
-            client.kill()
-        _cleanup(tree)
+        kill_all(tree)
         link.stop()
 
 
-def test_server_takes_its_superlink_down_on_sigkill(tmp_path: Path) -> None:
+def test_server_takes_its_superlink_down_on_sigkill(tmp_path: Path, started: Started) -> None:
     port_file = tmp_path / "stage.port"
-    log = tmp_path / "server.out"
     tree: list[psutil.Process] = []
-    server = _spawn(
+    server = started.spawn(
+        "server",
         [
             "server", "--stage-server", "127.0.0.1:0", "--port-file", str(port_file),
             "--superlink", f"127.0.0.1:{free_port()}", "--workdir", str(tmp_path / "link"),
         ],
-        log,
-        tmp_path / "home-server",
+        flwr_home=tmp_path / "home-server",
     )  # fmt: skip
     try:
-        _wait_for(server, log, "Flower SuperLink at", timeout_s=120)
-        tree = _tree(server.pid)
+        started.wait_for_text("server", "Flower SuperLink at", timeout_s=120)
+        tree = process_tree(server.pid)
         names = " ".join(" ".join(p.cmdline()) for p in tree[1:])
         assert "flower-superlink" in names, names
         server.kill()
         server.wait(timeout=30)
-        _assert_all_gone(tree)
+        assert_gone(tree)
     finally:
-        if server.poll() is None:
-            server.kill()
-        _cleanup(tree)
+        kill_all(tree)
 
 
 def test_a_bench_server_dies_with_a_bench_killed_by_sigkill(tmp_path: Path) -> None:

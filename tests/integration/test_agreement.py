@@ -10,6 +10,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from harness.stage import stage_server
 from safetensors.torch import load_file, save_file
 
 from fedpipe.config import FedpipeConfig, ModelConfig, PipelineConfig, TrainConfig
@@ -19,7 +20,6 @@ from fedpipe.models import model_fingerprint, resolve_model
 from fedpipe.models.fingerprint import FINGERPRINT_FILE
 from fedpipe.proto import stage_pb2 as pb
 from fedpipe.proto import stage_pb2_grpc as pb_grpc
-from fedpipe.server.build import build_stage_server
 from fedpipe.server.stage_server import StageServer
 from fedpipe.split import SplitTerms, check_agreement
 from fedpipe.wire.link_client import StageClient
@@ -43,11 +43,8 @@ def folder() -> Path:
 
 @pytest.fixture(scope="module")
 def server(folder: Path) -> Iterator[StageServer]:
-    stage_server = build_stage_server(_config(1, 1), port=0, folder=folder)
-    try:
-        yield stage_server.start()
-    finally:
-        stage_server.stop(grace=None)
+    with stage_server(_config(1, 1), folder=folder) as served:
+        yield served
 
 
 def _copy(folder: Path, dest: Path) -> Path:

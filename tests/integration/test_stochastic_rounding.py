@@ -11,12 +11,12 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from harness.stage import stage_server
 
 from fedpipe.config import FedpipeConfig
 from fedpipe.edge.trainer import DeviceTrainer
 from fedpipe.messages import Kind, StageMsg
 from fedpipe.models import resolve_model
-from fedpipe.server.build import build_stage_server
 from fedpipe.server.stage_server import StageServer
 from fedpipe.wire.link_client import StageClient
 from fedpipe.wire.stream_codec import StreamCodecs, StreamDecoder, StreamEncoder
@@ -32,11 +32,8 @@ SIZE = {
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[StageServer]:
-    stage_server = build_stage_server(FedpipeConfig().with_overrides(SIZE), port=0)
-    try:
-        yield stage_server.start()
-    finally:
-        stage_server.stop(grace=None)
+    with stage_server(FedpipeConfig().with_overrides(SIZE)) as served:
+        yield served
 
 
 def _losses(server: StageServer, settings: dict[str, object]) -> tuple[list[float], int, int]:
@@ -74,7 +71,6 @@ def test_the_mean_of_many_stochastic_roundings_converges_to_the_value() -> None:
     assert float((once - g).abs().mean()) > 10 * float((mean - g).abs().mean())
 
 
-@pytest.mark.slow
 def test_it_is_off_by_default_and_then_the_traffic_is_unchanged(server: StageServer) -> None:
     assert FedpipeConfig().pipeline.stochastic_rounding is False
     low_bit = {"pipeline.gradient_codec": "int2"}
@@ -83,7 +79,6 @@ def test_it_is_off_by_default_and_then_the_traffic_is_unchanged(server: StageSer
     assert _losses(server, low_bit) == default  # nearest rounding: the same bits every run
 
 
-@pytest.mark.slow
 def test_both_ends_round_stochastically_and_seeded(server: StageServer) -> None:
     # Gradients in int2 only downward: what changes is the server's INPUT_GRAD rounding alone
     # (the device's OUTPUT_GRAD goes fp32, where rounding is moot).

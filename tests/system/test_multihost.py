@@ -32,11 +32,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_deployment import FEDPIPE, SMALL, Started
-
-from fedpipe.launch.engines import free_port
-
-pytestmark = pytest.mark.slow
+from harness.certs import fedpipe_certs
+from harness.deploy import SMALL, Deployment
+from harness.processes import Started
 
 AS_ROOT = os.geteuid() == 0
 _MOUNT_OVER = 'mount -t tmpfs -o mode=000,size=64k fedpipe-elsewhere "$0" && exec "$@"'
@@ -109,39 +107,13 @@ def _device_env(root: Path, forbidden: Path) -> dict[str, str]:
     return env
 
 
-def _spawn(
-    started: Started, name: str, args: list[str], env: dict[str, str], prefix: list[str]
+def test_devices_on_other_hosts_train_two_rounds(
+    tmp_path: Path, device_roots: list[Path], started: Started
 ) -> None:
-    """Start a device; ``prefix`` execs into it, so the PID is the device's own."""
-    started.logs[name] = started.root / f"{name}.out"
-    with started.logs[name].open("wb") as log:
-        started.procs[name] = subprocess.Popen(  # noqa: S603 - fixed argv
-            [*prefix, *FEDPIPE, *args], stdout=log, stderr=subprocess.STDOUT, env=env
-        )
-
-
-def _server_side(started: Started, host: Path, link_port: int, tls: list[str]) -> str:
-    """``fedpipe server --superlink``, its secret in ``host/keys``; returns the stage address."""
-    port_file = host / "stage.port"
-    started.spawn(
-        "server",
-        [
-            "server", *SMALL, *tls, "--port", "0", "--port-file", str(port_file),
-            "--secret-file", str(host / "keys" / "secret"), "--superlink",
-            "--superlink-port", str(link_port), "--superlink-dir", str(host / "superlink"),
-        ],
-        flwr_home=host / "home-server",
-    )  # fmt: skip
-    started.wait_for("server", port_file.exists, timeout_s=120)
-    assert "is plaintext" not in started.text("server")
-    return f"127.0.0.1:{port_file.read_text().strip()}"
-
-
-def test_devices_on_other_hosts_train_two_rounds(tmp_path: Path, device_roots: list[Path]) -> None:
     host = tmp_path / "server-host"  # everything the server side has; 0700
     host.mkdir(mode=0o700)
     certs = host / "certs"
-    subprocess.run([*FEDPIPE, "certs", "--out", str(certs)], check=True, capture_output=True)  # noqa: S603
+    fedpipe_certs(certs)
     for i, root in enumerate(device_roots):  # each device gets the CA and its own cert only
         for src, dst in (("ca.pem", "ca.pem"), (f"device-{i}.pem", "me.pem")):
             shutil.copy(certs / src, root / "tls" / dst)
@@ -154,14 +126,13 @@ def test_devices_on_other_hosts_train_two_rounds(tmp_path: Path, device_roots: l
         "--set", f"server.tls_client_cert={certs / 'serverapp.pem'}",
         "--set", f"server.tls_client_key={certs / 'serverapp.key'}",
     ]  # fmt: skip
-    started = Started(tmp_path)
-    link_port = free_port()
-    superlink = f"127.0.0.1:{link_port}"
-    secret_file = host / "keys" / "secret"
+    deployment = Deployment(started, host)  # the server side keeps its homes on its host
+    secret_file = deployment.secret_file
     codes: dict[str, int | None] = {}
     t0 = time.monotonic()
     try:
-        stage = _server_side(started, host, link_port, tls)
+        deployment.start_server(*tls)
+        assert "is plaintext" not in started.text("server")
         elsewhere = _elsewhere(host)
         if elsewhere:
             secret_file.chmod(0o000)  # the server side (root) still reads it
@@ -173,42 +144,30 @@ def test_devices_on_other_hosts_train_two_rounds(tmp_path: Path, device_roots: l
             )
             assert refused.returncode != 0 and "FileNotFoundError" in refused.stderr
         print(f"devices in their own mount namespace: {bool(elsewhere)}")
-        for i, root in enumerate(device_roots):
-            _spawn(
-                started,
-                f"client{i}",
-                [
-                    "client", "--superlink", superlink, "--partition-id", str(i),
-                    "--num-partitions", "2", "--workdir", str(root / "work"),
-                    "--stage-ca", str(root / "tls" / "ca.pem"),
-                    "--tls-cert", str(root / "tls" / "me.pem"),
-                    "--tls-key", str(root / "tls" / "me.key"),
-                ],
-                _device_env(root, secret_file.parent),
-                elsewhere,
-            )  # fmt: skip
-        for i in (0, 1):
-            name = f"client{i}"
-            started.wait_for(name, lambda n=name: "connected to" in started.text(n), timeout_s=180)
-        run = started.spawn(
-            "run",
-            [
-                "run", *SMALL, *tls, "--superlink", superlink, "--stage-server", stage,
-                "--secret-file", str(secret_file), "--name", "multihost",
-                "--runs-dir", str(host / "runs"), "--rounds", "2", "--devices", "2",
-                "--timeout", "400", "--no-progress",
+        deployment.start_devices(
+            2,
+            args=lambda i: [
+                "--partition-id", str(i), "--num-partitions", "2",
+                "--workdir", str(device_roots[i] / "work"),
+                "--stage-ca", str(device_roots[i] / "tls" / "ca.pem"),
+                "--tls-cert", str(device_roots[i] / "tls" / "me.pem"),
+                "--tls-key", str(device_roots[i] / "tls" / "me.key"),
             ],
-            flwr_home=host / "home-run",
+            env=lambda i: _device_env(device_roots[i], secret_file.parent),
+            prefix=elsewhere,
         )  # fmt: skip
+        run = deployment.run(
+            "run", *tls, "--timeout", "400", "--no-progress", name="multihost", rounds=2, devices=2
+        )
         rc = run.wait(timeout=430)
         assert rc == 0, started.text("run")[-6000:]
     finally:
-        codes = started.stop(["run", "client0", "client1", "server"])
+        codes = deployment.stop()
         if secret_file.exists():
             secret_file.chmod(0o600)
     print(f"multi-host deployment (TLS + mTLS, 2 rounds): {time.monotonic() - t0:.1f} s")
     assert codes == {"run": 0, "client0": 0, "client1": 0, "server": 0}, codes
-    _check_rounds(host / "runs" / "multihost")
+    _check_rounds(deployment.runs / "multihost")
     _check_devices_kept_out(device_roots, secret_file)
 
 

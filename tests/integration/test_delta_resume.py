@@ -8,18 +8,20 @@ encoder) lives on, the server keeps the device's cache between sessions in its D
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 
 import pytest
 import torch
-from fedpipe_bench.quality import EXTRA_RUNS, run_quality_bench
+from fedpipe_bench.quality import EXTRA_RUNS
+from harness.faults import DeviceFailure, device_dies_after
+from harness.stage import stage_server
 
 from fedpipe.compress.delta import DeltaCache, DeltaEncoder
 from fedpipe.config import FedpipeConfig, PipelineConfig, ServerConfig, TrainConfig
-from fedpipe.edge.trainer import DeviceFailure, DeviceTrainer, RoundReport
+from fedpipe.edge.trainer import DeviceTrainer, RoundReport
 from fedpipe.models import resolve_model
 from fedpipe.runs.report import report_lines
 from fedpipe.runs.summary import build_summary
-from fedpipe.server.build import build_stage_server
 from fedpipe.server.delta_store import DeltaStore
 from fedpipe.server.stage_server import StageServer
 from fedpipe.wire.control_client import StageControlClient
@@ -51,18 +53,16 @@ def folder():  # type: ignore[no-untyped-def]
     return resolve_model("tiny-llama")
 
 
-def _start(folder, **server: object) -> StageServer:  # type: ignore[no-untyped-def]
+def _serving(folder, **server: object) -> AbstractContextManager[StageServer]:  # type: ignore[no-untyped-def]
+    """A StageServer with these ``server.*`` settings, stopped when the block ends."""
     config = FedpipeConfig(server=ServerConfig(**server))  # type: ignore[arg-type]
-    return build_stage_server(config, port=0, folder=folder).start()
+    return stage_server(config, folder=folder)
 
 
 @pytest.fixture
 def server(folder) -> Iterator[StageServer]:  # type: ignore[no-untyped-def]
-    stage_server = _start(folder)
-    try:
-        yield stage_server
-    finally:
-        stage_server.stop(grace=None)
+    with _serving(folder) as served:
+        yield served
 
 
 def _batches() -> list[dict[str, torch.Tensor]]:
@@ -138,16 +138,10 @@ def _resets(
 
 def test_a_restarted_server_holds_no_cache(folder) -> None:  # type: ignore[no-untyped-def]
     trainer = _device(folder)
-    first = _start(folder)
-    try:
+    with _serving(folder) as first:
         _round(first, trainer, 1)
-    finally:
-        first.stop(grace=None)
-    second = _start(folder)
-    try:
+    with _serving(folder) as second:
         _resets(second, trainer, "holds no cache")
-    finally:
-        second.stop(grace=None)
 
 
 def test_a_restarted_device_gets_no_stale_cache(server: StageServer, folder) -> None:  # type: ignore[no-untyped-def]
@@ -172,8 +166,8 @@ def test_a_digest_mismatch_resets_both_sides(server: StageServer, folder) -> Non
 def test_a_failed_session_is_not_resumed(server: StageServer, folder) -> None:  # type: ignore[no-untyped-def]
     trainer = _device(folder)
     _round(server, trainer, 1)
-    with pytest.raises(DeviceFailure):
-        _round(server, trainer, 2, fail_after_steps=1)
+    with device_dies_after(1), pytest.raises(DeviceFailure):
+        _round(server, trainer, 2)
     _resets(server, trainer, "holds no cache", 3)
 
 
@@ -234,8 +228,7 @@ def test_a_new_run_drops_every_cache(server: StageServer, folder) -> None:  # ty
 
 def test_the_total_cap_evicts_the_least_recent_device(folder) -> None:  # type: ignore[no-untyped-def]
     # One device's cache after a session: 8 rows of (16, 64) fp32 = 32 KiB; room for one.
-    server = _start(folder, delta_store_mb=48 / 1024)
-    try:
+    with _serving(folder, delta_store_mb=48 / 1024) as server:
         first, second = _device(folder, "d1"), _device(folder, "d2")
         _round(server, first, 1)
         _round(server, second, 1)
@@ -243,8 +236,6 @@ def test_the_total_cap_evicts_the_least_recent_device(folder) -> None:  # type: 
         assert server.delta_store.nbytes <= server.delta_store.max_bytes
         _resets(server, first, "holds no cache")
         assert _round(server, second, 2).delta_resumed is False  # evicted by d1 in turn
-    finally:
-        server.stop(grace=None)
 
 
 def test_a_device_cannot_resume_another_devices_cache(server: StageServer, folder) -> None:  # type: ignore[no-untyped-def]
@@ -389,21 +380,3 @@ def test_the_run_summary_says_per_device_whether_its_cache_was_resumed() -> None
         "partition 1 (loopback): delta cache resumed in 0 of 2 rounds; last round 0% of "
         "activation rows sent as differences",
     ]
-
-
-@pytest.mark.slow
-def test_the_quality_bench_shows_fewer_bytes_in_later_rounds_only_with_kept_caches() -> None:
-    report = run_quality_bench(
-        quick=True,
-        names=["int8-delta", "int8-delta-session"],
-        # 4 blocks a device, 4 samples a round: every round is one epoch of its data
-        overrides={"federated.device_blocks": 4, "federated.rounds": 3},
-    )
-    kept, session = (r["per_round"] for r in report["runs"])
-    assert [r["delta_hit_rate"] for r in kept] == [0.0, 1.0, 1.0]
-    assert [r["delta_resumed"] for r in kept] == [0, 4, 4]  # all four devices
-    assert [r["delta_hit_rate"] for r in session] == [0.0, 0.0, 0.0]
-    assert kept[0]["bytes_per_token"] == session[0]["bytes_per_token"]
-    assert kept[2]["bytes_per_token"] < 0.9 * session[2]["bytes_per_token"]
-    losses = [r["eval_loss"] for r in report["runs"]]
-    assert losses[0] == pytest.approx(losses[1], rel=1e-2)

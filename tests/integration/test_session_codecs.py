@@ -14,13 +14,13 @@ from collections.abc import Iterator
 import grpc
 import pytest
 import torch
+from harness.stage import stage_server
 
 from fedpipe.config import FedpipeConfig
 from fedpipe.edge.trainer import DeviceTrainer, split_terms
 from fedpipe.models import resolve_model
 from fedpipe.proto import stage_pb2 as pb
 from fedpipe.proto import stage_pb2_grpc as pb_grpc
-from fedpipe.server.build import build_stage_server
 from fedpipe.server.stage_server import StageServer
 from fedpipe.wire.link_client import StageClient
 from fedpipe.wire.serde import split_to_proto
@@ -33,11 +33,8 @@ SIZE = {"train.batch_size": 2, "train.seq_len": 64, "pipeline.microbatches": 1}
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[StageServer]:
-    stage_server = build_stage_server(FedpipeConfig().with_overrides(SIZE), port=0)
-    try:
-        yield stage_server.start()
-    finally:
-        stage_server.stop(grace=None)
+    with stage_server(FedpipeConfig().with_overrides(SIZE)) as served:
+        yield served
 
 
 def _bytes_down(server: StageServer, downlink: str, gradients: str = "") -> int:

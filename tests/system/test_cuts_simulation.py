@@ -1,4 +1,4 @@
-"""`fedpipe simulate` with two devices on different cuts, end to end (slow tier).
+"""`fedpipe simulate` with two devices on different cuts, end to end.
 
 The server offers cuts 1+1 and 2+1 of the 4-block tiny model; partition 0 runs 1+1 (the
 server runs blocks 1..2 for it), partition 1 runs 2+1 (block 2). After round 1 both sides'
@@ -11,15 +11,13 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import pytest
 import torch
+from harness.stage import stage_server
 from safetensors.torch import load_file
 
 from fedpipe.config import FedpipeConfig, load_config
 from fedpipe.launch.run import simulate
 from fedpipe.lora.aggregation import adapter_block
-
-pytestmark = pytest.mark.slow
 
 SETTINGS = {
     "model.name": "tiny-llama",
@@ -39,11 +37,9 @@ def _replay_round_one(config: FedpipeConfig) -> tuple[dict, dict]:  # type: igno
     """Each partition's round-1 adapters on both sides, recomputed on a private StageServer
     (training depends only on seed, partition and round)."""
     from fedpipe.fl.device_work import DeviceWork
-    from fedpipe.server.build import build_stage_server
 
-    server = build_stage_server(config, port=0).start()
     device_side, server_side = {}, {}
-    try:
+    with stage_server(config, grace=1.0) as server:
         for p in range(2):
             work = DeviceWork(config, device_id=f"replay-{p}", partition=p, num_partitions=2)
             work.train(server.address, round_=1, token="")
@@ -51,8 +47,6 @@ def _replay_round_one(config: FedpipeConfig) -> tuple[dict, dict]:  # type: igno
         sessions = {s.device_id: s.session_id for s in server.runtime.sessions()}
         for p in range(2):
             server_side[p] = server.runtime.bank.state_dict(sessions[f"replay-{p}"])
-    finally:
-        server.stop(grace=1.0)
     return device_side, server_side
 
 

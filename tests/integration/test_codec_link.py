@@ -7,13 +7,13 @@ from collections.abc import Iterator
 import grpc
 import pytest
 import torch
+from harness.stage import stage_server
 
 from fedpipe.config import FedpipeConfig, PipelineConfig, TrainConfig
 from fedpipe.edge.trainer import DeviceTrainer, split_terms
 from fedpipe.models import resolve_model
 from fedpipe.proto import stage_pb2 as pb
 from fedpipe.proto import stage_pb2_grpc as pb_grpc
-from fedpipe.server.build import build_stage_server
 from fedpipe.server.stage_server import StageServer
 from fedpipe.wire.link_client import StageClient
 from fedpipe.wire.serde import split_to_proto
@@ -31,11 +31,8 @@ def folder():  # type: ignore[no-untyped-def]
 @pytest.fixture(scope="module")
 def server(folder) -> Iterator[StageServer]:  # type: ignore[no-untyped-def]
     config = FedpipeConfig(pipeline=PIPELINE, train=TRAIN)
-    stage_server = build_stage_server(config, port=0, folder=folder)
-    try:
-        yield stage_server.start()
-    finally:
-        stage_server.stop(grace=None)
+    with stage_server(config, folder=folder) as served:
+        yield served
 
 
 def _batches() -> list[dict[str, torch.Tensor]]:
