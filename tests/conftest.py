@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from harness.schedule import TierScheduling
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
@@ -32,21 +33,45 @@ if str(TESTS) not in _path.split(os.pathsep):
 
 pytest_plugins = ["harness.fixtures"]
 
+# The system tests' modules, longest first (measured; see docs/development.md): they start
+# first, so that the last work to start on each worker is short. Others follow in file order.
+LONGEST_FIRST = (
+    "test_deployment_failures.py",
+    "test_simulation.py",
+    "test_multihost.py",
+    "test_simulation_exact.py",
+    "test_deployment.py",
+    "test_cli_errors.py",
+    "test_deployment_tls.py",
+    "test_bench_runs.py",
+    "test_process_tree.py",
+    "test_cuts_simulation.py",
+    "test_flower_engines.py",
+    "test_load.py",
+    "test_bundled_llm.py",
+)
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark each test with its tier (its folder), and group tests for pytest-xdist.
-
-    A unit or integration module runs on one worker (its module-scoped servers and models
-    are built once); a system test runs alone unless it shares a run (its own
-    ``xdist_group`` mark). System tests go first: they are the longest.
-    """
+    """Mark each test with its tier (its folder); order the system tier's longest first."""
     for item in items:
-        path = Path(item.path).resolve().relative_to(TESTS)
-        tier = path.parts[0]
+        tier = Path(item.path).resolve().relative_to(TESTS).parts[0]
         if tier not in TIERS:
             raise pytest.UsageError(f"{item.nodeid}: tests live in tests/{{{','.join(TIERS)}}}")
         item.add_marker(tier)
-        if tier != "system" and item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(path.as_posix()))
-    items.sort(key=lambda item: item.get_closest_marker("system") is None)  # stable
+    items.sort(key=_start_order)  # stable: file order otherwise
+
+
+def _start_order(item: pytest.Item) -> tuple[int, int]:
+    if item.get_closest_marker("system") is None:
+        return (1, 0)
+    name = Path(item.path).name
+    return (0, LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """``--dist loadscope`` (pyproject's addopts) shares out the suite's own units."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    return TierScheduling(config, log)

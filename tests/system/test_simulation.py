@@ -145,55 +145,82 @@ def faulty(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"config": config, "summary": summary, "err": err, "run": runs / "fault"}
 
 
-@pytest.mark.xdist_group("simulation-faulty")
-def test_dead_device_is_dropped_and_comes_back(faulty: dict[str, Any]) -> None:
-    summary, run, config = faulty["summary"], faulty["run"], faulty["config"]
-    assert summary["flower_run"]["status"] == "finished:completed"
-    assert summary["ok"] and summary["problems"] == []  # no failure limit was set
-    rounds = _by_round(summary)
-    assert sorted(rounds) == [0, 1, 2, 3, 4]
-    for r in rounds:
-        assert math.isfinite(rounds[r]["eval_loss"]), rounds[r]
-    # round 1: partition 1 died after one step; its server session trained but was dropped
-    assert rounds[1]["merged"] == 2 and rounds[1]["discarded"] >= 1, rounds[1]
-    assert rounds[1]["devices_failed"] == 1 and rounds[1]["devices_trained"] == 2
-    assert _train_partitions(run, 1) == {0, 2}
-    # round 2: the device is back
-    assert rounds[2]["merged"] == 3 and rounds[2]["discarded"] == 0, rounds[2]
-    assert rounds[2]["devices_failed"] == 0 and rounds[2]["devices_trained"] == 3
-    assert _train_partitions(run, 2) == {0, 1, 2}
+class TestOneRunWithADeadAndASilentDevice:
+    """Both tests assert on the one ``faulty`` run (run on one worker together)."""
 
-    # The failure: said on the console as it happened, with the device, round and reason ...
-    err = faulty["err"]
-    assert (
-        "fedpipe: device partition 1 (loopback) failed in round 1: DeviceFailure: device "
-    ) in err
-    assert "vanished in round 1 (injected)" in err
-    assert "round 1/4: eval loss" in err and "2/3 devices trained, 1 failed" in err
-    # ... and recorded in summary.json (with the silent device's, in round 3)
-    written = json.loads((run / "summary.json").read_text())
-    assert [(f["device"], f["round"]) for f in written["failures"]] == [
-        ("partition 1 (loopback)", 1),
-        ("partition 2 (loopback)", 3),
-    ]
-    assert "DeviceFailure" in written["failures"][0]["reason"]
-    assert _report(written, run) == 0
-    _check_tensorboard(run)
-    for r in (1, 2, 3, 4):
-        assert (run / "checkpoints" / f"round-{r:04d}").is_dir()
+    def test_dead_device_is_dropped_and_comes_back(self, faulty: dict[str, Any]) -> None:
+        summary, run, config = faulty["summary"], faulty["run"], faulty["config"]
+        assert summary["flower_run"]["status"] == "finished:completed"
+        assert summary["ok"] and summary["problems"] == []  # no failure limit was set
+        rounds = _by_round(summary)
+        assert sorted(rounds) == [0, 1, 2, 3, 4]
+        for r in rounds:
+            assert math.isfinite(rounds[r]["eval_loss"]), rounds[r]
+        # round 1: partition 1 died after one step; its server session trained but was dropped
+        assert rounds[1]["merged"] == 2 and rounds[1]["discarded"] >= 1, rounds[1]
+        assert rounds[1]["devices_failed"] == 1 and rounds[1]["devices_trained"] == 2
+        assert _train_partitions(run, 1) == {0, 2}
+        # round 2: the device is back
+        assert rounds[2]["merged"] == 3 and rounds[2]["discarded"] == 0, rounds[2]
+        assert rounds[2]["devices_failed"] == 0 and rounds[2]["devices_trained"] == 3
+        assert _train_partitions(run, 2) == {0, 1, 2}
 
-    # No trace of the dead device: both sides' global adapters after round 1 are the weighted
-    # averages of only the two finished devices' adapters (num-examples: 8 each).
-    devices, servers = _replay_round_one(config, kill_partition=KILLED[0])
-    weights = [8.0, 8.0]
-    got_server, got_device = _checkpoint(run, 1, "server"), _checkpoint(run, 1, "device")
-    want_server = _average([servers[0], servers[2]], weights)
-    want_device = _average([devices[0], devices[2]], weights)
-    assert _max_diff(got_server, want_server) < 1e-6
-    assert _max_diff(got_device, want_device) < 1e-6
-    # ... and the dead device's one trained step would have shown: it is far from the tolerance
-    with_dead = _average([servers[0], servers[1], servers[2]], [8.0, 4.0, 8.0])
-    assert _max_diff(got_server, with_dead) > 1e-4
+        # The failure: said on the console as it happened, with the device, round and reason ...
+        err = faulty["err"]
+        assert (
+            "fedpipe: device partition 1 (loopback) failed in round 1: DeviceFailure: device "
+        ) in err
+        assert "vanished in round 1 (injected)" in err
+        assert "round 1/4: eval loss" in err and "2/3 devices trained, 1 failed" in err
+        # ... and recorded in summary.json (with the silent device's, in round 3)
+        written = json.loads((run / "summary.json").read_text())
+        assert [(f["device"], f["round"]) for f in written["failures"]] == [
+            ("partition 1 (loopback)", 1),
+            ("partition 2 (loopback)", 3),
+        ]
+        assert "DeviceFailure" in written["failures"][0]["reason"]
+        assert _report(written, run) == 0
+        _check_tensorboard(run)
+        for r in (1, 2, 3, 4):
+            assert (run / "checkpoints" / f"round-{r:04d}").is_dir()
+
+        # No trace of the dead device: both sides' global adapters after round 1 are the weighted
+        # averages of only the two finished devices' adapters (num-examples: 8 each).
+        devices, servers = _replay_round_one(config, kill_partition=KILLED[0])
+        weights = [8.0, 8.0]
+        got_server, got_device = _checkpoint(run, 1, "server"), _checkpoint(run, 1, "device")
+        want_server = _average([servers[0], servers[2]], weights)
+        want_device = _average([devices[0], devices[2]], weights)
+        assert _max_diff(got_server, want_server) < 1e-6
+        assert _max_diff(got_device, want_device) < 1e-6
+        # ... and the dead device's one trained step would have shown: it is far from the tolerance
+        with_dead = _average([servers[0], servers[1], servers[2]], [8.0, 4.0, 8.0])
+        assert _max_diff(got_server, with_dead) > 1e-4
+
+    def test_a_silent_device_does_not_hold_the_round_past_its_deadline(
+        self,
+        faulty: dict[str, Any],
+    ) -> None:
+        """Partition 2 stops answering in round 3 for 60 s; once the other devices have replied,
+        the round waits at most 20 s for the rest (federated.straggler_s)."""
+        summary = faulty["summary"]
+        rounds = _by_round(summary)
+        assert sorted(rounds) == [0, 1, 2, 3, 4] and summary["ok"], summary["problems"]
+        # round 3 went on without it (its reply would have come after 60 s) ...
+        silent = [f for f in summary["failures"] if f["round"] == SILENT[1]]
+        assert silent == [
+            {
+                "device": "partition 2 (loopback)",
+                "round": 3,
+                "reason": "no reply within 20 s of the first reply (federated.straggler_s)",
+                "partition": 2,
+            }
+        ]
+        assert rounds[3]["devices_trained"] == 2 and rounds[3]["merged"] == 2
+        # ... and the next round was not held up
+        assert rounds[4]["devices_trained"] >= 1 and math.isfinite(rounds[4]["eval_loss"])
+        # while it waited, it said for whom
+        assert "round 3: waiting for partition 2 (loopback) (" in faulty["err"]
 
 
 def _check_tensorboard(run: Path) -> None:
@@ -238,32 +265,6 @@ def test_a_round_without_a_trained_device_fails_the_run(
     assert written["ok"] is False and written["failures"][0]["round"] == 1
 
 
-@pytest.mark.xdist_group("simulation-faulty")
-def test_a_silent_device_does_not_hold_the_round_past_its_deadline(
-    faulty: dict[str, Any],
-) -> None:
-    """Partition 2 stops answering in round 3 for 60 s; once the other devices have replied,
-    the round waits at most 20 s for the rest (federated.straggler_s)."""
-    summary = faulty["summary"]
-    rounds = _by_round(summary)
-    assert sorted(rounds) == [0, 1, 2, 3, 4] and summary["ok"], summary["problems"]
-    # round 3 went on without it (its reply would have come after 60 s) ...
-    silent = [f for f in summary["failures"] if f["round"] == SILENT[1]]
-    assert silent == [
-        {
-            "device": "partition 2 (loopback)",
-            "round": 3,
-            "reason": "no reply within 20 s of the first reply (federated.straggler_s)",
-            "partition": 2,
-        }
-    ]
-    assert rounds[3]["devices_trained"] == 2 and rounds[3]["merged"] == 2
-    # ... and the next round was not held up
-    assert rounds[4]["devices_trained"] >= 1 and math.isfinite(rounds[4]["eval_loss"])
-    # while it waited, it said for whom
-    assert "round 3: waiting for partition 2 (loopback) (" in faulty["err"]
-
-
 @pytest.fixture(scope="module")
 def three_round_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Run A: 3 rounds at once. Run B: the same, stopped after round 2, then resumed to 3."""
@@ -284,47 +285,54 @@ def three_round_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]
     return {"runs": runs, "a": a, "b2": b2, "b3": b3}
 
 
-@pytest.mark.xdist_group("simulation-three-rounds")
-def test_identical_runs_give_identical_losses(three_round_runs: dict[str, Any]) -> None:
-    a, b2 = _by_round(three_round_runs["a"]), _by_round(three_round_runs["b2"])
-    assert three_round_runs["b2"]["flower_run"]["status"] == "finished:completed"
-    assert sorted(b2) == [0, 1, 2]
-    for r in (0, 1, 2):
-        assert b2[r]["eval_loss"] == a[r]["eval_loss"], (r, a[r], b2[r])
-        if r:
-            assert b2[r]["train_loss"] == a[r]["train_loss"], (r, a[r], b2[r])
-    runs = three_round_runs["runs"]
-    for r in (1, 2):
+class TestThreeRoundRuns:
+    """Both tests assert on the ``three_round_runs`` (run on one worker together)."""
+
+    def test_identical_runs_give_identical_losses(self, three_round_runs: dict[str, Any]) -> None:
+        a, b2 = _by_round(three_round_runs["a"]), _by_round(three_round_runs["b2"])
+        assert three_round_runs["b2"]["flower_run"]["status"] == "finished:completed"
+        assert sorted(b2) == [0, 1, 2]
+        for r in (0, 1, 2):
+            assert b2[r]["eval_loss"] == a[r]["eval_loss"], (r, a[r], b2[r])
+            if r:
+                assert b2[r]["train_loss"] == a[r]["train_loss"], (r, a[r], b2[r])
+        runs = three_round_runs["runs"]
+        for r in (1, 2):
+            for side in ("device", "server"):
+                assert (
+                    _max_diff(_checkpoint(runs / "a", r, side), _checkpoint(runs / "b", r, side))
+                    == 0.0
+                )
+
+    def test_resume_continues_from_the_last_checkpoint(
+        self, three_round_runs: dict[str, Any]
+    ) -> None:
+        runs = three_round_runs["runs"]
+        a, b3 = three_round_runs["a"], three_round_runs["b3"]
+        assert a["flower_run"]["status"] == "finished:completed"
+        assert b3["flower_run"]["status"] == "finished:completed"
+        assert b3["config"] == {**a["config"], "federated.rounds": 3}  # the saved settings
+        a_rounds, b_rounds = _by_round(a), _by_round(b3)
+        assert sorted(b_rounds) == [0, 1, 2, 3]
+        # the resumed call trained round 3 only: one train record per device for every round
+        history = [
+            json.loads(line)
+            for line in (runs / "b" / "metrics.jsonl").read_text().splitlines()
+            if line
+        ]
+        trains = sorted(
+            (rec["round"], rec["partition"]) for rec in history if rec.get("event") == "train"
+        )
+        assert trains == [(r, p) for r in (1, 2, 3) for p in (0, 1)]
+        evals = [rec["round"] for rec in history if rec.get("event") == "eval"]
+        assert evals == [0, 1, 2, 3]
+        assert b_rounds[3]["merged"] == 2
+        assert b_rounds[3]["eval_loss"] == pytest.approx(a_rounds[3]["eval_loss"], rel=1e-4)
+        assert b_rounds[3]["train_loss"] == pytest.approx(a_rounds[3]["train_loss"], rel=1e-4)
         for side in ("device", "server"):
             assert (
-                _max_diff(_checkpoint(runs / "a", r, side), _checkpoint(runs / "b", r, side)) == 0.0
+                _max_diff(_checkpoint(runs / "a", 3, side), _checkpoint(runs / "b", 3, side)) < 1e-6
             )
-
-
-@pytest.mark.xdist_group("simulation-three-rounds")
-def test_resume_continues_from_the_last_checkpoint(three_round_runs: dict[str, Any]) -> None:
-    runs = three_round_runs["runs"]
-    a, b3 = three_round_runs["a"], three_round_runs["b3"]
-    assert a["flower_run"]["status"] == "finished:completed"
-    assert b3["flower_run"]["status"] == "finished:completed"
-    assert b3["config"] == {**a["config"], "federated.rounds": 3}  # the saved settings
-    a_rounds, b_rounds = _by_round(a), _by_round(b3)
-    assert sorted(b_rounds) == [0, 1, 2, 3]
-    # the resumed call trained round 3 only: one train record per device for every round
-    history = [
-        json.loads(line) for line in (runs / "b" / "metrics.jsonl").read_text().splitlines() if line
-    ]
-    trains = sorted(
-        (rec["round"], rec["partition"]) for rec in history if rec.get("event") == "train"
-    )
-    assert trains == [(r, p) for r in (1, 2, 3) for p in (0, 1)]
-    evals = [rec["round"] for rec in history if rec.get("event") == "eval"]
-    assert evals == [0, 1, 2, 3]
-    assert b_rounds[3]["merged"] == 2
-    assert b_rounds[3]["eval_loss"] == pytest.approx(a_rounds[3]["eval_loss"], rel=1e-4)
-    assert b_rounds[3]["train_loss"] == pytest.approx(a_rounds[3]["train_loss"], rel=1e-4)
-    for side in ("device", "server"):
-        assert _max_diff(_checkpoint(runs / "a", 3, side), _checkpoint(runs / "b", 3, side)) < 1e-6
 
 
 def test_timeout_ends_the_run_with_a_summary(
