@@ -121,10 +121,12 @@ class Deployment:
             *extra,
         ]  # fmt: skip
 
-    def run(self, name: str, *extra: str, rounds: int, devices: int) -> subprocess.Popen[bytes]:
-        """Start `fedpipe run` as process ``name`` (its own home); returns it."""
+    def run(
+        self, process: str, *extra: str, name: str, rounds: int, devices: int
+    ) -> subprocess.Popen[bytes]:
+        """Start `fedpipe run` of run ``name`` as process ``process`` (its own home)."""
         args = self.run_args(name, *extra, rounds=rounds, devices=devices)
-        return self.started.spawn(name, args, flwr_home=self.root / f"home-{name}")
+        return self.started.spawn(process, args, flwr_home=self.root / f"home-{process}")
 
     @property
     def runs(self) -> Path:

@@ -9,16 +9,14 @@ another CA, is refused at the handshake. A plaintext StageServer says so when it
 from __future__ import annotations
 
 import logging
-import subprocess
-import sys
 from pathlib import Path
 
 import grpc
 import pytest
 import torch
+from harness.certs import certificates, fedpipe_certs
 from harness.stage import stage_server
 
-from fedpipe.auth.certs import make_test_certificates
 from fedpipe.auth.tokens import issue_token
 from fedpipe.config import FedpipeConfig, load_config
 from fedpipe.edge.trainer import DeviceTrainer
@@ -38,14 +36,7 @@ SMALL = {
 def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The files `fedpipe certs` writes, made by running the command."""
     out = tmp_path_factory.mktemp("certs")
-    done = subprocess.run(  # noqa: S603 - fixed argv
-        [sys.executable, "-m", "fedpipe.cli", "certs", "--out", str(out), "--host", "stage.lan"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, done.stderr
-    assert "server.tls_cert" in done.stdout
+    assert "server.tls_cert" in fedpipe_certs(out, "--host", "stage.lan")
     assert (out / "server.key").stat().st_mode & 0o077 == 0  # keys readable by the owner only
     return out
 
@@ -118,7 +109,7 @@ def test_mutual_tls_admits_only_clients_with_a_certificate_from_the_ca(
         assert control.commit_round(0, {"device-0": 1.0})[:2] == (1, 0)
         control.close()
 
-        other = make_test_certificates(tmp_path / "other", clients=["device-1"])
+        other = certificates(tmp_path / "other", clients=["device-1"])
         for name, folder in ((None, certs), ("device-1", other.ca.parent)):
             with _client(server.address, folder, name) as stranger:
                 stranger.reconnect_s = 0  # a refused handshake is UNAVAILABLE: do not wait

@@ -10,10 +10,10 @@ from __future__ import annotations
 import shlex
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 from harness.processes import FEDPIPE
+from harness.waits import wait_for
 
 TINY = [
     "--set", "train.local_steps=1",
@@ -41,11 +41,12 @@ def test_ctrl_c_says_where_the_run_stopped_and_how_to_resume(tmp_path: Path) -> 
             [*FEDPIPE, *argv], stdout=subprocess.DEVNULL, stderr=err, preexec_fn=_default_sigint
         )
         try:
-            deadline = time.monotonic() + 400
-            while not first_checkpoint.is_dir():
+
+            def checkpointed() -> bool:
                 assert proc.poll() is None, (tmp_path / "err.txt").read_text()
-                assert time.monotonic() < deadline, "no checkpoint of round 1"
-                time.sleep(0.5)
+                return first_checkpoint.is_dir()
+
+            wait_for(checkpointed, "a checkpoint of round 1", timeout=400, interval=0.5)
             proc.send_signal(signal.SIGINT)
             rc = proc.wait(timeout=120)
         finally:

@@ -10,12 +10,12 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
 import pytest
-from harness.processes import FEDPIPE, GONE_WITHIN_S, Started, assert_gone, kill_all, process_tree
+from harness.processes import FEDPIPE, Started, assert_gone, kill_all, process_tree
+from harness.waits import wait_for
 
 from fedpipe.launch.processes import free_port, start_superlink
 
@@ -83,12 +83,10 @@ def test_a_bench_server_dies_with_a_bench_killed_by_sigkill(tmp_path: Path) -> N
         assert bench.stdout is not None
         server_pid = int(bench.stdout.readline())
         assert psutil.pid_exists(server_pid)
+        server = psutil.Process(server_pid)
         bench.send_signal(signal.SIGKILL)
         bench.wait(timeout=30)
-        deadline = time.monotonic() + GONE_WITHIN_S
-        while psutil.pid_exists(server_pid) and psutil.Process(server_pid).status() != "zombie":
-            assert time.monotonic() < deadline, f"bench server {server_pid} outlived its bench"
-            time.sleep(0.1)
+        assert_gone([server])  # the bench's server did not outlive it
     finally:
         bench.kill()
         bench.wait(timeout=30)
@@ -102,19 +100,16 @@ def test_bench_server_leaves_no_server_behind_when_killed(tmp_path: Path) -> Non
         stderr=(tmp_path / "bench.log").open("wb"),
     )
     try:
-        deadline = time.monotonic() + 300
-        while len(children := psutil.Process(bench.pid).children()) < 2:
+
+        def two_servers() -> bool:
             assert bench.poll() is None, (tmp_path / "bench.log").read_text()[-2000:]
-            assert time.monotonic() < deadline, "the bench did not start its two servers"
-            time.sleep(0.2)
-        servers = [c.pid for c in children]
+            return len(psutil.Process(bench.pid).children()) >= 2
+
+        wait_for(two_servers, "the bench to start its two servers", timeout=300, interval=0.2)
+        servers = psutil.Process(bench.pid).children()
         bench.send_signal(signal.SIGKILL)
         bench.wait(timeout=30)
-        deadline = time.monotonic() + GONE_WITHIN_S
-        for pid in servers:
-            while psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie":
-                assert time.monotonic() < deadline, f"bench server {pid} outlived its bench"
-                time.sleep(0.1)
+        assert_gone(servers)  # neither server outlived the bench
     finally:
         bench.kill()
         bench.wait(timeout=30)

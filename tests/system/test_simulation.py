@@ -26,6 +26,7 @@ import io
 import json
 import math
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,7 @@ from safetensors.torch import load_file
 from fedpipe.cli.run_args import report as _report
 from fedpipe.config import FedpipeConfig, load_config
 from fedpipe.launch.run import simulate
+from fedpipe.models import resolve_model
 
 SMALL = {
     "model.name": "tiny-llama",
@@ -267,10 +269,21 @@ def test_a_round_without_a_trained_device_fails_the_run(
 
 @pytest.fixture(scope="module")
 def three_round_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Run A: 3 rounds at once. Run B: the same, stopped after round 2, then resumed to 3."""
+    """Run A: 3 rounds at once. Run B: the same, stopped after round 2, then resumed to 3.
+
+    A and B's first call run at the same time (two engines, each with its own SuperLink and
+    StageServer): they are independent, and identical results must not depend on timing.
+    """
     runs = tmp_path_factory.mktemp("runs")
-    a = simulate(_config(devices=2, rounds=3), name="a", runs_dir=runs, progress=False)
-    b2 = simulate(_config(devices=2, rounds=2), name="b", runs_dir=runs, progress=False)
+    resolve_model("tiny-llama")  # the model cache, converted before the two runs start
+    with ThreadPoolExecutor(2) as pool:
+        first = [
+            pool.submit(
+                simulate, _config(devices=2, rounds=r), name=n, runs_dir=runs, progress=False
+            )
+            for n, r in (("a", 3), ("b", 2))
+        ]
+        a, b2 = (f.result() for f in first)
     # Resumed as `fedpipe simulate --name b --resume --rounds 3` would: only the rounds are
     # given again; the devices (default 4) and the small settings come from the run folder.
     b3 = simulate(

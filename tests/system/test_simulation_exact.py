@@ -8,6 +8,7 @@ resume restored what the aggregation changed.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from safetensors.torch import load_file
 
 from fedpipe.config import load_config
 from fedpipe.launch.run import simulate
+from fedpipe.models import resolve_model
 
 SMALL = {
     "model.name": "tiny-llama",
@@ -42,8 +44,19 @@ def _losses(summary: dict[str, Any]) -> dict[int, float]:
 
 @pytest.mark.timeout(1800)
 def test_exact_aggregation_resumes_exactly(tmp_path: Path) -> None:
-    a = simulate(load_config(None, {**SMALL, "federated.rounds": 2}), name="a", runs_dir=tmp_path)
-    simulate(load_config(None, {**SMALL, "federated.rounds": 1}), name="b", runs_dir=tmp_path)
+    resolve_model("tiny-llama")  # the model cache, converted before the two runs start
+    with ThreadPoolExecutor(2) as pool:  # A and B's first call are independent: at once
+        first = [
+            pool.submit(
+                simulate,
+                load_config(None, {**SMALL, "federated.rounds": r}),
+                name=n,
+                runs_dir=tmp_path,
+            )
+            for n, r in (("a", 2), ("b", 1))
+        ]
+        a = first[0].result()
+        first[1].result()
     b = simulate(
         load_config(None, {"federated.rounds": 2}),
         name="b",
