@@ -55,12 +55,13 @@ def hold_compute(
     gate: threading.Event,
     *,
     timeout: float,
-    seen: list[str] | None = None,
+    calls: list[list[str]] | None = None,
 ) -> Iterator[None]:
     """Hold the runtime's worker before each compute call until ``gate`` is set.
 
     Wraps ``runtime.executor.compute_batch`` (every forward and backward goes through it);
-    ``seen`` gets the session id of each message computed, in order. Undone on exit.
+    ``calls`` gets, per call, the session id of each message it computed, in order. Undone
+    on exit.
     """
     executor = runtime.executor
     real = executor.compute_batch
@@ -68,8 +69,8 @@ def hold_compute(
 
     def held(work: Any) -> Any:
         gate.wait(timeout)
-        if seen is not None:
-            seen.extend(info.session_id for info, _ in work)
+        if calls is not None:
+            calls.append([info.session_id for info, _ in work])
         return real(work)
 
     executor.compute_batch = held  # type: ignore[method-assign]

@@ -440,11 +440,11 @@ def test_queued_work_past_the_bound_is_resource_exhausted(folder) -> None:  # ty
 
 
 def test_worker_serves_sessions_round_robin(folder) -> None:  # type: ignore[no-untyped-def]
-    order: list[str] = []  # the session of each message computed
+    calls: list[list[str]] = []  # per compute call, the session of each message in it
     gate = threading.Event()
     with (
         _serving(folder, max_pending=64) as fair,
-        hold_compute(fair.runtime, gate, timeout=RPC_TIMEOUT, seen=order),
+        hold_compute(fair.runtime, gate, timeout=RPC_TIMEOUT, calls=calls),
     ):
         with grpc.insecure_channel(fair.address) as chan:
             stub = pb_grpc.StageLinkStub(chan)
@@ -468,12 +468,16 @@ def test_worker_serves_sessions_round_robin(folder) -> None:  # type: ignore[no-
             assert [flood.next().microbatch for _ in range(30)] == list(range(30))
             flood.close()
             calm.close()
-    # The sessions take turns of at most two queued messages each. The flood's turn in progress
-    # when the normal session's work arrived ends first (at most 3 items: the held one may have
-    # started a new turn), then N N F F N: the normal work is done within the first 8 computed.
+    # The held call took the first of the flood: what had arrived, at most a quantum (1 or 2,
+    # with the load on the machine). After it the sessions take turns of at most two queued
+    # messages each, the flood first (it was in the ring before the normal session):
+    # F F N N, then F F N. The normal work is done within the held call + 7 computed.
     # First-come, first-served would compute it after all 30 of the flood (positions 30-32).
+    order = [session for call in calls for session in call]
+    held = len(calls[0])
+    assert calls[0] == [flooder] * held and 1 <= held <= fair.runtime.policy.quantum, calls
     positions = [i for i, session in enumerate(order) if session == normal]
-    assert positions[-1] <= 7, order
+    assert positions[-1] <= held + 6, order
     runs = "".join("N" if s == normal else "F" for s in order[: positions[-1] + 1])
     assert "FFF" not in runs.lstrip("F") and "NNN" not in runs, runs
     assert order.count(flooder) == 30 and order.count(normal) == 3
