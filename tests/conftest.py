@@ -40,7 +40,6 @@ LONGEST_FIRST = (
     "test_simulation.py",
     "test_multihost.py",
     "test_simulation_exact.py",
-    "test_deployment.py",
     "test_cli_errors.py",
     "test_deployment_tls.py",
     "test_bench_runs.py",
@@ -67,6 +66,12 @@ def _start_order(item: pytest.Item) -> tuple[int, int]:
         return (1, 0)
     name = Path(item.path).name
     return (0, LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST))
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto``: one worker more than the CPUs (the system tier mostly waits), at most 6
+    (each simulation or deployment holds 1-2 GB)."""
+    return min((os.cpu_count() or 1) + 1, 6)
 
 
 @pytest.hookimpl(tryfirst=True)

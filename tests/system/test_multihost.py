@@ -16,6 +16,11 @@ not exist for it (the test checks by trying), while the server side reads its se
 its PYTHONPATH) that refuses and records any open of a file in the secret's folder; the test
 checks that the hook was active in the ClientApp processes and recorded nothing, and that the
 secret appears in no file a device wrote.
+
+It is also the suite's deployment driven only through the CLI, as a user runs one:
+``fedpipe server --superlink``, two ``fedpipe client`` and ``fedpipe run`` for two rounds; then
+every process is stopped with SIGTERM, each exits 0, and none is left behind. (Plaintext
+deployments run in test_deployment_failures and in the StageServer restart below.)
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from pathlib import Path
 import pytest
 from harness.certs import fedpipe_certs
 from harness.deploy import SMALL, Deployment
-from harness.processes import Started
+from harness.processes import Started, assert_no_flower_under
 
 AS_ROOT = os.geteuid() == 0
 _MOUNT_OVER = 'mount -t tmpfs -o mode=000,size=64k fedpipe-elsewhere "$0" && exec "$@"'
@@ -131,8 +136,12 @@ def test_devices_on_other_hosts_train_two_rounds(
     codes: dict[str, int | None] = {}
     t0 = time.monotonic()
     try:
-        deployment.start_server(*tls)
-        assert "is plaintext" not in started.text("server")
+        stage = deployment.start_server(*tls)
+        out = started.text("server")
+        assert "is plaintext" not in out
+        assert f"StageServer listening on {stage}" in out
+        assert f"Flower SuperLink at {deployment.superlink}" in out
+        assert stat.S_IMODE(secret_file.stat().st_mode) == 0o600
         elsewhere = _elsewhere(host)
         if elsewhere:
             secret_file.chmod(0o000)  # the server side (root) still reads it
@@ -166,8 +175,14 @@ def test_devices_on_other_hosts_train_two_rounds(
         if secret_file.exists():
             secret_file.chmod(0o600)
     print(f"multi-host deployment (TLS + mTLS, 2 rounds): {time.monotonic() - t0:.1f} s")
+    # every process ended on SIGTERM, cleanly, with nothing left behind
     assert codes == {"run": 0, "client0": 0, "client1": 0, "server": 0}, codes
+    assert "server stopped" in started.text("server")
+    for root in (tmp_path, device_roots[0].parent):
+        assert_no_flower_under(root, within_s=15)
+    assert all(p.poll() is not None for p in started.procs.values())
     _check_rounds(deployment.runs / "multihost")
+    assert "round 2: eval loss" in started.text("run")
     _check_devices_kept_out(device_roots, secret_file)
 
 
@@ -176,10 +191,15 @@ def _check_rounds(folder: Path) -> None:
     assert summary["flower_run"]["status"] == "finished:completed"
     rounds = {entry["round"]: entry for entry in summary["rounds"]}
     assert sorted(rounds) == [0, 1, 2]
-    for r in (1, 2):
+    for r in (0, 1, 2):
         assert rounds[r]["eval_loss"] > 0
+    for r in (1, 2):
         assert rounds[r]["merged"] == 2 and rounds[r]["discarded"] == 0
         assert sorted(rounds[r]["step_times_s"]) == ["0", "1"]  # both partitions trained
+    # the run's settings are the command line's
+    assert summary["config"]["federated.num_devices"] == 2
+    assert summary["config"]["train.local_steps"] == 2
+    assert (folder / "checkpoints" / "round-0002").is_dir()
 
 
 def _check_devices_kept_out(roots: list[Path], secret_file: Path) -> None:
