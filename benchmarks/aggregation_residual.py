@@ -1,7 +1,7 @@
 """How much exact aggregation changes: the residual against the round's update, per side.
 
 Runs one quality-bench run (default: ``noniid`` under ``exact``, the default size) and, at every
-aggregation (the devices' adapters in the bench's round loop, the server's in its bank), prints
+aggregation (the devices' adapters in the ServerApp's rounds, the server's in its bank), prints
 
 - ``residual/update``: ``||s (mean(BA) - mean(B) mean(A))|| / ||s mean(BA) - s B0 A0||`` over all
   layers (Frobenius), ``B0 A0`` the global product before the round: how much of the round's
@@ -27,7 +27,7 @@ from typing import Any
 import fedpipe_bench.quality as quality
 import torch
 
-import fedpipe.lora.peft_bank as adapters
+import fedpipe.lora.aggregation as aggregation
 from fedpipe.config import FedpipeConfig, parse_overrides
 from fedpipe.lora.aggregation import aggregate_adapters
 
@@ -96,8 +96,10 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    quality.aggregate_adapters = _measured  # type: ignore[assignment]
-    adapters.aggregate_adapters = _measured  # type: ignore[assignment]
+    # Both sides aggregate through aggregate_held, which calls aggregate_adapters per layer
+    # group: the ServerApp's exact/stack rules for the devices, the StageServer's bank for its
+    # sessions (under `separate` the devices' average is Flower's strategy, not measured here).
+    aggregation.aggregate_adapters = _measured  # type: ignore[assignment]
     cfg = FedpipeConfig().with_overrides(
         {
             **quality.COMMON,

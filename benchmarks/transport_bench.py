@@ -1,12 +1,25 @@
-"""The stage link's message path against a plain grpcio bytes stream, same loopback, same run.
+"""The stage link (StageClient -> a real StageServer) against a plain grpcio bytes stream.
 
-Both sides stream ``--messages`` messages of one SmolLM2-sized activation (8 x 512 x 576 fp32,
-9.4 MB) up and get a message of the same size back for each, as a middle stage answers an
-activation with its output. The stage link frames with ``msg_to_wire``, travels a
-``StageLink/Exchange`` method registered as the StageServer registers it (bytes in and out) and
-decodes with ``msg_from_wire`` on both sides, with the server's bounds checks; the plain stream
-sends ``bytes`` through a method of its own. Trials alternate between the two so drift hits
-both alike; the medians are compared.
+Both paths move ``--messages`` messages of one activation (microbatch 8 x 512 tokens x the
+model's hidden size, fp32: 9.4 MB for SmolLM2-135M) up and a message of the same size back for
+each, one round trip at a time (a stream answers one link probe at a time), in the same
+process and run, over loopback:
+
+- **stage link**: the StageServer that ``fedpipe server`` runs, built from the same settings
+  (:func:`~fedpipe.server.build.build_stage_server`), and a :class:`StageClient` session as a
+  device opens one. The messages are ECHOs: the device's encoder and gRPC stream, the server's
+  link servicer decoding each one with the session's bounds, a reply of the same shape
+  encoded by the server's stream encoder, and the device's reader and decoder. The server's
+  link servicer answers an ECHO beside the compute worker, so **no compute is in the figure**
+  and none is subtracted: nothing runs the model (the scheduler's queue is skipped too).
+- **plain grpcio**: the same payload as ``bytes`` through a stream-stream method whose
+  handler sends each message straight back (grpcio's own copies only), also one round trip at
+  a time.
+
+Trials alternate between the two paths so that drift hits both alike; each stage trial is one
+session (opened and closed outside the timed part), and the medians are compared. The JSON
+says what crossed: how many sessions the server opened, the ECHOs its streams answered, and
+the bytes the device's sessions counted on the wire.
 
     python benchmarks/transport_bench.py --json
 """
@@ -15,107 +28,145 @@ from __future__ import annotations
 
 import argparse
 import json
+import queue
 import statistics
 import time
-from collections.abc import Iterator
 from concurrent import futures
+from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import torch
 
+from fedpipe.config import FedpipeConfig
 from fedpipe.messages import Kind, StageMsg
-from fedpipe.wire.channels import EXCHANGE_METHOD, channel_options
-from fedpipe.wire.serde import MessageBounds, msg_from_wire, msg_to_wire
+from fedpipe.server.build import build_stage_server
+from fedpipe.server.sessions import RuntimeLimits
+from fedpipe.server.stage_server import StageServer
+from fedpipe.wire.channels import channel_options
+from fedpipe.wire.link_client import StageClient
 
-SHAPE = (8, 512, 576)  # SmolLM2-135M: microbatch 8, 512 tokens, hidden 576
+MICROBATCH, SEQ_LEN = 8, 512  # a SmolLM2-135M activation: 8 x 512 x 576 fp32
+CODEC = "fp32"
 _PLAIN = "/bench.Plain/Echo"
-_MAX_BYTES = 64 * 2**20
 
 
-def _stage_echo(bounds: MessageBounds):  # type: ignore[no-untyped-def]
-    """An Exchange that decodes as the StageServer does and answers with an output."""
+@dataclass
+class _StageTally:
+    """What the stage trials moved, as the server and the device's sessions counted it."""
 
-    def exchange(request_iterator, context):  # type: ignore[no-untyped-def]
-        for frame in request_iterator:
-            msg = msg_from_wire(frame, bounds=bounds, max_elements=_MAX_BYTES)
-            reply = StageMsg(Kind.OUTPUT, msg.step, msg.microbatch, tensor=msg.tensor)
-            yield msg_to_wire(reply, session_id="bench", codec="fp32")
-
-    return exchange
+    sessions: int = 0  # sessions the server held open during a trial
+    echoes: int = 0  # ECHOs the server's streams answered
+    bytes_up: int = 0  # the device sessions' wire bytes (SessionStats), both ways
+    bytes_down: int = 0
+    seconds: list[float] = field(default_factory=list)
 
 
 def _plain_echo(request_iterator, context):  # type: ignore[no-untyped-def]
     yield from request_iterator  # each message straight back: grpcio's own copies only
 
 
-def _serve() -> tuple[grpc.Server, str]:
-    server = grpc.server(futures.ThreadPoolExecutor(4), options=channel_options(_MAX_BYTES))
-    bounds = MessageBounds(hidden_size=SHAPE[2], max_batch=SHAPE[0], max_tokens=SHAPE[1])
-    stage = grpc.method_handlers_generic_handler(
-        "fedpipe.proto.StageLink",
-        {"Exchange": grpc.stream_stream_rpc_method_handler(_stage_echo(bounds))},
-    )
+def _plain_server(max_bytes: int) -> tuple[grpc.Server, str]:
+    server = grpc.server(futures.ThreadPoolExecutor(4), options=channel_options(max_bytes))
     plain = grpc.method_handlers_generic_handler(
         "bench.Plain", {"Echo": grpc.stream_stream_rpc_method_handler(_plain_echo)}
     )
-    server.add_generic_rpc_handlers((stage, plain))
+    server.add_generic_rpc_handlers((plain,))
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     return server, f"127.0.0.1:{port}"
 
 
-def _stage_trial(channel: grpc.Channel, tensor: torch.Tensor, n: int) -> float:
-    """Seconds to send ``n`` activations and decode their ``n`` outputs over StageLink."""
-    exchange = channel.stream_stream(EXCHANGE_METHOD)
-
-    def requests() -> Iterator[bytes]:
-        for mb in range(n):
-            msg = StageMsg(Kind.ACTIVATION, 0, mb, tensor=tensor)
-            yield msg_to_wire(msg, session_id="bench", codec="fp32")
-
-    start = time.perf_counter()
-    for frame in exchange(requests()):
-        reply = msg_from_wire(frame, max_elements=_MAX_BYTES)
-        assert reply.tensor is not None and reply.tensor.shape == tensor.shape
-    return time.perf_counter() - start
+def _stage_trial(
+    server: StageServer, client: StageClient, tensor: torch.Tensor, n: int, tally: _StageTally
+) -> float:
+    """Seconds to send ``n`` activation-sized ECHOs on a new session and receive their replies."""
+    session = client.open_session(
+        device_id="transport-bench",
+        microbatch_size=MICROBATCH,
+        seq_len=SEQ_LEN,
+        uplink_codec=CODEC,
+        downlink_codec=CODEC,
+        split=server.split,  # the device built the server's own cut
+    )
+    try:
+        start = time.perf_counter()
+        for mb in range(n):  # one probe outstanding at a time, as the server allows
+            session.send(StageMsg(Kind.ECHO, 0, mb, tensor=tensor, tokens=MICROBATCH))
+            reply = session.receive(Kind.ECHO, 0, mb)
+            assert reply.tensor is not None and reply.tensor.shape == tensor.shape
+        seconds = time.perf_counter() - start
+        held = server.runtime.session(session.session_id)  # the server's own record of it
+        tally.sessions += 1
+        tally.echoes += held.echoes
+    finally:
+        session.close()
+    tally.bytes_up += session.stats.bytes_up
+    tally.bytes_down += session.stats.bytes_down
+    return seconds
 
 
 def _plain_trial(channel: grpc.Channel, payload: bytes, n: int) -> float:
-    """Seconds to send ``payload`` ``n`` times and receive it back ``n`` times."""
-    call = channel.stream_stream(_PLAIN)
+    """Seconds to send ``payload`` and receive it back, ``n`` round trips one after another."""
+    sends: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+    replies = channel.stream_stream(_PLAIN)(iter(sends.get, None))
     start = time.perf_counter()
-    for data in call(iter([payload] * n)):
-        assert len(data) == len(payload)
-    return time.perf_counter() - start
+    for _ in range(n):
+        sends.put(payload)
+        assert len(next(replies)) == len(payload)
+    seconds = time.perf_counter() - start
+    sends.put(None)
+    for _ in replies:  # the stream's end
+        pass
+    return seconds
 
 
-def run(messages: int = 8, trials: int = 5) -> dict[str, float]:
-    """Median throughputs (MB/s, both directions counted) and their ratio."""
-    tensor = torch.randn(SHAPE)
+def run(messages: int = 8, trials: int = 5, model: str = "default") -> dict[str, Any]:
+    """Median throughputs (MB/s of tensor payload, both directions counted), their ratio, and
+    what crossed the stage link."""
+    most = RuntimeLimits().max_echoes
+    if not 1 <= messages <= most:
+        raise ValueError(f"--messages must be in 1..{most} (ECHOs a session may send)")
+    cfg = FedpipeConfig().with_overrides({"model.name": model})
+    server = build_stage_server(cfg, port=0).start()
+    tensor = torch.randn(MICROBATCH, SEQ_LEN, server.split.hidden_size)
     payload = tensor.numpy().tobytes()  # real values: no zero pages the kernel could share
-    nbytes = len(payload)
-    server, address = _serve()
-    channel = grpc.insecure_channel(address, options=channel_options(_MAX_BYTES))
+    max_bytes = cfg.server.max_message_bytes
+    plain_server, plain_address = _plain_server(max_bytes)
+    client = StageClient(server.address, max_message_bytes=max_bytes)
+    channel = grpc.insecure_channel(plain_address, options=channel_options(max_bytes))
+    warm, tally = _StageTally(), _StageTally()
     try:
-        _stage_trial(channel, tensor, 2)  # warm both paths up: connection, first-touch pages
+        _stage_trial(server, client, tensor, 2, warm)  # warm both paths up: connections, pages
         _plain_trial(channel, payload, 2)
-        stage, plain = [], []
+        plain = []
         for _ in range(trials):
-            stage.append(_stage_trial(channel, tensor, messages))
+            tally.seconds.append(_stage_trial(server, client, tensor, messages, tally))
             plain.append(_plain_trial(channel, payload, messages))
     finally:
         channel.close()
+        client.close()
+        plain_server.stop(grace=None)
         server.stop(grace=None)
-    moved_mb = 2 * messages * nbytes / 1e6
-    stage_mbs = moved_mb / statistics.median(stage)
+    moved_mb = 2 * messages * len(payload) / 1e6
+    stage_mbs = moved_mb / statistics.median(tally.seconds)
     plain_mbs = moved_mb / statistics.median(plain)
     return {
         "ratio": round(stage_mbs / plain_mbs, 3),
         "stage_mb_per_s": round(stage_mbs, 1),
         "plain_grpc_mb_per_s": round(plain_mbs, 1),
-        "message_mb": round(nbytes / 1e6, 2),
+        "message_mb": round(len(payload) / 1e6, 2),
+        "shape": list(tensor.shape),
+        "codec": CODEC,
+        "model": model,
         "messages": messages,
         "trials": trials,
+        "stage_path": "StageClient session -> StageServer (build_stage_server) ECHO -> reply",
+        "compute": "none: ECHOs are answered by the server's link servicer, the model never runs",
+        "server_sessions": tally.sessions,
+        "server_echoes": tally.echoes,
+        "session_bytes_up": tally.bytes_up,
+        "session_bytes_down": tally.bytes_down,
     }
 
 
@@ -123,17 +174,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--messages", type=int, default=8, help="messages each way per trial")
     parser.add_argument("--trials", type=int, default=5, help="alternating trials of each path")
+    parser.add_argument(
+        "--model", default="default", help="the StageServer's model (sets the hidden size)"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    result = run(args.messages, args.trials)
+    result = run(args.messages, args.trials, args.model)
     if args.json:
         print(json.dumps(result))
     else:
         print(
             f"stage link {result['stage_mb_per_s']} MB/s, plain grpcio "
             f"{result['plain_grpc_mb_per_s']} MB/s: ratio {result['ratio']} "
-            f"({result['message_mb']} MB messages)"
+            f"({result['message_mb']} MB messages, {result['server_echoes']} ECHOs answered "
+            f"by the StageServer in {result['server_sessions']} sessions)"
         )
 
 

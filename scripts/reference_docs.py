@@ -128,7 +128,9 @@ NOTES: dict[str, str] = {
     "out is a failure",
     "federated.straggler_s": "once one device has replied, wait at most this long for the rest "
     "(0: off)",
-    "federated.report_every_s": "while a round waits, say for whom this often",
+    "federated.report_every_s": "while a round waits, say this often for whom (late devices "
+    "only) and, off a terminal, its progress; the least a device may go without a step before "
+    "it is late ([Rounds and failures](../guides/rounds-and-failures.md))",
     "federated.max_failures": "stop the run (exit 1) once more devices than this have failed "
     "(-1: no limit)",
 }

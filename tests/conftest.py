@@ -36,11 +36,14 @@ pytest_plugins = ["harness.fixtures"]
 # The system tests' modules, longest first (measured; see docs/development.md): they start
 # first, so that the last work to start on each worker is short. Others follow in file order.
 LONGEST_FIRST = (
+    "test_multihost.py",
+    "test_simulation_retry.py",
     "test_deployment_failures.py",
     "test_simulation.py",
-    "test_multihost.py",
     "test_simulation_exact.py",
+    "test_simulation_large_adapter.py",
     "test_cli_errors.py",
+    "test_quality_real_path.py",
     "test_deployment_tls.py",
     "test_bench_runs.py",
     "test_process_tree.py",

@@ -10,11 +10,16 @@ optimizer steps, then evaluates held-out loss:
   (named by its codec) and ``frozen`` (frozen-device mode): fedpipe with 4 devices.
 
 The federated runs use the real pipeline (device runtime, codecs, the real StageServer over gRPC
-on 127.0.0.1) with a round loop in this process instead of Flower's engines: a Flower simulation
-starts a SuperLink, a ServerApp and ClientApp workers per run, which costs tens of seconds of
-setup per run on two cores and changes nothing that is measured here (the adapters' aggregation
-is the same arithmetic, :func:`~fedpipe.lora.aggregation.aggregate_adapters`, as FedAvg's).
-Devices train one after another each round, as they would share this machine's cores anyway.
+on 127.0.0.1) and the ServerApp's own rounds (:func:`fedpipe.fl.server_app.run_rounds`: the
+Flower strategy ``federated.strategy`` builds, with ``server_lr``, ``fraction_train`` sampling
+and ``privacy.adapter_dp``, inside fedpipe's round hooks: tokens, finite checks, cuts, exact
+aggregation, CommitRound on the StageServer). Only the transport of Flower's messages differs:
+instead of a SuperLink and ClientApp workers (tens of seconds of setup per run on two cores),
+an in-process grid (:class:`~fedpipe_bench.local_grid.LocalGrid`) hands each message to a
+device in this process, which answers it as the ClientApp does
+(:class:`~fedpipe_bench.local_devices.LocalDevices`). Devices train one after another each
+round, as they would share this machine's cores anyway; so the round deadline and the
+straggler cut, which need devices racing the clock, are refused (:func:`check_modelled`).
 """
 
 from __future__ import annotations
@@ -22,12 +27,11 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from fedpipe.config import FedpipeConfig
+from fedpipe.config import FederatedConfig, FedpipeConfig
 from fedpipe.data import (
     BlockSampler,
     default_corpus,
@@ -39,8 +43,9 @@ from fedpipe.data import (
 from fedpipe.data import partition as partition_docs
 from fedpipe.edge.trainer import RoundReport
 from fedpipe.fl.device_work import DeviceWork, RunSettings, evaluate_split
+from fedpipe.fl.server_app import Rounds, seeded_adapters
+from fedpipe.fl.server_app import run_rounds as server_rounds
 from fedpipe.lora import apply_lora, lora_settings
-from fedpipe.lora.aggregation import DELTA_SUFFIX, aggregate_adapters, split_deltas
 from fedpipe.models import (
     load_causal_lm,
     load_config,
@@ -50,8 +55,18 @@ from fedpipe.models import (
 )
 from fedpipe.server.build import build_stage_server
 from fedpipe.wire.control_client import StageControlClient
+from fedpipe_bench.local_devices import LocalDevices, Traffic
+from fedpipe_bench.local_grid import LocalGrid
 
-__all__ = ["COMPRESSION", "DEFAULT_SIZE", "QUICK_SIZE", "RUNS", "run_quality_bench"]
+__all__ = [
+    "COMPRESSION",
+    "DEFAULT_SIZE",
+    "QUICK_SIZE",
+    "RUNS",
+    "check_modelled",
+    "run_quality_bench",
+    "run_rounds",
+]
 
 log = logging.getLogger(__name__)
 
@@ -166,15 +181,8 @@ EXTRA_RUNS: list[dict[str, Any]] = [
 ]
 
 
-@dataclass
-class _Traffic:
-    """What a federated run moved: stage-link bytes, Flower-side adapter bytes, tokens."""
-
-    up: int = 0
-    down: int = 0
-    adapters_up: int = 0
-    adapters_down: int = 0
-    tokens: int = 0
+# The round policy's clock: this bench's devices train one after another and always reply.
+_UNMODELLED = ("round_deadline_s", "straggler_s")
 
 
 def run_names() -> list[str]:
@@ -198,6 +206,7 @@ def run_quality_bench(
     base = FedpipeConfig().with_overrides(
         {**COMMON, **(QUICK_SIZE if quick else DEFAULT_SIZE), **(overrides or {})}
     )
+    check_modelled(base)
     wanted = names or ["centralized", *(r["name"] for r in RUNS)]
     unknown = sorted(set(wanted) - set(run_names()))
     if unknown:
@@ -225,6 +234,22 @@ def run_quality_bench(
         "seeds": seed_list,
         "runs": runs,
     }
+
+
+def check_modelled(cfg: FedpipeConfig) -> None:
+    """Refuse, in one line naming them, the settings this bench's rounds do not model."""
+    fed, default = cfg.federated, FederatedConfig()
+    given = [
+        f"federated.{k}={getattr(fed, k)}"
+        for k in _UNMODELLED
+        if getattr(fed, k) != getattr(default, k)
+    ]
+    if given:
+        raise ValueError(
+            f"fedpipe bench quality does not model {', '.join(given)}: its devices train one "
+            "after another and always reply, so no deadline or straggler cut applies; keep the "
+            "defaults, or measure with fedpipe simulate"
+        )
 
 
 def _one_run(name: str, cfg: FedpipeConfig) -> dict[str, Any]:
@@ -316,7 +341,7 @@ def _centralized(cfg: FedpipeConfig) -> dict[str, Any]:
         log.info("centralized step %d loss %.4f", step, float(loss))
     wall = time.perf_counter() - start
     loss = _held_out_loss(model, cfg, tokenizer)
-    return _row("centralized", loss, _Traffic(tokens=tokens), wall, len(batches))
+    return _row("centralized", loss, Traffic(tokens=tokens), wall, len(batches))
 
 
 @torch.no_grad()
@@ -350,51 +375,48 @@ def _federated(cfg: FedpipeConfig) -> dict[str, Any]:
 def run_rounds(
     cfg: FedpipeConfig, port: int, control: StageControlClient
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """``federated.rounds`` rounds on the StageServer at ``port``: its row, the device arrays."""
+    """``federated.rounds`` rounds of the ServerApp's own code with this process's devices on
+    the StageServer at ``port``: the run's row and the final global device adapters."""
+    check_modelled(cfg)
     fed = cfg.federated
-    address = f"127.0.0.1:{port}"
-    works = [
-        DeviceWork(cfg, device_id=f"device-{i}", partition=i, num_partitions=fed.num_devices)
-        for i in range(fed.num_devices)
-    ]
+    run = RunSettings(stage_address=f"127.0.0.1:{port}", run_id="quality")
+    devices = LocalDevices(cfg)
     evaluator = DeviceWork(cfg, device_id="evaluator", partition=-1, num_partitions=fed.num_devices)
-    initial = works[0].trainer.adapters()
-    global_, traffic = dict(initial), _Traffic()
-    scale = cfg.model.lora_alpha / cfg.model.lora_r
-    start, per_round = time.perf_counter(), []
-    for round_ in range(1, fed.rounds + 1):
-        control.begin_round(round_, "quality", fed.aggregation)
-        states, weights, reports = [], [], []
-        for work in works:
-            work.trainer.load_adapters(global_)
-            report = work.train(address, round_=round_, token="")
-            reports.append(report)
-            states.append(work.trainer.adapters())
-            weights.append(float(report.examples))
-            traffic.up += report.bytes_up
-            traffic.down += report.bytes_down
-            traffic.tokens += sum(s.tokens for s in report.steps)
-            traffic.adapters_up += _nbytes(states[-1])
-            traffic.adapters_down += _nbytes(global_)
-            log.info("[%s] round %d loss %.4f", work.trainer.device_id, round_, report.mean_loss)
-        control.commit_round(
-            round_, {w.trainer.device_id: x for w, x in zip(works, weights, strict=True)}
-        )
-        global_ = _next_global(global_, states, weights, fed.aggregation, scale, initial)
-        per_round.append(_round_row(round_, reports))
+    initial = seeded_adapters(cfg, evaluator)
+    records: list[dict[str, Any]] = []
+    rounds = Rounds(control, run, 0, log=records.append, policy=fed)
+    start = time.perf_counter()
+    result = server_rounds(
+        cfg,
+        rounds,
+        LocalGrid(devices.nodes()),
+        initial,
+        initial=dict(initial),
+        num_rounds=fed.rounds,
+    )
     wall = time.perf_counter() - start
-    run = RunSettings(stage_address=address)
-    loss, _ = evaluate_split(evaluator, global_, run, fed.rounds)
+    failures = [r for r in records if r["event"] == "failure"]
+    if failures:  # the ServerApp goes on without them; a bench row must not
+        raise RuntimeError(f"quality bench: devices failed: {failures}")
+    final = result.arrays.to_torch_state_dict()
+    loss, _ = evaluate_split(evaluator, final, run, fed.rounds)
     steps = fed.rounds * cfg.train.local_steps
-    row = _row("", loss, traffic, wall, steps) | {"aggregation": fed.aggregation}
-    return row | {"per_round": per_round}, global_
+    row = _row("", loss, devices.traffic, wall, steps)
+    per_round = [_round_row(r, devices.reports[r]) for r in sorted(devices.reports)]
+    return row | {
+        "aggregation": fed.aggregation,
+        "strategy": fed.strategy,
+        "per_round": per_round,
+    }, final
 
 
 def _round_row(round_: int, reports: list[RoundReport]) -> dict[str, Any]:
-    """One round's stage-link bytes per trained token and, with delta coding, its hit rate."""
+    """One round's devices (those the strategy sampled), its stage-link bytes per trained
+    token and, with delta coding, its hit rate."""
     tokens = sum(s.tokens for r in reports for s in r.steps)
     row: dict[str, Any] = {
         "round": round_,
+        "devices": len(reports),
         "bytes_per_token": sum(r.bytes_up + r.bytes_down for r in reports) / max(tokens, 1),
     }
     if reports and reports[0].delta_resumed is not None:
@@ -407,27 +429,7 @@ def _round_row(round_: int, reports: list[RoundReport]) -> dict[str, Any]:
     return row
 
 
-def _next_global(
-    global_: dict[str, torch.Tensor],
-    states: list[dict[str, torch.Tensor]],
-    weights: list[float],
-    mode: str,
-    scale: float,
-    initial: dict[str, torch.Tensor],
-) -> dict[str, torch.Tensor]:
-    """The device adapters aggregated as the ServerApp does, with the cumulative base deltas."""
-    merged, deltas = aggregate_adapters(states, weights, mode, scale=scale, initial=initial)
-    _, total = split_deltas(global_)
-    for name, delta in deltas.items():
-        total[name] = total[name] + delta if name in total else delta
-    return {**merged, **{k + DELTA_SUFFIX: v for k, v in total.items()}}
-
-
-def _nbytes(state: dict[str, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in state.values())
-
-
-def _row(name: str, loss: float, traffic: _Traffic, wall_s: float, steps: int) -> dict[str, Any]:
+def _row(name: str, loss: float, traffic: Traffic, wall_s: float, steps: int) -> dict[str, Any]:
     row: dict[str, Any] = {"name": name} if name else {}
     return row | {
         "eval_loss": loss,

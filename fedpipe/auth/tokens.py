@@ -166,33 +166,43 @@ def _check_claims(
 
 
 class TokenLedger:
-    """The tokens a StageServer accepted, so each opens one session per (run, round, device).
+    """The tokens a StageServer accepted: each token opens one session, ever, and each
+    (run, round, device) one session per attempt at the round.
 
     ``epoch`` tells attempts at one round apart (when the round began): a resumed run that
     begins a round again gets fresh tokens, and `verify_token`'s ``not_before`` refuses the
-    old ones. Entries are kept until their token expires (then it is refused anyway), so the
-    ledger holds at most the tokens of the rounds still open.
+    old ones. A token is also remembered by itself (its nonce) until it expires, so no token is
+    accepted twice whatever the epoch. Entries are kept until their token expires (then it is
+    refused anyway), so the ledger holds at most the tokens of the rounds still open.
     """
 
     def __init__(self) -> None:
         # (run, round, device, epoch) -> (nonce, expires)
         self._used: dict[tuple[str, int, str, float], tuple[str, int]] = {}
+        self._tokens: dict[str, int] = {}  # nonce -> expires: every token accepted
         self._lock = threading.Lock()
 
     def claim(self, claims: TokenClaims, *, epoch: float = 0.0, now: float | None = None) -> None:
-        """Record ``claims`` as used; raise `InvalidTokenError` if its (run, round, device) was."""
+        """Record ``claims`` as used; raise `InvalidTokenError` if the token, or its
+        (run, round, device) in this attempt at the round, was."""
         now = time.time() if now is None else now
         key = (claims.run_id, claims.round, claims.device_id, epoch)
         with self._lock:
             self._used = {k: v for k, v in self._used.items() if v[1] >= now}
-            if key in self._used:
-                same = self._used[key][0] == claims.nonce
+            self._tokens = {n: e for n, e in self._tokens.items() if e >= now}
+            if claims.nonce in self._tokens:
                 raise InvalidTokenError(
-                    f"{'this' if same else 'a'} session token for device {claims.device_id!r} "
-                    f"in round {claims.round} was already used: one session per device and round "
-                    "(a replay, or a device that restarted mid-round; it rejoins next round)"
+                    f"this session token for device {claims.device_id!r} in round "
+                    f"{claims.round} was already used: a token opens one session"
+                )
+            if key in self._used:
+                raise InvalidTokenError(
+                    f"a session token for device {claims.device_id!r} in round {claims.round} "
+                    "was already used: one session per device and round (a replay, or a device "
+                    "that restarted mid-round; it rejoins next round)"
                 )
             self._used[key] = (claims.nonce, claims.expires)
+            self._tokens[claims.nonce] = claims.expires
 
     def __len__(self) -> int:
         with self._lock:

@@ -30,7 +30,10 @@ from fedpipe.config import FedpipeConfig
 __all__ = ["Formatter", "add_command", "add_settings", "build_parser"]
 
 _D = FedpipeConfig()  # the defaults the help texts quote
-_STRATEGIES = "fedavg | fedprox | fedadam | fedyogi | fedadagrad | fedavgm"
+_STRATEGIES = (
+    "fedavg | fedprox | fedadam | fedyogi | fedadagrad | fedavgm | fedmedian | fedtrimmedavg | "
+    "krum | multikrum"
+)
 
 
 class Formatter(argparse.ArgumentDefaultsHelpFormatter):

@@ -368,6 +368,19 @@ class ServerSetup:
     node_auth: bool
 
 
+def check_secret_needed(config: FedpipeConfig, host: str, secret: str | None) -> None:
+    """A StageServer that others can reach needs a secret, unless the operator opts out."""
+    if secret or config.server.allow_unauthenticated:
+        return
+    if host in ("localhost", "::1") or host.startswith("127."):
+        return
+    raise SettingsError(
+        f"--stage-server {host}: a StageServer that others can reach needs a secret (anyone "
+        "could open sessions and change the run's adapters): add --secret-file FILE, or "
+        "--set server.allow_unauthenticated=true on a closed network"
+    )
+
+
 def check_server(config: FedpipeConfig, setup: ServerSetup) -> None:
     """Ports free, TLS files present and complete, node auth only with TLS, model and split."""
     for flag, path in (("--tls-ca", setup.tls_ca), ("--tls-cert", setup.tls_cert)):

@@ -11,9 +11,9 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from fedpipe.auth.tokens import new_secret
+from fedpipe.auth.secret_files import create_secret_file, read_secret_file
 from fedpipe.cli.main import EXIT_FAILED, config_from_args
-from fedpipe.cli.preflight import ServerSetup, check_server, split_address
+from fedpipe.cli.preflight import ServerSetup, check_secret_needed, check_server, split_address
 from fedpipe.config import FedpipeConfig
 from fedpipe.launch.processes import Certificates, start_superlink
 from fedpipe.server.build import build_stage_server
@@ -30,14 +30,12 @@ def _server_secret(args: argparse.Namespace) -> str | None:
     if args.secret_file:
         path = Path(args.secret_file).expanduser()
         if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.touch(mode=0o600)
-            path.write_text(new_secret())
+            create_secret_file(path)
             print(f"fedpipe: wrote a new secret to {path}", file=sys.stderr, flush=True)
-        secret = path.read_text().strip()
-        if not secret:
-            raise ValueError(f"--secret-file: {path} is empty; delete it to get a new secret")
-        return secret
+        try:
+            return read_secret_file(path)
+        except ValueError as exc:
+            raise ValueError(f"--secret-file: {exc}") from None
     return args.secret or os.environ.get("FEDPIPE_SECRET") or None
 
 
@@ -64,9 +62,10 @@ def cmd_server(args: argparse.Namespace) -> int:
     config = config_from_args(
         args, **{"model.name": args.model, "server.device": args.device, **tls}
     )
-    plan = _server_setup(args, config)
-    check_server(config, plan)
+    setup = _server_setup(args, config)
     secret = _server_secret(args)
+    check_secret_needed(config, setup.stage_host, secret)
+    check_server(config, setup)
     if args.cpu is not None:
         os.sched_setaffinity(0, {args.cpu})
     if secret is None:
@@ -77,14 +76,16 @@ def cmd_server(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda *_: stop.set())
     server = build_stage_server(
-        config.with_overrides({"server.host": plan.stage_host}), secret=secret, port=plan.stage_port
+        config.with_overrides({"server.host": setup.stage_host}),
+        secret=secret,
+        port=setup.stage_port,
     ).start()
     _print_round_lines()
     superlink = None
     try:
         print(f"fedpipe: StageServer listening on {server.address}", file=sys.stderr, flush=True)
-        if plan.superlink is not None and not stop.is_set():
-            superlink = _start_superlink(args, plan)
+        if setup.superlink is not None and not stop.is_set():
+            superlink = _start_superlink(args, setup)
         if args.port_file:  # written once everything serves: its presence means "ready"
             tmp = Path(str(args.port_file) + ".tmp")
             tmp.write_text(str(server.port))
@@ -122,12 +123,12 @@ def _print_round_lines() -> None:
     server_log.addHandler(warnings)
 
 
-def _start_superlink(args: argparse.Namespace, plan: Any) -> Any:
+def _start_superlink(args: argparse.Namespace, setup: Any) -> Any:
 
-    host, port = split_address(plan.superlink, "--superlink")
+    host, port = split_address(setup.superlink, "--superlink")
     certificates = None
-    if plan.tls_cert:
-        certificates = Certificates(Path(plan.tls_ca), Path(plan.tls_cert), Path(plan.tls_key))
+    if setup.tls_cert:
+        certificates = Certificates(Path(setup.tls_ca), Path(setup.tls_cert), Path(setup.tls_key))
     superlink = start_superlink(
         host=host,
         port=port or None,  # 0 = any free port

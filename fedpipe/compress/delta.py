@@ -173,10 +173,23 @@ class DeltaRows:
         return tuple(k | DELTA_BIT if i in self.bases else k for i, k in enumerate(self.keys))
 
 
-def _rebuild(decoded: torch.Tensor, plan: DeltaRows, cache: DeltaCache) -> torch.Tensor:
-    """``decoded`` with each difference row's base added back, in place; stores every row."""
+def _rebuild(
+    decoded: torch.Tensor, plan: DeltaRows, cache: DeltaCache, *, check: str = ""
+) -> torch.Tensor:
+    """``decoded`` with each difference row's base added back, in place; stores every row.
+
+    With ``check`` (the message, for the error), a rebuilt row that overflowed to NaN or Inf
+    (a finite difference from a finite base can) is refused before anything is stored.
+    """
     for row, base in plan.bases.items():
         decoded[row].add_(base)
+    if check:
+        for row in plan.bases:
+            if not bool(torch.isfinite(decoded[row]).all()):
+                raise TensorFormatError(
+                    f"{check}: row {row} holds NaN or Inf once its base is added back (the "
+                    "difference overflowed); send values of a sane magnitude"
+                )
     for row, key in enumerate(plan.keys):
         cache.put(key, decoded[row].clone())  # a copy: the batch tensor is not pinned
     return decoded
@@ -305,7 +318,7 @@ class DeltaDecoder:
         for row, wire_key in enumerate(msg.sample_keys):
             if wire_key & DELTA_BIT:
                 plan.bases[row] = self._base(msg, row, plan.keys[row], tuple(t.shape[1:]))
-        msg.tensor = _rebuild(t.to(torch.float32), plan, self.cache)
+        msg.tensor = _rebuild(t.to(torch.float32), plan, self.cache, check=str(msg))
 
     def _base(self, msg: StageMsg, row: int, key: int, shape: tuple[int, ...]) -> torch.Tensor:
         base = self.cache.get(key)

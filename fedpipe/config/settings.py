@@ -35,6 +35,8 @@ __all__ = [
 ]
 
 AGGREGATIONS = ("separate", "exact", "ffa", "stack")  # see fedpipe.lora.aggregation
+# Flower strategies that combine adapters robustly (fedpipe.fl.strategies, fedpipe.lora.robust).
+ROBUST_STRATEGIES = ("fedmedian", "fedtrimmedavg", "krum", "multikrum")
 # The device schedules (fedpipe.edge.schedules builds them; a test keeps the two in step).
 SCHEDULE_NAMES = ("sequential", "gpipe", "1f1b", "greedy")
 _BOOLS = {"1": True, "true": True, "yes": True, "on": True}
@@ -233,6 +235,11 @@ class ServerConfig:
     max_pending: int = 64
     max_pending_mb: float = 256.0
     max_streams: int = 64  # Exchange streams served at once (each holds a gRPC thread)
+    max_device_streams: int = 4  # streams one device holds open at once, live or ending
+    max_echoes: int = 64  # link probes (ECHO) one session may send (a planner needs about 10)
+    # Everything devices make the server hold, all sessions together: queued messages, unread
+    # replies, link probes, decodes in progress, delta caches (fedpipe.server.budget).
+    memory_budget_mb: float = 4096.0
     max_delta_cache_mb: float = 256.0  # per session: the largest delta cache a device may ask
     delta_store_mb: float = 1024.0  # devices' delta caches kept between rounds, all together
     max_microbatch_size: int = 64  # rows of one tensor a session may declare and send
@@ -247,6 +254,9 @@ class ServerConfig:
     batching: bool = True
     batch_tokens: int = 2048  # tokens (rows x seq) per call: 8 microbatches of 2 x 128
     batch_wait_ms: float = 5.0  # cap on waiting to fill a call (25% of a measured call below it)
+    # Serve without a secret on an address others can reach (sessions and round control need
+    # no token): only for a closed network. On loopback a server may always run without one.
+    allow_unauthenticated: bool = False
     tls_cert: str = ""  # the StageServer's certificate (PEM); with tls_key, serves TLS
     tls_key: str = ""
     tls_ca: str = ""  # CA that devices and the ServerApp verify the StageServer with
@@ -264,12 +274,18 @@ class ServerConfig:
             self.dtype in ("auto", "float32", "bfloat16"),
             f"server.dtype must be auto, float32 or bfloat16, got {self.dtype!r}",
         )
-        _check(self.max_message_mb > 0, "server.max_message_mb must be > 0")
+        _check(
+            self.max_message_mb >= 0.5,
+            f"server.max_message_mb must be >= 0.5 (round control moves adapters in pieces of "
+            f"256 KiB), got {self.max_message_mb}",
+        )
         for name in (
             "max_sessions",
             "max_in_flight",
             "max_pending",
             "max_streams",
+            "max_device_streams",
+            "max_echoes",
             "max_microbatch_size",
         ):
             _check(
@@ -281,6 +297,7 @@ class ServerConfig:
             self.batch_wait_ms >= 0, f"server.batch_wait_ms must be >= 0, got {self.batch_wait_ms}"
         )
         for name in (
+            "memory_budget_mb",
             "max_pending_mb",
             "max_learning_rate",
             "session_idle_s",
@@ -336,7 +353,7 @@ class FederatedConfig:
     """Flower rounds, devices and their data."""
 
     rounds: int = 3
-    strategy: str = "fedavg"  # fedavg | fedprox | fedadam | ...
+    strategy: str = "fedavg"  # fedavg | fedprox | fedadam | ... | fedmedian | krum (fl.strategies)
     fraction_train: float = 1.0
     num_devices: int = 4
     profiles: str = "jetson-ethernet,rpi-wifi,phone-lte,laptop-wifi"  # cycled over devices
@@ -348,6 +365,11 @@ class FederatedConfig:
     eval_fraction: float = 0.1
     proximal_mu: float = 0.01
     server_lr: float = 0.1
+    # Robust strategies (fedmedian, fedtrimmedavg, krum, multikrum) run on both sides.
+    trim_beta: float = 0.2  # fedtrimmedavg: the fraction cut from each end, per element
+    malicious_devices: int = 0  # krum, multikrum: the hostile devices they assume (f)
+    krum_select: int = 1  # multikrum: the updates it keeps and averages
+    update_norm_bound: float = 0.0  # > 0: every update's L2 norm clipped to it, on both sides
     # How LoRA adapters are aggregated on both sides: separate | exact | ffa | stack
     # (fedpipe.lora.aggregation); exact and stack need a FedAvg-style strategy.
     aggregation: str = "separate"
@@ -394,6 +416,27 @@ class FederatedConfig:
             self.aggregation in AGGREGATIONS,
             f"federated.aggregation {self.aggregation!r} unknown; choose one of "
             f"{', '.join(AGGREGATIONS)}",
+        )
+        _check(
+            0 <= self.trim_beta < 0.5,
+            f"federated.trim_beta must be in [0, 0.5), got {self.trim_beta}",
+        )
+        _check(
+            self.malicious_devices >= 0 and self.krum_select >= 1,
+            "federated.malicious_devices must be >= 0 and federated.krum_select >= 1",
+        )
+        _check(
+            self.update_norm_bound >= 0,
+            f"federated.update_norm_bound must be >= 0 (0: off), got {self.update_norm_bound}",
+        )
+        _check(
+            self.strategy not in ROBUST_STRATEGIES
+            and self.update_norm_bound == 0
+            or self.aggregation in ("separate", "ffa"),
+            f"federated.strategy = {self.strategy!r} with federated.update_norm_bound = "
+            f"{self.update_norm_bound:g} combines adapters robustly, which "
+            f"federated.aggregation = {self.aggregation!r} cannot (it folds a weighted mean); "
+            "use separate or ffa",
         )
         _check(
             self.aggregation not in ("exact", "stack") or self.strategy in ("fedavg", "fedprox"),

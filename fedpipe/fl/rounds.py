@@ -6,12 +6,18 @@ round policy, as a :class:`RoundGrid` between the strategy and Flower's grid:
 
 - before a round, wait up to ``connect_wait_s`` for every device, then start with those that
   are connected if there are at least ``min_devices`` (else the run stops with the reason);
-  later rounds wait only for as many devices as the round before started with, so a device
-  that is gone for good costs one wait, not one per round;
+  later rounds wait only for the last round's devices that Flower still lists, so a device
+  Flower reports gone (its heartbeat expired) costs no wait at all;
 - after sending, wait for replies no longer than ``deadline_s``, and (``straggler_s`` > 0) no
   longer than ``straggler_s`` after the first device replied; a device that has not replied
   by then is a failure ("no reply within ...");
-- every ``report_every_s`` of waiting, log a ``waiting`` record naming whom it waits for;
+- while replies are out (with a :class:`~fedpipe.fl.progress.RoundWatch`), log a
+  ``progress`` record every few seconds when it changed, and every ``report_every_s`` when
+  it did not: each device's steps done (the StageServer's count) and state;
+- every ``report_every_s`` of waiting, log a ``waiting`` record naming whom it waits for:
+  before a round, the devices not connected; while replies are out, only the devices that
+  are late, each with why (without a watch, or when the StageServer cannot say: every device
+  still out);
 - each error reply is logged as a ``failure`` record as soon as it arrives, mapped back to
   its device through ``reply_to_message_id`` (in deployment the SuperLink, not the device,
   answers for a node that vanished).
@@ -22,14 +28,17 @@ and ``fedpipe run``, which print them).
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
-from flwr.app import ConfigRecord, Message
+from flwr.app import ConfigRecord, Message, MessageType
 from flwr.serverapp import Grid
+
+from fedpipe.fl.progress import DeviceProgress, RoundWatch
 
 __all__ = ["DeviceBook", "RoundGrid", "StopRun", "clean_reason"]
 
@@ -109,6 +118,19 @@ def identity_from_reason(reason: str) -> tuple[DeviceInfo | None, str]:
     return DeviceInfo(int(match.group(1)), match.group(2)), reason[match.end() :]
 
 
+@dataclass
+class _Progress:
+    """A round's progress while its replies are out: what was looked at and last said."""
+
+    watch: RoundWatch
+    nodes: list[int]
+    outcome: dict[int, str] = field(default_factory=dict)  # node -> done | failed
+    devices: list[DeviceProgress] | None = None  # the last look (None: the server cannot say)
+    looked: float = -math.inf
+    said: list[tuple[int, int, str]] | None = None
+    said_at: float = -math.inf
+
+
 class RoundGrid(Grid):
     """Flower's grid with fedpipe's round policy (see the module docstring)."""
 
@@ -122,21 +144,29 @@ class RoundGrid(Grid):
         report_every_s: float,
         straggler_s: float = 0.0,
         poll_s: float = 1.0,
+        watch: RoundWatch | None = None,
     ) -> None:
         self.grid, self.log, self.devices = grid, log, devices
         self.deadline_s, self.report_every_s, self.poll_s = deadline_s, report_every_s, poll_s
         self.straggler_s = straggler_s
+        self.watch = watch
         self.round = 0
         self.failures: list[Record] = []  # this round's, as logged
-        self.last_started_with: int | None = None  # devices connected when the last round began
+        self.last_nodes: list[int] | None = None  # the nodes the last round began with
+        self._progress: _Progress | None = None  # the round's, while its replies are out
 
     # -- waiting for devices ----------------------------------------------------------------
     def wait_for_devices(self, *, want: int, min_devices: int, wait_s: float) -> list[int]:
-        """Connected node ids once ``want`` are connected, or after ``wait_s`` if >= min."""
-        if self.last_started_with is not None:
-            want = min(want, max(self.last_started_with, min_devices))
+        """Connected node ids once ``want`` are connected, or after ``wait_s`` if >= min.
+
+        After the first round, the round waits only for the devices of the last round that
+        Flower still lists (a device Flower reports gone, its heartbeat expired, is not waited
+        for) and starts at once with them when there are at least ``min_devices``.
+        """
         start = last = time.monotonic()
-        while len(nodes := list(self.grid.get_node_ids())) < want:
+        while len(nodes := list(self.grid.get_node_ids())) < self._expected(
+            nodes, want, min_devices
+        ):
             now = time.monotonic()
             if now - start >= wait_s:
                 break
@@ -145,15 +175,25 @@ class RoundGrid(Grid):
                 self._log_connect_wait(nodes, want, now - start, wait_s)
             time.sleep(min(self.poll_s, max(wait_s - (now - start), 0.01)))
         if len(nodes) < min_devices:
+            if self.last_nodes is not None:  # the devices the round hoped for
+                want = min(want, max(len(self.last_nodes), min_devices))
             raise StopRun(
                 f"round {self.round}: only {len(nodes)} of {want} devices connected after "
                 f"{wait_s:.0f} s (federated.min_devices={min_devices}); start more devices "
                 "or lower federated.min_devices"
             )
-        if len(nodes) < want:
+        if len(nodes) < self._expected(nodes, want, min_devices):
             self._log_connect_wait(nodes, want, time.monotonic() - start, wait_s, going=True)
-        self.last_started_with = len(nodes)
+        self.last_nodes = nodes
         return nodes
+
+    def _expected(self, nodes: list[int], want: int, min_devices: int) -> int:
+        """How many connected devices the round starts with: ``want``, or after the first
+        round, the last round's devices Flower still lists (at least ``min_devices``)."""
+        if self.last_nodes is None:
+            return want
+        alive = len(set(self.last_nodes) & set(nodes))
+        return min(want, max(alive, min_devices))
 
     def _log_connect_wait(
         self, nodes: list[int], want: int, waited: float, wait_s: float, *, going: bool = False
@@ -191,7 +231,13 @@ class RoundGrid(Grid):
                 pending[msg_id] = msg.metadata.dst_node_id
             else:
                 self.failure(msg.metadata.dst_node_id, "Flower could not send it the round")
-        return self._collect(pending)
+        training = any(m.metadata.message_type == MessageType.TRAIN for m in messages)
+        if self.watch is not None and training:
+            self._progress = _Progress(self.watch, list(pending.values()))
+        try:
+            return self._collect(pending)
+        finally:
+            self._progress = None
 
     def _collect(self, pending: dict[str, int]) -> list[Message]:
         replies: list[Message] = []
@@ -205,6 +251,7 @@ class RoundGrid(Grid):
                 if reply.has_error():
                     self.failure(node, reply.error.reason or f"error code {reply.error.code}")
                     continue
+                self._replied(node, "done")
                 self.devices.learn(node, reply)
                 if self.straggler_s > 0 and time.monotonic() + self.straggler_s < end:
                     end = time.monotonic() + self.straggler_s
@@ -212,25 +259,73 @@ class RoundGrid(Grid):
             now = time.monotonic()
             if not pending or now >= end:
                 break
+            self._look(now - start)
             if now - last >= self.report_every_s:
                 last = now
                 self._log_reply_wait(pending.values(), now - start, end - start)
             time.sleep(min(self.poll_s, max(end - now, 0.01)))
         for node in pending.values():
             self.failure(node, f"no reply within {why}")
+        self._look(time.monotonic() - start, final=True)
         return replies
 
-    def _log_reply_wait(self, nodes: Iterable[int], waited: float, limit: float) -> None:
+    def _replied(self, node: int, outcome: str) -> None:
+        if self._progress is not None:
+            self._progress.outcome[node] = outcome
+
+    def _look(self, waited: float, *, final: bool = False) -> None:
+        """The round's ``progress`` record, when it changed since the last one (looked at every
+        ``watch.every_s``) or ``report_every_s`` after it; at the end, when it changed."""
+        progress = self._progress
+        if progress is None:
+            return
+        now = time.monotonic()
+        if not final and now - progress.looked < progress.watch.every_s:
+            return
+        progress.looked = now
+        devices = progress.watch.look(self.round, progress.nodes, progress.outcome, waited)
+        progress.devices = devices
+        if devices is None:
+            return
+        key = [(d.node_id, d.steps_done, d.state) for d in devices]
+        if key == progress.said and (final or now - progress.said_at < self.report_every_s):
+            return
+        progress.said, progress.said_at = key, now
         self.log(
             {
-                "event": "waiting",
-                "phase": "replies",
+                "event": "progress",
                 "round": self.round,
-                "waiting_for": self.devices.names(nodes),
-                "waited_s": round(waited, 1),
-                "deadline_s": round(limit, 1),
+                "elapsed_s": round(waited, 1),
+                "steps": progress.watch.steps,
+                "devices": [self._device_progress(d) for d in devices],
             }
         )
+
+    def _device_progress(self, progress: DeviceProgress) -> Record:
+        """One device in a progress record: kept small, as a round logs many of them."""
+        record: Record = {"node_id": progress.node_id}
+        info = self.devices.known.get(progress.node_id)
+        if info is not None:
+            record["partition"] = info.partition
+        record |= {"steps_done": progress.steps_done, "state": progress.state}
+        if progress.why:
+            record["why"] = progress.why
+        return record
+
+    def _log_reply_wait(self, nodes: Iterable[int], waited: float, limit: float) -> None:
+        """Whom the round waits for: the late devices and why (all still out, if unknown)."""
+        known = self._progress.devices if self._progress is not None else None
+        late = [] if known is None else [d for d in known if d.state == "late"]
+        if known is not None and not late:
+            return  # every device still out is on time: the progress records say how far
+        record: Record = {"event": "waiting", "phase": "replies", "round": self.round}
+        if known is None:
+            record["waiting_for"] = self.devices.names(nodes)
+        else:
+            record["waiting_for"] = [self.devices.name(d.node_id) for d in late]
+            record["why"] = [d.why for d in late]
+        record |= {"waited_s": round(waited, 1), "deadline_s": round(limit, 1)}
+        self.log(record)
 
     def failure(self, node: int, reason: str) -> None:
         """Record and report that ``node`` failed this round (``reason`` may be Flower's)."""
@@ -239,6 +334,7 @@ class RoundGrid(Grid):
             self.devices.known[node] = info
         record = {"event": "failure", "round": self.round, **self.devices.fields(node)}
         record["reason"] = why
+        self._replied(node, "failed")
         self.failures.append(record)
         self.log(record)
 

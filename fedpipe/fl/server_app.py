@@ -5,7 +5,13 @@ metrics; per-step traffic goes over fedpipe's stage link. Each round the ServerA
 StageServer which round it is, gives every sampled device a token for it, aggregates the
 device adapters with the strategy, asks the StageServer to merge the server-side adapters of
 the devices whose replies arrived (same weights) and to drop the rest, evaluates the split
-model on held-out text, and checkpoints both sides.
+model on held-out text, and checkpoints both sides. While a round's replies are out it records
+every few seconds how many steps each device has done, as the StageServer counts them
+(:mod:`fedpipe.fl.progress`).
+
+The rounds themselves (:class:`Rounds` and :func:`run_rounds`: the configured Flower strategy
+wrapped in fedpipe's round hooks and round policy) do not depend on where the devices run:
+``fedpipe bench quality`` drives the same code over a grid of its own.
 """
 
 from __future__ import annotations
@@ -15,61 +21,75 @@ import math
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
+import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid, ServerApp
+from flwr.serverapp.strategy import Result
 
 from fedpipe.auth.tokens import issue_token
-from fedpipe.config import FederatedConfig, FedpipeConfig
+from fedpipe.config import FederatedConfig, FedpipeConfig, format_cut
 from fedpipe.edge.trainer import initial_device_adapters
 from fedpipe.fl.adapter_dp import with_adapter_dp
-from fedpipe.fl.aggregate import ExactState, aggregate_exactly, held, non_finite, pad_to_union
+from fedpipe.fl.aggregate import (
+    ExactState,
+    aggregate_exactly,
+    by_holders,
+    clip_replies,
+    held,
+    non_finite,
+    pad_to_union,
+)
 from fedpipe.fl.device_work import DeviceWork, RunSettings, evaluate_split, server_run_settings
+from fedpipe.fl.progress import RoundWatch
+from fedpipe.fl.replies import ReplyRules, check_reply, device_keys
 from fedpipe.fl.rounds import DeviceBook, RoundGrid, StopRun
-from fedpipe.fl.strategies import make_strategy
+from fedpipe.fl.strategies import STATEFUL, aggregation_rule, make_strategy, robust_options
 from fedpipe.lora.aggregation import split_deltas
+from fedpipe.models import load_config, resolve_model
 from fedpipe.runs.folder import RunFolder
 from fedpipe.runs.tensorboard import Board
 from fedpipe.wire.control_client import StageControlClient
 
-__all__ = ["server_app"]
+__all__ = ["Rounds", "run_rounds", "seeded_adapters", "server_app"]
 
 log = logging.getLogger(__name__)
 
 server_app = ServerApp()
 
+_PROGRESS_EVERY_S = 2.0  # how often a round asks the StageServer how far its devices have got
 
-class _Rounds:
-    """Per-round hooks around a Flower strategy: tokens, commit, and the round offset on resume."""
+
+class Rounds:
+    """Per-round hooks around a Flower strategy: tokens, commit, and the round offset on resume.
+
+    ``log`` takes every record of the run (the ServerApp's: metrics.jsonl and TensorBoard).
+    """
 
     def __init__(
         self,
         control: StageControlClient,
-        folder: RunFolder,
         run: RunSettings,
         offset: int,
         *,
+        log: Callable[[dict[str, Any]], None],
         policy: FederatedConfig | None = None,
     ) -> None:
-        self.control, self.folder, self.offset = control, folder, offset
+        self.control, self.offset, self.log = control, offset, log
         self.secret, self.run_id = run.secret, run.run_id
         self.stage_address, self.token_ttl_s = run.stage_address, run.round_timeout_s
         self.last_commit: tuple[int, int] = (0, 0)
         self.finished: dict[str, float] = {}
         self.policy = policy or FederatedConfig()
-        self.board = Board(folder.path / "tensorboard")
         self.devices = DeviceBook()
         self.grid: RoundGrid | None = None
         self.stats: dict[str, float | int] = {}  # the last committed round's, for its record
         self.failures_total = 0
         self.started = self.round_started = time.time()
         self.exact = ExactState(mode=self.policy.aggregation)  # `exact`, `stack` across rounds
-
-    def log(self, record: dict[str, object]) -> None:
-        """One metrics record: metrics.jsonl (read live by the CLI) and TensorBoard."""
-        self.folder.log_metrics(record)
-        self.board.write(record)
+        self.rule = aggregation_rule(self.policy)  # both sides combine adapters by it
+        self.reply_rules: ReplyRules | None = None  # what replies may carry (run_rounds)
 
     def begin(self, server_round: int, grid: RoundGrid) -> None:
         """Before a round: wait (no longer than stated) for the devices to connect."""
@@ -81,7 +101,7 @@ class _Rounds:
 
     def configure(self, server_round: int, messages: Iterable[Message]) -> list[Message]:
         round_ = self.offset + server_round
-        self.control.begin_round(round_, self.run_id, self.policy.aggregation)
+        self.control.begin_round(round_, self.run_id, self.policy.aggregation, self.rule.text())
         out = []
         for msg in messages:
             node = str(msg.metadata.dst_node_id)
@@ -144,20 +164,45 @@ class _Rounds:
         assert self.grid is not None, "rounds run on fedpipe's RoundGrid"
         self.grid.failure(node, reason)
 
-    def finite_replies(self, replies: list[Message]) -> list[Message]:
-        """The replies whose device adapters are finite; the others are failures, not averaged."""
+    def valid_replies(self, replies: list[Message]) -> list[Message]:
+        """The replies that carry what an honest device of the run sends (fedpipe.fl.replies);
+        each other one is its device's failure, named with the reason, and is not averaged."""
         kept = []
         for reply in replies:
-            bad = [] if reply.has_error() else non_finite(reply)
-            if bad:
-                self._fail(
-                    reply.metadata.src_node_id,
-                    f"device adapter not aggregated: {len(bad)} tensors hold NaN or Inf "
-                    f"(e.g. {bad[0]})",
-                )
+            why = ""
+            if not reply.has_error():
+                why = check_reply(reply, self.reply_rules) if self.reply_rules else _finite(reply)
+            if why:
+                self._fail(reply.metadata.src_node_id, why)
             else:
                 kept.append(reply)
         return kept
+
+    def weigh_by_server(self, server_round: int, replies: list[Message]) -> None:
+        """Each reply's weight (``num-examples``) as the StageServer counts it: the steps it
+        applied for the device's session times the rows of a step, never more than the device
+        claims. Without the server's counts (an older server), the checked claims stand."""
+        rows = self.reply_rules.rows_per_step if self.reply_rules else 0
+        status = self.control.round_status(self.offset + server_round) if rows else None
+        if status is None:
+            return
+        steps = {p.device_id: p.steps_done for p in status}
+        for reply in replies:
+            if reply.has_error():
+                continue
+            metrics = cast(MetricRecord, reply.content["metrics"])
+            claimed = int(cast(int, metrics["num-examples"]))
+            counted = rows * steps.get(str(reply.metadata.src_node_id), 0)
+            if claimed > counted:
+                log.warning(
+                    "round %d: device %s claims %d examples, the StageServer counted %d: "
+                    "weighted by the count",
+                    self.offset + server_round,
+                    self.devices.name(reply.metadata.src_node_id),
+                    claimed,
+                    counted,
+                )
+                metrics["num-examples"] = counted
 
     def _apply_stop_policy(self, round_: int, trained: int, failed: int) -> None:
         limit = self.policy.max_failures
@@ -168,6 +213,13 @@ class _Rounds:
                 f"round {round_}: {self.failures_total} device failures so far, more than "
                 f"federated.max_failures={limit}"
             )
+
+
+def _finite(reply: Message) -> str:
+    bad = non_finite(reply)
+    if not bad:
+        return ""
+    return f"device adapter not aggregated: {len(bad)} tensors hold NaN or Inf (e.g. {bad[0]})"
 
 
 def _log_privacy(round_: int, ok: list[Message]) -> None:
@@ -206,7 +258,7 @@ def _round_stats(ok: list[Message], failed: int) -> dict[str, float | int]:
     return stats
 
 
-def _wrap_strategy(strategy, rounds: _Rounds):  # type: ignore[no-untyped-def]
+def _wrap_strategy(strategy, rounds: Rounds, *, stateful: bool):  # type: ignore[no-untyped-def]
     base = type(strategy)
 
     class FedpipeStrategy(base):  # type: ignore[misc, valid-type]
@@ -220,12 +272,18 @@ def _wrap_strategy(strategy, rounds: _Rounds):  # type: ignore[no-untyped-def]
             )
 
         def aggregate_train(self, server_round, replies):  # type: ignore[no-untyped-def]
-            replies = rounds.finite_replies(list(replies))
+            replies = rounds.valid_replies(list(replies))
+            rounds.weigh_by_server(server_round, replies)
+            global_state = rounds.exact.device_global
+            if rounds.rule.norm_bound > 0:
+                clip_replies(replies, global_state, rounds.rule.norm_bound)
             states = held(replies)
-            pad_to_union(replies, states, rounds.exact.device_global)
-            result = aggregate_exactly(
-                rounds.exact, states, super().aggregate_train(server_round, replies)
-            )
+            if stateful:  # momentum over the whole adapter: every reply holds every key
+                pad_to_union(replies, states, global_state)
+                result = super().aggregate_train(server_round, replies)
+            else:
+                result = by_holders(super().aggregate_train, server_round, replies, global_state)
+            result = aggregate_exactly(rounds.exact, states, result)
             rounds.commit(server_round, replies)
             return result
 
@@ -234,14 +292,14 @@ def _wrap_strategy(strategy, rounds: _Rounds):  # type: ignore[no-untyped-def]
 
 
 def _make_evaluate(
-    work: DeviceWork, rounds: _Rounds, run: RunSettings, *, resumed: bool
+    work: DeviceWork, rounds: Rounds, run: RunSettings, folder: RunFolder, *, resumed: bool
 ) -> Callable[[int, ArrayRecord], MetricRecord]:
     """Flower's ``evaluate_fn``: held-out loss, the round's record and its checkpoint.
 
     The round's record (``event: eval``) holds its own duration (``wall_s``, from the start
     of the round to its checkpoint), the run's ``elapsed_s`` and the round's device counts.
     """
-    control, folder = rounds.control, rounds.folder
+    control = rounds.control
 
     def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
         round_ = rounds.offset + server_round
@@ -273,7 +331,7 @@ def _make_evaluate(
     return evaluate
 
 
-def _strategy(cfg: FedpipeConfig, rounds: _Rounds):  # type: ignore[no-untyped-def]
+def _strategy(cfg: FedpipeConfig, rounds: Rounds):  # type: ignore[no-untyped-def]
     """The configured Flower strategy; fedpipe's RoundGrid, not Flower, waits for devices."""
     fed = cfg.federated
     strategy = make_strategy(
@@ -285,9 +343,74 @@ def _strategy(cfg: FedpipeConfig, rounds: _Rounds):  # type: ignore[no-untyped-d
         server_lr=fed.server_lr
         if fed.strategy in ("fedadam", "fedyogi", "fedadagrad", "fedavgm")
         else None,
+        **robust_options(fed),
     )
     sampled = max(1, int(fed.num_devices * fed.fraction_train))
-    return _wrap_strategy(with_adapter_dp(strategy, cfg.privacy, sampled_devices=sampled), rounds)
+    return _wrap_strategy(
+        with_adapter_dp(strategy, cfg.privacy, sampled_devices=sampled),
+        rounds,
+        stateful=fed.strategy.strip().lower() in STATEFUL,
+    )
+
+
+def seeded_adapters(cfg: FedpipeConfig, work: DeviceWork) -> dict[str, torch.Tensor]:
+    """The global device adapters a run starts from: the seeded ones of every offered cut."""
+    if len(cfg.model.offered_cuts) > 1:
+        return initial_device_adapters(cfg, work.trainer.folder)
+    return work.trainer.adapters()
+
+
+def run_rounds(
+    cfg: FedpipeConfig,
+    rounds: Rounds,
+    grid: Grid,
+    arrays: dict[str, torch.Tensor],
+    *,
+    initial: dict[str, torch.Tensor],
+    num_rounds: int,
+    evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+) -> Result:
+    """``num_rounds`` rounds from the global device adapters ``arrays``, over ``grid``.
+
+    The configured Flower strategy (``federated.strategy``, ``server_lr``, ``fraction_train``,
+    ``privacy.adapter_dp``) wrapped in fedpipe's round hooks (``rounds``: tokens, finite
+    checks, cuts, exact aggregation, the StageServer's commit) runs Flower's own round loop,
+    with fedpipe's round policy (:class:`RoundGrid`) between it and ``grid``. ``initial``:
+    the seeded adapters (``stack`` restarts from them every round).
+    """
+    fed = cfg.federated
+    rounds.exact.device_initial = initial
+    rounds.exact.lora_scale = cfg.model.lora_alpha / cfg.model.lora_r
+    num_layers = int(load_config(resolve_model(cfg.model.name)).num_hidden_layers)
+    rounds.reply_rules = ReplyRules(
+        device_keys(cfg, initial, num_layers),
+        default_cut=format_cut((cfg.model.head_layers, cfg.model.tail_layers)),
+        max_examples=cfg.train.batch_size * cfg.train.local_steps,
+        rows_per_step=cfg.train.batch_size,
+    )
+    rounds.grid = RoundGrid(
+        grid,
+        log=rounds.log,
+        devices=rounds.devices,
+        deadline_s=fed.round_deadline_s,
+        report_every_s=fed.report_every_s,
+        straggler_s=fed.straggler_s,
+        watch=RoundWatch(  # each device's steps, as the StageServer counts them
+            rounds.control.round_status,
+            steps=cfg.train.local_steps,
+            grace_s=fed.report_every_s,
+            connect_s=fed.connect_wait_s,
+            every_s=min(_PROGRESS_EVERY_S, fed.report_every_s),
+        ),
+    )
+    return _strategy(cfg, rounds).start(
+        grid=rounds.grid,
+        initial_arrays=ArrayRecord(arrays),
+        num_rounds=num_rounds,
+        timeout=fed.round_deadline_s,
+        train_config=ConfigRecord({"proximal-mu": fed.proximal_mu}),
+        evaluate_fn=evaluate_fn,
+    )
 
 
 @server_app.main()
@@ -298,6 +421,7 @@ def server_main(grid: Grid, context: Context) -> None:
     control = StageControlClient(
         run.stage_address,
         run.secret,
+        run_id=run.run_id,
         root_certificates=cfg.server.root_certificates(),
         certificate_chain=chain,
         private_key=key,
@@ -305,11 +429,7 @@ def server_main(grid: Grid, context: Context) -> None:
     work = DeviceWork(
         cfg, device_id="evaluator", partition=-1, num_partitions=cfg.federated.num_devices
     )
-    # The seeded adapters of every offered cut, before any checkpoint is loaded.
-    several = len(cfg.model.offered_cuts) > 1
-    arrays = (
-        initial_device_adapters(cfg, work.trainer.folder) if several else work.trainer.adapters()
-    )
+    arrays = seeded_adapters(cfg, work)  # before any checkpoint is loaded
     offset = 0
     initial = dict(arrays)
     checkpoint = folder.latest_checkpoint() if run.resume else None
@@ -323,33 +443,31 @@ def server_main(grid: Grid, context: Context) -> None:
     if remaining <= 0:
         log.info("all %d rounds are done already", cfg.federated.rounds)
         return
-    rounds = _Rounds(control, folder, run, offset, policy=cfg.federated)
-    rounds.exact.device_initial = initial
-    rounds.exact.lora_scale = cfg.model.lora_alpha / cfg.model.lora_r
+    board = Board(folder.path / "tensorboard")
+
+    def record(entry: dict[str, Any]) -> None:
+        """One metrics record: metrics.jsonl (read live by the CLI) and TensorBoard."""
+        folder.log_metrics(entry)
+        board.write(entry)
+
+    rounds = Rounds(control, run, offset, log=record, policy=cfg.federated)
     # Records of rounds after `offset` from an earlier attempt (a crash between commit and
     # checkpoint) are superseded from here on; build_summary drops them.
     rounds.log({"event": "start", "round": offset, "resumed": checkpoint is not None})
-    control.begin_round(offset, run.run_id, cfg.federated.aggregation)
-    fed = cfg.federated
-    rounds.grid = RoundGrid(
-        grid,
-        log=rounds.log,
-        devices=rounds.devices,
-        deadline_s=fed.round_deadline_s,
-        report_every_s=fed.report_every_s,
-        straggler_s=fed.straggler_s,
-    )
+    control.begin_round(offset, run.run_id, cfg.federated.aggregation, rounds.rule.text())
     try:
-        _strategy(cfg, rounds).start(
-            grid=rounds.grid,
-            initial_arrays=ArrayRecord(arrays),
+        run_rounds(
+            cfg,
+            rounds,
+            grid,
+            arrays,
+            initial=initial,
             num_rounds=remaining,
-            timeout=fed.round_deadline_s,
-            train_config=ConfigRecord({"proximal-mu": fed.proximal_mu}),
-            evaluate_fn=_make_evaluate(work, rounds, run, resumed=checkpoint is not None),
+            evaluate_fn=_make_evaluate(work, rounds, run, folder, resumed=checkpoint is not None),
         )
     except StopRun as stop:
-        rounds.log({"event": "stop", "round": rounds.grid.round, "reason": str(stop)})
+        stopped = rounds.grid.round if rounds.grid is not None else offset
+        rounds.log({"event": "stop", "round": stopped, "reason": str(stop)})
         log.error("run stopped: %s", stop)
     finally:
-        rounds.board.close()
+        board.close()

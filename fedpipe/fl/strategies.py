@@ -15,9 +15,23 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from flwr.serverapp.strategy import FedAdagrad, FedAdam, FedAvg, FedAvgM, FedProx, FedYogi
+from flwr.serverapp.strategy import (
+    FedAdagrad,
+    FedAdam,
+    FedAvg,
+    FedAvgM,
+    FedMedian,
+    FedProx,
+    FedTrimmedAvg,
+    FedYogi,
+    Krum,
+    MultiKrum,
+)
 
-__all__ = ["STRATEGIES", "make_strategy"]
+from fedpipe.config import FederatedConfig
+from fedpipe.lora.robust import AggregationRule
+
+__all__ = ["STATEFUL", "STRATEGIES", "aggregation_rule", "make_strategy", "robust_options"]
 
 # name -> (class, name of its server learning-rate argument, or None)
 STRATEGIES: dict[str, tuple[Callable[..., FedAvg], str | None]] = {
@@ -27,7 +41,46 @@ STRATEGIES: dict[str, tuple[Callable[..., FedAvg], str | None]] = {
     "fedadam": (FedAdam, "eta"),
     "fedyogi": (FedYogi, "eta"),
     "fedadagrad": (FedAdagrad, "eta"),
+    # Robust to a hostile minority: per element, or by choosing the updates nearest the others.
+    "fedmedian": (FedMedian, None),
+    "fedtrimmedavg": (FedTrimmedAvg, None),
+    "krum": (Krum, None),
+    "multikrum": (MultiKrum, None),
 }
+# Strategies that keep state across rounds over the whole adapter (momentum, moments).
+STATEFUL = frozenset({"fedavgm", "fedadam", "fedyogi", "fedadagrad"})
+_RULES = {
+    "fedmedian": "median",
+    "fedtrimmedavg": "trimmed",
+    "krum": "krum",
+    "multikrum": "multikrum",
+}
+
+
+def aggregation_rule(fed: FederatedConfig) -> AggregationRule:
+    """The rule the StageServer merges its adapters by: the device strategy's own."""
+    return AggregationRule(
+        _RULES.get(fed.strategy.strip().lower(), "mean"),
+        beta=fed.trim_beta,
+        malicious=fed.malicious_devices,
+        select=fed.krum_select,
+        norm_bound=fed.update_norm_bound,
+    )
+
+
+def robust_options(fed: FederatedConfig) -> dict[str, Any]:
+    """The constructor options the configured robust strategy takes (none for the others)."""
+    name = fed.strategy.strip().lower()
+    if name == "fedtrimmedavg":
+        return {"beta": fed.trim_beta}
+    if name == "krum":
+        return {"num_malicious_nodes": fed.malicious_devices}
+    if name == "multikrum":
+        return {
+            "num_malicious_nodes": fed.malicious_devices,
+            "num_nodes_to_select": fed.krum_select,
+        }
+    return {}
 
 
 def make_strategy(

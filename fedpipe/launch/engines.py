@@ -13,6 +13,11 @@ free port and runs `flwr run` against it, instead of the detached SuperLink on p
 39091 that `flwr run` otherwise starts and leaves behind, and instead of
 `flwr.simulation.run_simulation`, which gives apps an empty run config.
 
+Ray's head node waits for each process it starts to write its port into a file; on a small
+or busy machine that wait can time out, and the simulation engine then crashes before any
+ClientApp ran. `ray_start_timed_out` tells that failure from a run's outcome and log, and
+`stop_processes_under` stops what such a start left behind, so a caller can try once more.
+
 Every process gets a private ``FLWR_HOME``, no telemetry, no update check and no runtime
 dependency installation (otherwise Flower runs `uv sync` and downloads CUDA torch).
 """
@@ -24,10 +29,12 @@ import logging
 import re
 import subprocess
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from fedpipe.launch.flowerconfig import ConfigValue, flat_items, format_config_args, toml_value
 from fedpipe.launch.processes import (
@@ -56,10 +63,12 @@ __all__ = [
     "flwr_run",
     "format_config_args",
     "free_port",
+    "ray_start_timed_out",
     "run_simulation_engine",
     "start_superlink",
     "start_supernode",
     "stop_all",
+    "stop_processes_under",
     "toml_value",
     "write_connection",
     "write_flower_app",
@@ -69,6 +78,11 @@ logger = logging.getLogger(__name__)
 
 _RUN_ID = re.compile(r"Successfully started run (\d+)")
 _CONNECTION = "fedpipe"
+# Ray's error when a process of its head node (GCS server, raylet, ...) did not write its port
+# file in time: <session dir>/<name>_port_<node id, 28 bytes in hex>.
+_RAY_NODE_TIMEOUT = "The current node timed out during startup"
+_RAY_PORT_TIMEOUT = re.compile(r"Timed out waiting for file \S*/[a-z_]+_port_[0-9a-f]{56}\b")
+_ENGINE_CRASHED = "Simulation Runtime crashed"  # Flower: its Ray backend could not be built
 
 
 class FlowerRunError(RuntimeError):
@@ -287,3 +301,48 @@ def run_simulation_engine(
         )
     finally:
         link.stop()
+
+
+def ray_start_timed_out(result: FlwrRunResult) -> bool:
+    """Whether a simulation run failed because Ray timed out starting (a slow or busy machine).
+
+    Read from the run's outcome (not completed, not stopped by our timeout) and its log: Flower
+    says its simulation runtime crashed, and Ray that a port file of its head node never came,
+    or that the node timed out starting (its raylet or GCS too slow on a loaded machine).
+    """
+    return (
+        not result.completed
+        and result.returncode != -1
+        and _ENGINE_CRASHED in result.output
+        and (
+            _RAY_PORT_TIMEOUT.search(result.output) is not None
+            or _RAY_NODE_TIMEOUT in result.output
+        )
+    )
+
+
+def stop_processes_under(root: str | Path, *, grace_s: float = 10.0) -> list[int]:
+    """SIGTERM every process whose ``FLWR_HOME`` lies under ``root``, SIGKILL what is left after
+    ``grace_s``; return the PIDs found. Ray's processes can outlive a simulation engine that
+    crashed while starting them, and no longer descend from the SuperLink."""
+    found = []
+    for pid in flower_processes_under(root):
+        try:
+            found.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            continue
+    for proc in found:
+        _quietly(proc.terminate)
+    _, alive = psutil.wait_procs(found, timeout=grace_s)
+    for proc in alive:
+        logger.warning("pid %d ignored SIGTERM for %.0f s; killing it", proc.pid, grace_s)
+        _quietly(proc.kill)
+    psutil.wait_procs(alive, timeout=5.0)
+    return [proc.pid for proc in found]
+
+
+def _quietly(signal_it: Callable[[], None]) -> None:
+    try:
+        signal_it()
+    except psutil.NoSuchProcess:
+        pass

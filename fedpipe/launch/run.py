@@ -9,15 +9,28 @@ folder on the server host, where ``fedpipe run`` then writes the summary and plo
 
 from __future__ import annotations
 
+import json
+import os
+import secrets
+import shutil
 import sys
+import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedpipe.auth.tokens import new_secret
+from fedpipe.auth.secret_files import create_secret_file, read_secret_file
 from fedpipe.config import FedpipeConfig
 from fedpipe.fl.device_work import RUN_DEFAULTS
-from fedpipe.launch.engines import FlwrRunResult, flwr_run, run_simulation_engine, write_flower_app
+from fedpipe.launch.engines import (
+    FlwrRunResult,
+    flwr_run,
+    ray_start_timed_out,
+    run_simulation_engine,
+    stop_processes_under,
+    write_flower_app,
+)
 from fedpipe.models import resolve_model
 from fedpipe.runs.folder import RunFolder
 from fedpipe.runs.report import LiveReport
@@ -88,10 +101,12 @@ def simulate(
     """Run ``config`` on Flower's simulation engine; returns the run's summary.
 
     Failures and a stop go to stderr as they happen; with ``progress`` also a line per
-    round and whom a round waits for. On
-    resume, ``explicit`` names the settings given anew (None: all of ``config``); the rest
-    come from the run folder. The summary's ``ok`` and ``problems`` say whether the run did
-    all it should (see :func:`fedpipe.runs.summary.judge`); a timeout is one of them.
+    round, each round's progress (steps done per device) and the devices it waits for that
+    are late. On resume, ``explicit`` names the settings given anew (None: all of
+    ``config``); the rest come from the run folder. The summary's ``ok`` and ``problems``
+    say whether the run did all it should (see :func:`fedpipe.runs.summary.judge`); a
+    timeout is one of them. When Ray timed out starting the engine, it is started once more
+    (said in one line on stderr, and in the summary's ``flower_run.retried_after``).
 
     ``client_app`` (``"package.module:attribute"``) chooses the ClientApp the simulated
     devices run, e.g. fedpipe's own (``fedpipe.fl.client_app:client_app``) called inside a
@@ -101,36 +116,151 @@ def simulate(
     folder = RunFolder.open(runs_dir, name, resume=resume)
     config = _settle_settings(folder, config, resume=resume, explicit=explicit)
     resolve_model(config.model.name)  # convert once, before the devices start
-    secret_file = folder.path / ".secret"
-    if not secret_file.exists():
-        secret_file.write_text(new_secret())
-        secret_file.chmod(0o600)
-    server = build_stage_server(config, secret=secret_file.read_text().strip(), port=0).start()
-    live = LiveReport(folder.metrics_path, rounds=config.federated.rounds, quiet=not progress)
+    # The secret lives outside the run folder (people share run folders), in a private
+    # folder of this run's own, and goes with it.
+    secrets_dir = Path(tempfile.mkdtemp(prefix="fedpipe-secret-"))  # 0700
+    secret_file = create_secret_file(secrets_dir / "secret")
+    server = build_stage_server(config, secret=read_secret_file(secret_file), port=0).start()
     started = time.time()
     try:
-        live.start()
         app = write_app(folder.path / "app", config, client_app=client_app)
         run_config: dict[str, Any] = {
             "run.dir": str(folder.path.resolve()),
             "run.resume": resume,
             "run.stage-address": server.address,
             "run.secret-file": str(secret_file.resolve()),
-            "run.id": name,
+            "run.id": _run_instance(name),
         }
-        result = run_simulation_engine(
-            app,
-            num_supernodes=config.federated.num_devices,
-            run_config=nest(run_config),
-            cpus_per_client=1,
-            timeout_s=timeout_s,
-            workdir=folder.path / "flower",
-            check=False,
-        )
+        attempt = _SimulationAttempt(folder, app, config, nest(run_config), progress=progress)
+        result, retried = _simulate_with_one_retry(attempt, timeout_s)
     finally:
-        live.stop()
         server.stop(grace=1.0)
-    return _finish(folder, config, result, started, timeout_s)
+        shutil.rmtree(secrets_dir, ignore_errors=True)
+    return _finish(folder, config, result, started, timeout_s, retried=retried)
+
+
+@dataclass(frozen=True)
+class _SimulationAttempt:
+    """One start of Flower's simulation engine for a run, with its live console lines."""
+
+    folder: RunFolder
+    app: Path
+    config: FedpipeConfig
+    run_config: dict[str, Any]
+    progress: bool
+
+    def __call__(self, workdir: Path, timeout_s: float) -> FlwrRunResult:
+        live = _live_report(self.folder, self.config, progress=self.progress)
+        try:
+            live.start()
+            return run_simulation_engine(
+                self.app,
+                num_supernodes=self.config.federated.num_devices,
+                run_config=self.run_config,
+                cpus_per_client=1,
+                timeout_s=timeout_s,
+                workdir=workdir,
+                check=False,
+            )
+        finally:
+            live.stop()
+
+
+def _simulate_with_one_retry(
+    attempt: _SimulationAttempt, timeout_s: float
+) -> tuple[FlwrRunResult, FlwrRunResult | None]:
+    """Run the simulation; once more if Ray timed out starting, before the run trained a round.
+
+    Returns the result that counts and the failed first one (None when there was no retry).
+    Before the second start, the first one's processes are stopped and the records its
+    ServerApp wrote before any round (its start and round-0 evaluation) are taken back, so the
+    run folder is as it was; both attempts share ``timeout_s``.
+    """
+    folder, deadline = attempt.folder, time.monotonic() + timeout_s
+    mark = _FolderMark.of(folder)
+    first = attempt(folder.path / "flower", timeout_s)
+    if not ray_start_timed_out(first) or mark.round_written(folder):
+        return first, None
+    print(
+        "fedpipe: Ray timed out starting Flower's simulation engine (a slow or busy machine); "
+        f"starting it once more (first attempt's log: {first.log_path})",
+        file=sys.stderr,
+        flush=True,
+    )
+    stop_processes_under(folder.path / "flower")
+    mark.restore(folder)
+    return attempt(folder.path / "flower-retry", max(deadline - time.monotonic(), 1.0)), first
+
+
+@dataclass(frozen=True)
+class _FolderMark:
+    """What a run folder held before an attempt: enough to tell whether the attempt wrote a
+    round, and to take back what it wrote before one."""
+
+    metrics_bytes: int
+    board_files: frozenset[Path]
+    checkpoints: frozenset[str]
+
+    @classmethod
+    def of(cls, folder: RunFolder) -> _FolderMark:
+        metrics = folder.metrics_path
+        return cls(
+            metrics.stat().st_size if metrics.exists() else 0,
+            frozenset(_files(folder.path / "tensorboard")),
+            frozenset(p.name for p in folder.checkpoints_dir.glob("round-*")),
+        )
+
+    def _new_records(self, folder: RunFolder) -> list[dict[str, Any]]:
+        if not folder.metrics_path.exists():
+            return []
+        with folder.metrics_path.open("rb") as f:
+            f.seek(self.metrics_bytes)
+            lines = f.read().splitlines()
+        records = []
+        for line in lines:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a record cut short when its writer died: not a round
+        return records
+
+    def round_written(self, folder: RunFolder) -> bool:
+        """Whether the attempt got further than its start and the evaluation before training."""
+        if {p.name for p in folder.checkpoints_dir.glob("round-*")} - self.checkpoints:
+            return True
+        records = self._new_records(folder)
+        start = next((r.get("round") for r in records if r.get("event") == "start"), None)
+        return not all(_before_a_round(r, start) for r in records)
+
+    def restore(self, folder: RunFolder) -> None:
+        """Drop the metrics records and TensorBoard files written since the mark."""
+        if folder.metrics_path.exists():
+            os.truncate(folder.metrics_path, self.metrics_bytes)
+        for path in set(_files(folder.path / "tensorboard")) - self.board_files:
+            path.unlink()
+
+
+def _before_a_round(record: dict[str, Any], start_round: object) -> bool:
+    """A record a ServerApp writes before its first round trained: its start, waits for
+    devices, the evaluation of the round it starts from, and progress with no step done."""
+    event = record.get("event")
+    if event == "progress":
+        return not any(d.get("steps_done") for d in record.get("devices", ()))
+    return event in ("start", "waiting") or (event == "eval" and record.get("round") == start_round)
+
+
+def _files(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if p.is_file()] if root.is_dir() else []
+
+
+def _live_report(folder: RunFolder, config: FedpipeConfig, *, progress: bool) -> LiveReport:
+    """The run's lines on stderr: a live progress line per round on a terminal, elsewhere a
+    plain one at most every ``federated.report_every_s``; only failures and a stop without
+    ``progress``."""
+    fed = config.federated
+    return LiveReport(
+        folder.metrics_path, rounds=fed.rounds, quiet=not progress, every_s=fed.report_every_s
+    )
 
 
 def _finish(
@@ -139,8 +269,13 @@ def _finish(
     result: FlwrRunResult,
     started: float,
     timeout_s: float,
+    *,
+    retried: FlwrRunResult | None = None,
 ) -> dict[str, Any]:
-    """The summary with the run's verdict (``ok``, ``problems``), written and returned."""
+    """The summary with the run's verdict (``ok``, ``problems``), written and returned.
+
+    ``retried``: a first start of the simulation engine whose Ray start timed out.
+    """
     summary = finish_run(folder, config=config.to_flat())
     summary["total_wall_s"] = time.time() - started
     summary["flower_run"] = {
@@ -148,6 +283,13 @@ def _finish(
         "status": result.status,
         "log": str(result.log_path),
     }
+    if retried is not None:
+        summary["flower_run"]["retried_after"] = {
+            "run_id": retried.run_id,
+            "status": retried.status,
+            "reason": "Ray timed out starting",
+            "log": str(retried.log_path),
+        }
     fed = config.federated
     problems = judge(summary, rounds=fed.rounds, max_failures=fed.max_failures)
     if result.returncode == -1:
@@ -204,7 +346,7 @@ def deploy_run(
         "run.resume": resume,
         "run.stage-address": stage_address,
         "run.secret-file": str(secret_file.expanduser().resolve()) if secret_file else "",
-        "run.id": name,
+        "run.id": _run_instance(name),
     }
     flat = config.to_flat()
     for key in overrides or {}:
@@ -212,7 +354,7 @@ def deploy_run(
     app = write_app(folder.path / "app", config)
     # flwr wants an absolute path in its connection config
     ca_file = root_certificates.expanduser().resolve() if root_certificates else None
-    live = LiveReport(folder.metrics_path, rounds=config.federated.rounds, quiet=not progress)
+    live = _live_report(folder, config, progress=progress)
     started = time.time()
     try:
         live.start()
@@ -229,3 +371,9 @@ def deploy_run(
     finally:
         live.stop()
     return _finish(folder, config, result, started, timeout_s)
+
+
+def _run_instance(name: str) -> str:
+    """The id tokens and round control carry: the run's name and a random suffix, so that no
+    token of an earlier attempt at a run (or another run of the same name) is valid in this one."""
+    return f"{name}.{secrets.token_hex(6)}"

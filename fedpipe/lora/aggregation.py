@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from fedpipe.config import AGGREGATIONS
 from fedpipe.lora.base import average_state_dicts, lora_layers
+from fedpipe.lora.robust import AggregationRule, clip_updates, combine
 
 __all__ = [
     "AGGREGATIONS",
@@ -141,15 +142,30 @@ def aggregate_held(
     *,
     scale: float,
     initial: dict[str, Tensor],
+    rule: AggregationRule | None = None,
+    global_state: dict[str, Tensor] | None = None,
 ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     """:func:`aggregate_adapters` per layer over the states that hold it (devices or sessions
     of different cuts hold different blocks); each layer's weights are renormalised over its
     holders. Layers whose holders all weigh 0 are left out (they keep their global value).
 
-    When every state holds every key this is :func:`aggregate_adapters` itself.
+    When every state holds every key this is :func:`aggregate_adapters` itself. A ``rule``
+    other than the plain mean (:mod:`fedpipe.lora.robust`) clips each state's update against
+    ``global_state`` to its norm bound first, and combines each layer's holders by its rule
+    (``separate`` and ``ffa`` only: ``exact`` and ``stack`` fold a weighted mean).
     """
     if len(states) != len(weights) or min(weights, default=0.0) < 0:
         raise ValueError(f"need one weight >= 0 per adapter, got {weights}")
+    if rule is not None and not rule.plain:
+        if mode not in ("separate", "ffa"):
+            raise ValueError(
+                f"aggregation rule {rule.name!r} applies to separate and ffa aggregation, not "
+                f"{mode!r} (exact and stack fold a weighted mean)"
+            )
+        if rule.norm_bound > 0:
+            if global_state is None:
+                raise ValueError("a norm bound needs the global adapter the updates are from")
+            states = clip_updates(states, global_state, rule.norm_bound)
     by_holders: dict[tuple[int, ...], list[str]] = {}
     for key in dict.fromkeys(k for s in states for k in s):
         holders = tuple(i for i, s in enumerate(states) if key in s)
@@ -159,8 +175,12 @@ def aggregate_held(
     for holders, keys in by_holders.items():
         if sum(weights[i] for i in holders) <= 0:
             continue
+        group = [{k: states[i][k] for k in keys} for i in holders]
+        if rule is not None and rule.name != "mean":
+            merged.update(combine(group, [weights[i] for i in holders], rule))
+            continue
         part, delta = aggregate_adapters(
-            [{k: states[i][k] for k in keys} for i in holders],
+            group,
             [weights[i] for i in holders],
             mode,
             scale=scale,

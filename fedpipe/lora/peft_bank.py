@@ -32,6 +32,7 @@ from fedpipe.lora.base import (
     lora_state_dict,
     set_active_adapter,
 )
+from fedpipe.lora.robust import AggregationRule
 
 __all__ = ["GLOBAL_ADAPTER", "AdapterBank", "SharedAggregation"]
 
@@ -50,6 +51,7 @@ class SharedAggregation:
     settings: LoraSettings
     fold: BaseFold
     aggregation: str
+    rule: AggregationRule = AggregationRule()  # the plain weighted mean
     _initial: dict[str, Tensor]
 
     def _global_adapter(self) -> dict[str, Tensor]:
@@ -67,9 +69,17 @@ class SharedAggregation:
     def _check(self, name: str, *, allow_global: bool) -> None:
         raise NotImplementedError
 
-    def set_aggregation(self, mode: str) -> None:
-        """How merge() aggregates from now on (see :mod:`fedpipe.lora.aggregation`)."""
-        self.aggregation = check_aggregation(mode)
+    def set_aggregation(self, mode: str, rule: AggregationRule | None = None) -> None:
+        """How merge() aggregates from now on (see :mod:`fedpipe.lora.aggregation`), and by
+        which rule (:mod:`fedpipe.lora.robust`; None: the weighted mean)."""
+        rule = rule or AggregationRule()
+        mode = check_aggregation(mode)
+        if not rule.plain and mode not in ("separate", "ffa"):
+            raise ValueError(
+                f"aggregation rule {rule.name!r} applies to separate and ffa aggregation, not "
+                f"{mode!r}"
+            )
+        self.aggregation, self.rule = mode, rule
 
     def global_state(self) -> dict[str, Tensor]:
         """The global adapter, plus the base deltas folded so far (``<layer>.base_delta``)."""
@@ -111,6 +121,8 @@ class SharedAggregation:
             self.aggregation,
             scale=self.settings.alpha / self.settings.r,
             initial=self._initial,
+            rule=self.rule,
+            global_state=self._global_adapter() if self.rule.norm_bound > 0 else None,
         )
         self._load_global({**self._global_adapter(), **merged})
         if deltas:

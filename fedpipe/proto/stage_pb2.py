@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x66\x65\x64pipe/proto/stage.proto\x12\rfedpipe.proto\"\x96\x01\n\x06Tensor\x12#\n\x05\x63odec\x18\x01 \x01(\x0e\x32\x14.fedpipe.proto.Codec\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0e\n\x06scales\x18\x04 \x01(\x0c\x12\x12\n\ngroup_size\x18\x05 \x01(\r\x12\x14\n\x0ctoken_groups\x18\x06 \x01(\x08\x12\x10\n\x08outliers\x18\x07 \x01(\r\"\xb8\x02\n\x0cStageMessage\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x12\n\nmicrobatch\x18\x03 \x01(\x05\x12!\n\x04kind\x18\x04 \x01(\x0e\x32\x13.fedpipe.proto.Kind\x12%\n\x06tensor\x18\x05 \x01(\x0b\x32\x15.fedpipe.proto.Tensor\x12%\n\x06labels\x18\x06 \x01(\x0b\x32\x15.fedpipe.proto.Tensor\x12\x12\n\nloss_scale\x18\x07 \x01(\x01\x12\x10\n\x08loss_sum\x18\x08 \x01(\x01\x12\x0e\n\x06tokens\x18\t \x01(\x03\x12\r\n\x05\x65rror\x18\n \x01(\t\x12\x11\n\tcompute_s\x18\x0b \x01(\x01\x12\x14\n\x0c\x66orward_only\x18\x0c \x01(\x08\x12\x13\n\x0bsample_keys\x18\r \x03(\x06\"\xf1\x01\n\tSplitSpec\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\x05\x12\x13\n\x0bhead_layers\x18\x03 \x01(\x05\x12\x13\n\x0btail_layers\x18\x04 \x01(\x05\x12\x0c\n\x04mode\x18\x05 \x01(\t\x12\x13\n\x0bhidden_size\x18\x06 \x01(\x05\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x08 \x01(\t\x12\x15\n\rmax_positions\x18\t \x01(\x05\x12\x12\n\nvocab_size\x18\n \x01(\x05\x12%\n\x04\x63uts\x18\x0b \x03(\x0b\x32\x17.fedpipe.proto.SplitCut\"4\n\x08SplitCut\x12\x13\n\x0bhead_layers\x18\x01 \x01(\x05\x12\x13\n\x0btail_layers\x18\x02 \x01(\x05\"\xbd\x04\n\x12OpenSessionRequest\x12\x11\n\tdevice_id\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x03\x12*\n\x0cuplink_codec\x18\x04 \x01(\x0e\x32\x14.fedpipe.proto.Codec\x12,\n\x0e\x64ownlink_codec\x18\x05 \x01(\x0e\x32\x14.fedpipe.proto.Codec\x12\x17\n\x0fmicrobatch_size\x18\x06 \x01(\x05\x12\x0f\n\x07seq_len\x18\x07 \x01(\x05\x12\x15\n\rlearning_rate\x18\x08 \x01(\x02\x12\x14\n\x0cweight_decay\x18\t \x01(\x02\x12,\n\x0egradient_codec\x18\n \x01(\x0e\x32\x14.fedpipe.proto.Codec\x12\'\n\x05split\x18\x0b \x01(\x0b\x32\x18.fedpipe.proto.SplitSpec\x12\x13\n\x0b\x66rozen_head\x18\x0c \x01(\x08\x12\x16\n\x0e\x65rror_feedback\x18\r \x01(\x08\x12\x19\n\x11\x64\x65lta_cache_bytes\x18\x0e \x01(\x03\x12\x16\n\x0e\x64\x65lta_cache_id\x18\x11 \x01(\t\x12\x1b\n\x13\x64\x65lta_cache_entries\x18\x12 \x01(\x03\x12\x1a\n\x12\x64\x65lta_cache_digest\x18\x13 \x01(\x0c\x12\x1b\n\x13stochastic_rounding\x18\x0f \x01(\x08\x12\x1b\n\x13\x64ownlink_codec_name\x18\x10 \x01(\t\x12\x1b\n\x13gradient_codec_name\x18\x14 \x01(\t\"\x9d\x01\n\x10OpenSessionReply\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\'\n\x05split\x18\x02 \x01(\x0b\x32\x18.fedpipe.proto.SplitSpec\x12\x19\n\x11max_message_bytes\x18\x03 \x01(\x03\x12\x15\n\rdelta_resumed\x18\x06 \x01(\x08\x12\x1a\n\x12\x64\x65lta_reset_reason\x18\x07 \x01(\t\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\"\n\x11\x43loseSessionReply\x12\r\n\x05steps\x18\x01 \x01(\x03\"U\n\x11\x42\x65ginRoundRequest\x12\r\n\x05round\x18\x01 \x01(\x03\x12\x0e\n\x06run_id\x18\x03 \x01(\t\x12\x13\n\x0b\x61ggregation\x18\x04 \x01(\tJ\x04\x08\x02\x10\x03R\x06secret\"\x11\n\x0f\x42\x65ginRoundReply\"1\n\x0c\x44\x65viceWeight\x12\x11\n\tdevice_id\x18\x01 \x01(\t\x12\x0e\n\x06weight\x18\x02 \x01(\x01\"`\n\x12\x43ommitRoundRequest\x12\r\n\x05round\x18\x01 \x01(\x03\x12-\n\x08\x66inished\x18\x03 \x03(\x0b\x32\x1b.fedpipe.proto.DeviceWeightJ\x04\x08\x02\x10\x03R\x06secret\"^\n\x10\x43ommitRoundReply\x12\x0e\n\x06merged\x18\x01 \x01(\x05\x12\x11\n\tdiscarded\x18\x02 \x01(\x05\x12\x0f\n\x07\x64ropped\x18\x03 \x03(\t\x12\x16\n\x0e\x64ropped_reason\x18\x04 \x03(\t\"\x1e\n\x0e\x41\x64\x61pterRequestJ\x04\x08\x01\x10\x02R\x06secret\"#\n\x0c\x41\x64\x61pterReply\x12\x13\n\x0bsafetensors\x18\x01 \x01(\x0c\"7\n\x12LoadAdapterRequest\x12\x13\n\x0bsafetensors\x18\x02 \x01(\x0cJ\x04\x08\x01\x10\x02R\x06secret\"\x12\n\x10LoadAdapterReply*Z\n\x05\x43odec\x12\x15\n\x11\x43ODEC_UNSPECIFIED\x10\x00\x12\x08\n\x04\x46P32\x10\x01\x12\x08\n\x04\x42\x46\x31\x36\x10\x02\x12\x08\n\x04\x46P16\x10\x03\x12\x08\n\x04INT8\x10\x04\x12\x08\n\x04INT4\x10\x05\x12\x08\n\x04INT2\x10\x06*\x8b\x01\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0e\n\nACTIVATION\x10\x01\x12\n\n\x06OUTPUT\x10\x02\x12\x0f\n\x0bOUTPUT_GRAD\x10\x03\x12\x0e\n\nINPUT_GRAD\x10\x04\x12\x0c\n\x08STEP_END\x10\x05\x12\r\n\tSTEP_DONE\x10\x06\x12\t\n\x05\x45RROR\x10\x07\x12\x08\n\x04\x45\x43HO\x10\x08\x32\xfe\x01\n\tStageLink\x12Q\n\x0bOpenSession\x12!.fedpipe.proto.OpenSessionRequest\x1a\x1f.fedpipe.proto.OpenSessionReply\x12H\n\x08\x45xchange\x12\x1b.fedpipe.proto.StageMessage\x1a\x1b.fedpipe.proto.StageMessage(\x01\x30\x01\x12T\n\x0c\x43loseSession\x12\".fedpipe.proto.CloseSessionRequest\x1a .fedpipe.proto.CloseSessionReply2\xce\x02\n\x0cStageControl\x12N\n\nBeginRound\x12 .fedpipe.proto.BeginRoundRequest\x1a\x1e.fedpipe.proto.BeginRoundReply\x12Q\n\x0b\x43ommitRound\x12!.fedpipe.proto.CommitRoundRequest\x1a\x1f.fedpipe.proto.CommitRoundReply\x12H\n\nGetAdapter\x12\x1d.fedpipe.proto.AdapterRequest\x1a\x1b.fedpipe.proto.AdapterReply\x12Q\n\x0bLoadAdapter\x12!.fedpipe.proto.LoadAdapterRequest\x1a\x1f.fedpipe.proto.LoadAdapterReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x66\x65\x64pipe/proto/stage.proto\x12\rfedpipe.proto\"\x96\x01\n\x06Tensor\x12#\n\x05\x63odec\x18\x01 \x01(\x0e\x32\x14.fedpipe.proto.Codec\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0e\n\x06scales\x18\x04 \x01(\x0c\x12\x12\n\ngroup_size\x18\x05 \x01(\r\x12\x14\n\x0ctoken_groups\x18\x06 \x01(\x08\x12\x10\n\x08outliers\x18\x07 \x01(\r\"\xb8\x02\n\x0cStageMessage\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x12\n\nmicrobatch\x18\x03 \x01(\x05\x12!\n\x04kind\x18\x04 \x01(\x0e\x32\x13.fedpipe.proto.Kind\x12%\n\x06tensor\x18\x05 \x01(\x0b\x32\x15.fedpipe.proto.Tensor\x12%\n\x06labels\x18\x06 \x01(\x0b\x32\x15.fedpipe.proto.Tensor\x12\x12\n\nloss_scale\x18\x07 \x01(\x01\x12\x10\n\x08loss_sum\x18\x08 \x01(\x01\x12\x0e\n\x06tokens\x18\t \x01(\x03\x12\r\n\x05\x65rror\x18\n \x01(\t\x12\x11\n\tcompute_s\x18\x0b \x01(\x01\x12\x14\n\x0c\x66orward_only\x18\x0c \x01(\x08\x12\x13\n\x0bsample_keys\x18\r \x03(\x06\"\xf1\x01\n\tSplitSpec\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\x05\x12\x13\n\x0bhead_layers\x18\x03 \x01(\x05\x12\x13\n\x0btail_layers\x18\x04 \x01(\x05\x12\x0c\n\x04mode\x18\x05 \x01(\t\x12\x13\n\x0bhidden_size\x18\x06 \x01(\x05\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x08 \x01(\t\x12\x15\n\rmax_positions\x18\t \x01(\x05\x12\x12\n\nvocab_size\x18\n \x01(\x05\x12%\n\x04\x63uts\x18\x0b \x03(\x0b\x32\x17.fedpipe.proto.SplitCut\"4\n\x08SplitCut\x12\x13\n\x0bhead_layers\x18\x01 \x01(\x05\x12\x13\n\x0btail_layers\x18\x02 \x01(\x05\"\xbd\x04\n\x12OpenSessionRequest\x12\x11\n\tdevice_id\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x03\x12*\n\x0cuplink_codec\x18\x04 \x01(\x0e\x32\x14.fedpipe.proto.Codec\x12,\n\x0e\x64ownlink_codec\x18\x05 \x01(\x0e\x32\x14.fedpipe.proto.Codec\x12\x17\n\x0fmicrobatch_size\x18\x06 \x01(\x05\x12\x0f\n\x07seq_len\x18\x07 \x01(\x05\x12\x15\n\rlearning_rate\x18\x08 \x01(\x02\x12\x14\n\x0cweight_decay\x18\t \x01(\x02\x12,\n\x0egradient_codec\x18\n \x01(\x0e\x32\x14.fedpipe.proto.Codec\x12\'\n\x05split\x18\x0b \x01(\x0b\x32\x18.fedpipe.proto.SplitSpec\x12\x13\n\x0b\x66rozen_head\x18\x0c \x01(\x08\x12\x16\n\x0e\x65rror_feedback\x18\r \x01(\x08\x12\x19\n\x11\x64\x65lta_cache_bytes\x18\x0e \x01(\x03\x12\x16\n\x0e\x64\x65lta_cache_id\x18\x11 \x01(\t\x12\x1b\n\x13\x64\x65lta_cache_entries\x18\x12 \x01(\x03\x12\x1a\n\x12\x64\x65lta_cache_digest\x18\x13 \x01(\x0c\x12\x1b\n\x13stochastic_rounding\x18\x0f \x01(\x08\x12\x1b\n\x13\x64ownlink_codec_name\x18\x10 \x01(\t\x12\x1b\n\x13gradient_codec_name\x18\x14 \x01(\t\"\x9d\x01\n\x10OpenSessionReply\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\'\n\x05split\x18\x02 \x01(\x0b\x32\x18.fedpipe.proto.SplitSpec\x12\x19\n\x11max_message_bytes\x18\x03 \x01(\x03\x12\x15\n\rdelta_resumed\x18\x06 \x01(\x08\x12\x1a\n\x12\x64\x65lta_reset_reason\x18\x07 \x01(\t\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\"\n\x11\x43loseSessionReply\x12\r\n\x05steps\x18\x01 \x01(\x03\"c\n\x11\x42\x65ginRoundRequest\x12\r\n\x05round\x18\x01 \x01(\x03\x12\x0e\n\x06run_id\x18\x03 \x01(\t\x12\x13\n\x0b\x61ggregation\x18\x04 \x01(\t\x12\x0c\n\x04rule\x18\x05 \x01(\tJ\x04\x08\x02\x10\x03R\x06secret\"\x11\n\x0f\x42\x65ginRoundReply\"1\n\x0c\x44\x65viceWeight\x12\x11\n\tdevice_id\x18\x01 \x01(\t\x12\x0e\n\x06weight\x18\x02 \x01(\x01\"`\n\x12\x43ommitRoundRequest\x12\r\n\x05round\x18\x01 \x01(\x03\x12-\n\x08\x66inished\x18\x03 \x03(\x0b\x32\x1b.fedpipe.proto.DeviceWeightJ\x04\x08\x02\x10\x03R\x06secret\"^\n\x10\x43ommitRoundReply\x12\x0e\n\x06merged\x18\x01 \x01(\x05\x12\x11\n\tdiscarded\x18\x02 \x01(\x05\x12\x0f\n\x07\x64ropped\x18\x03 \x03(\t\x12\x16\n\x0e\x64ropped_reason\x18\x04 \x03(\t\"\x1e\n\x0e\x41\x64\x61pterRequestJ\x04\x08\x01\x10\x02R\x06secret\"P\n\x0c\x41\x64\x61pterChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06sha256\x18\x03 \x01(\x0c\x12\r\n\x05reset\x18\x04 \x01(\x08\"\x12\n\x10LoadAdapterReply\"\x0e\n\x0cHelloRequest\"\x1f\n\nHelloReply\x12\x11\n\tserver_id\x18\x01 \x01(\t\"#\n\x12RoundStatusRequest\x12\r\n\x05round\x18\x01 \x01(\x03\"\x8f\x01\n\rSessionStatus\x12\x11\n\tdevice_id\x18\x01 \x01(\t\x12\x12\n\nsteps_done\x18\x02 \x01(\x03\x12\x14\n\x0copened_s_ago\x18\x03 \x01(\x01\x12\x18\n\x10\x66irst_step_s_ago\x18\x04 \x01(\x01\x12\x17\n\x0flast_step_s_ago\x18\x05 \x01(\x01\x12\x0e\n\x06\x63losed\x18\x06 \x01(\x08\"B\n\x10RoundStatusReply\x12.\n\x08sessions\x18\x01 \x03(\x0b\x32\x1c.fedpipe.proto.SessionStatus*Z\n\x05\x43odec\x12\x15\n\x11\x43ODEC_UNSPECIFIED\x10\x00\x12\x08\n\x04\x46P32\x10\x01\x12\x08\n\x04\x42\x46\x31\x36\x10\x02\x12\x08\n\x04\x46P16\x10\x03\x12\x08\n\x04INT8\x10\x04\x12\x08\n\x04INT4\x10\x05\x12\x08\n\x04INT2\x10\x06*\x8b\x01\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0e\n\nACTIVATION\x10\x01\x12\n\n\x06OUTPUT\x10\x02\x12\x0f\n\x0bOUTPUT_GRAD\x10\x03\x12\x0e\n\nINPUT_GRAD\x10\x04\x12\x0c\n\x08STEP_END\x10\x05\x12\r\n\tSTEP_DONE\x10\x06\x12\t\n\x05\x45RROR\x10\x07\x12\x08\n\x04\x45\x43HO\x10\x08\x32\xfe\x01\n\tStageLink\x12Q\n\x0bOpenSession\x12!.fedpipe.proto.OpenSessionRequest\x1a\x1f.fedpipe.proto.OpenSessionReply\x12H\n\x08\x45xchange\x12\x1b.fedpipe.proto.StageMessage\x1a\x1b.fedpipe.proto.StageMessage(\x01\x30\x01\x12T\n\x0c\x43loseSession\x12\".fedpipe.proto.CloseSessionRequest\x1a .fedpipe.proto.CloseSessionReply2\xe0\x03\n\x0cStageControl\x12N\n\nBeginRound\x12 .fedpipe.proto.BeginRoundRequest\x1a\x1e.fedpipe.proto.BeginRoundReply\x12Q\n\x0b\x43ommitRound\x12!.fedpipe.proto.CommitRoundRequest\x1a\x1f.fedpipe.proto.CommitRoundReply\x12J\n\nGetAdapter\x12\x1d.fedpipe.proto.AdapterRequest\x1a\x1b.fedpipe.proto.AdapterChunk0\x01\x12M\n\x0bLoadAdapter\x12\x1b.fedpipe.proto.AdapterChunk\x1a\x1f.fedpipe.proto.LoadAdapterReply(\x01\x12Q\n\x0bRoundStatus\x12!.fedpipe.proto.RoundStatusRequest\x1a\x1f.fedpipe.proto.RoundStatusReply\x12?\n\x05Hello\x12\x1b.fedpipe.proto.HelloRequest\x1a\x19.fedpipe.proto.HelloReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'fedpipe.proto.stage_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CODEC']._serialized_start=2122
-  _globals['_CODEC']._serialized_end=2212
-  _globals['_KIND']._serialized_start=2215
-  _globals['_KIND']._serialized_end=2354
+  _globals['_CODEC']._serialized_start=2424
+  _globals['_CODEC']._serialized_end=2514
+  _globals['_KIND']._serialized_start=2517
+  _globals['_KIND']._serialized_end=2656
   _globals['_TENSOR']._serialized_start=45
   _globals['_TENSOR']._serialized_end=195
   _globals['_STAGEMESSAGE']._serialized_start=198
@@ -52,25 +52,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CLOSESESSIONREPLY']._serialized_start=1589
   _globals['_CLOSESESSIONREPLY']._serialized_end=1623
   _globals['_BEGINROUNDREQUEST']._serialized_start=1625
-  _globals['_BEGINROUNDREQUEST']._serialized_end=1710
-  _globals['_BEGINROUNDREPLY']._serialized_start=1712
-  _globals['_BEGINROUNDREPLY']._serialized_end=1729
-  _globals['_DEVICEWEIGHT']._serialized_start=1731
-  _globals['_DEVICEWEIGHT']._serialized_end=1780
-  _globals['_COMMITROUNDREQUEST']._serialized_start=1782
-  _globals['_COMMITROUNDREQUEST']._serialized_end=1878
-  _globals['_COMMITROUNDREPLY']._serialized_start=1880
-  _globals['_COMMITROUNDREPLY']._serialized_end=1974
-  _globals['_ADAPTERREQUEST']._serialized_start=1976
-  _globals['_ADAPTERREQUEST']._serialized_end=2006
-  _globals['_ADAPTERREPLY']._serialized_start=2008
-  _globals['_ADAPTERREPLY']._serialized_end=2043
-  _globals['_LOADADAPTERREQUEST']._serialized_start=2045
-  _globals['_LOADADAPTERREQUEST']._serialized_end=2100
-  _globals['_LOADADAPTERREPLY']._serialized_start=2102
-  _globals['_LOADADAPTERREPLY']._serialized_end=2120
-  _globals['_STAGELINK']._serialized_start=2357
-  _globals['_STAGELINK']._serialized_end=2611
-  _globals['_STAGECONTROL']._serialized_start=2614
-  _globals['_STAGECONTROL']._serialized_end=2948
+  _globals['_BEGINROUNDREQUEST']._serialized_end=1724
+  _globals['_BEGINROUNDREPLY']._serialized_start=1726
+  _globals['_BEGINROUNDREPLY']._serialized_end=1743
+  _globals['_DEVICEWEIGHT']._serialized_start=1745
+  _globals['_DEVICEWEIGHT']._serialized_end=1794
+  _globals['_COMMITROUNDREQUEST']._serialized_start=1796
+  _globals['_COMMITROUNDREQUEST']._serialized_end=1892
+  _globals['_COMMITROUNDREPLY']._serialized_start=1894
+  _globals['_COMMITROUNDREPLY']._serialized_end=1988
+  _globals['_ADAPTERREQUEST']._serialized_start=1990
+  _globals['_ADAPTERREQUEST']._serialized_end=2020
+  _globals['_ADAPTERCHUNK']._serialized_start=2022
+  _globals['_ADAPTERCHUNK']._serialized_end=2102
+  _globals['_LOADADAPTERREPLY']._serialized_start=2104
+  _globals['_LOADADAPTERREPLY']._serialized_end=2122
+  _globals['_HELLOREQUEST']._serialized_start=2124
+  _globals['_HELLOREQUEST']._serialized_end=2138
+  _globals['_HELLOREPLY']._serialized_start=2140
+  _globals['_HELLOREPLY']._serialized_end=2171
+  _globals['_ROUNDSTATUSREQUEST']._serialized_start=2173
+  _globals['_ROUNDSTATUSREQUEST']._serialized_end=2208
+  _globals['_SESSIONSTATUS']._serialized_start=2211
+  _globals['_SESSIONSTATUS']._serialized_end=2354
+  _globals['_ROUNDSTATUSREPLY']._serialized_start=2356
+  _globals['_ROUNDSTATUSREPLY']._serialized_end=2422
+  _globals['_STAGELINK']._serialized_start=2659
+  _globals['_STAGELINK']._serialized_end=2913
+  _globals['_STAGECONTROL']._serialized_start=2916
+  _globals['_STAGECONTROL']._serialized_end=3396
 # @@protoc_insertion_point(module_scope)

@@ -198,14 +198,16 @@ class CloseSessionReply(_message.Message):
     def __init__(self, steps: _Optional[int] = ...) -> None: ...
 
 class BeginRoundRequest(_message.Message):
-    __slots__ = ("round", "run_id", "aggregation")
+    __slots__ = ("round", "run_id", "aggregation", "rule")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     AGGREGATION_FIELD_NUMBER: _ClassVar[int]
+    RULE_FIELD_NUMBER: _ClassVar[int]
     round: int
     run_id: str
     aggregation: str
-    def __init__(self, round: _Optional[int] = ..., run_id: _Optional[str] = ..., aggregation: _Optional[str] = ...) -> None: ...
+    rule: str
+    def __init__(self, round: _Optional[int] = ..., run_id: _Optional[str] = ..., aggregation: _Optional[str] = ..., rule: _Optional[str] = ...) -> None: ...
 
 class BeginRoundReply(_message.Message):
     __slots__ = ()
@@ -243,18 +245,56 @@ class AdapterRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
-class AdapterReply(_message.Message):
-    __slots__ = ("safetensors",)
-    SAFETENSORS_FIELD_NUMBER: _ClassVar[int]
-    safetensors: bytes
-    def __init__(self, safetensors: _Optional[bytes] = ...) -> None: ...
-
-class LoadAdapterRequest(_message.Message):
-    __slots__ = ("safetensors",)
-    SAFETENSORS_FIELD_NUMBER: _ClassVar[int]
-    safetensors: bytes
-    def __init__(self, safetensors: _Optional[bytes] = ...) -> None: ...
+class AdapterChunk(_message.Message):
+    __slots__ = ("data", "total_bytes", "sha256", "reset")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    total_bytes: int
+    sha256: bytes
+    reset: bool
+    def __init__(self, data: _Optional[bytes] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[bytes] = ..., reset: _Optional[bool] = ...) -> None: ...
 
 class LoadAdapterReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class HelloRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HelloReply(_message.Message):
+    __slots__ = ("server_id",)
+    SERVER_ID_FIELD_NUMBER: _ClassVar[int]
+    server_id: str
+    def __init__(self, server_id: _Optional[str] = ...) -> None: ...
+
+class RoundStatusRequest(_message.Message):
+    __slots__ = ("round",)
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    def __init__(self, round: _Optional[int] = ...) -> None: ...
+
+class SessionStatus(_message.Message):
+    __slots__ = ("device_id", "steps_done", "opened_s_ago", "first_step_s_ago", "last_step_s_ago", "closed")
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    STEPS_DONE_FIELD_NUMBER: _ClassVar[int]
+    OPENED_S_AGO_FIELD_NUMBER: _ClassVar[int]
+    FIRST_STEP_S_AGO_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_S_AGO_FIELD_NUMBER: _ClassVar[int]
+    CLOSED_FIELD_NUMBER: _ClassVar[int]
+    device_id: str
+    steps_done: int
+    opened_s_ago: float
+    first_step_s_ago: float
+    last_step_s_ago: float
+    closed: bool
+    def __init__(self, device_id: _Optional[str] = ..., steps_done: _Optional[int] = ..., opened_s_ago: _Optional[float] = ..., first_step_s_ago: _Optional[float] = ..., last_step_s_ago: _Optional[float] = ..., closed: _Optional[bool] = ...) -> None: ...
+
+class RoundStatusReply(_message.Message):
+    __slots__ = ("sessions",)
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    sessions: _containers.RepeatedCompositeFieldContainer[SessionStatus]
+    def __init__(self, sessions: _Optional[_Iterable[_Union[SessionStatus, _Mapping]]] = ...) -> None: ...

@@ -206,15 +206,25 @@ class StageControlStub:
                 request_serializer=fedpipe_dot_proto_dot_stage__pb2.CommitRoundRequest.SerializeToString,
                 response_deserializer=fedpipe_dot_proto_dot_stage__pb2.CommitRoundReply.FromString,
                 _registered_method=True)
-        self.GetAdapter = channel.unary_unary(
+        self.GetAdapter = channel.unary_stream(
                 '/fedpipe.proto.StageControl/GetAdapter',
                 request_serializer=fedpipe_dot_proto_dot_stage__pb2.AdapterRequest.SerializeToString,
-                response_deserializer=fedpipe_dot_proto_dot_stage__pb2.AdapterReply.FromString,
+                response_deserializer=fedpipe_dot_proto_dot_stage__pb2.AdapterChunk.FromString,
                 _registered_method=True)
-        self.LoadAdapter = channel.unary_unary(
+        self.LoadAdapter = channel.stream_unary(
                 '/fedpipe.proto.StageControl/LoadAdapter',
-                request_serializer=fedpipe_dot_proto_dot_stage__pb2.LoadAdapterRequest.SerializeToString,
+                request_serializer=fedpipe_dot_proto_dot_stage__pb2.AdapterChunk.SerializeToString,
                 response_deserializer=fedpipe_dot_proto_dot_stage__pb2.LoadAdapterReply.FromString,
+                _registered_method=True)
+        self.RoundStatus = channel.unary_unary(
+                '/fedpipe.proto.StageControl/RoundStatus',
+                request_serializer=fedpipe_dot_proto_dot_stage__pb2.RoundStatusRequest.SerializeToString,
+                response_deserializer=fedpipe_dot_proto_dot_stage__pb2.RoundStatusReply.FromString,
+                _registered_method=True)
+        self.Hello = channel.unary_unary(
+                '/fedpipe.proto.StageControl/Hello',
+                request_serializer=fedpipe_dot_proto_dot_stage__pb2.HelloRequest.SerializeToString,
+                response_deserializer=fedpipe_dot_proto_dot_stage__pb2.HelloReply.FromString,
                 _registered_method=True)
 
 
@@ -240,8 +250,21 @@ class StageControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def LoadAdapter(self, request, context):
+    def LoadAdapter(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RoundStatus(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Hello(self, request, context):
+        """unsigned: only the server's identity
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -259,15 +282,25 @@ def add_StageControlServicer_to_server(servicer, server):
                     request_deserializer=fedpipe_dot_proto_dot_stage__pb2.CommitRoundRequest.FromString,
                     response_serializer=fedpipe_dot_proto_dot_stage__pb2.CommitRoundReply.SerializeToString,
             ),
-            'GetAdapter': grpc.unary_unary_rpc_method_handler(
+            'GetAdapter': grpc.unary_stream_rpc_method_handler(
                     servicer.GetAdapter,
                     request_deserializer=fedpipe_dot_proto_dot_stage__pb2.AdapterRequest.FromString,
-                    response_serializer=fedpipe_dot_proto_dot_stage__pb2.AdapterReply.SerializeToString,
+                    response_serializer=fedpipe_dot_proto_dot_stage__pb2.AdapterChunk.SerializeToString,
             ),
-            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+            'LoadAdapter': grpc.stream_unary_rpc_method_handler(
                     servicer.LoadAdapter,
-                    request_deserializer=fedpipe_dot_proto_dot_stage__pb2.LoadAdapterRequest.FromString,
+                    request_deserializer=fedpipe_dot_proto_dot_stage__pb2.AdapterChunk.FromString,
                     response_serializer=fedpipe_dot_proto_dot_stage__pb2.LoadAdapterReply.SerializeToString,
+            ),
+            'RoundStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.RoundStatus,
+                    request_deserializer=fedpipe_dot_proto_dot_stage__pb2.RoundStatusRequest.FromString,
+                    response_serializer=fedpipe_dot_proto_dot_stage__pb2.RoundStatusReply.SerializeToString,
+            ),
+            'Hello': grpc.unary_unary_rpc_method_handler(
+                    servicer.Hello,
+                    request_deserializer=fedpipe_dot_proto_dot_stage__pb2.HelloRequest.FromString,
+                    response_serializer=fedpipe_dot_proto_dot_stage__pb2.HelloReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -346,12 +379,12 @@ class StageControl:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
+        return grpc.experimental.unary_stream(
             request,
             target,
             '/fedpipe.proto.StageControl/GetAdapter',
             fedpipe_dot_proto_dot_stage__pb2.AdapterRequest.SerializeToString,
-            fedpipe_dot_proto_dot_stage__pb2.AdapterReply.FromString,
+            fedpipe_dot_proto_dot_stage__pb2.AdapterChunk.FromString,
             options,
             channel_credentials,
             insecure,
@@ -363,7 +396,34 @@ class StageControl:
             _registered_method=True)
 
     @staticmethod
-    def LoadAdapter(request,
+    def LoadAdapter(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/fedpipe.proto.StageControl/LoadAdapter',
+            fedpipe_dot_proto_dot_stage__pb2.AdapterChunk.SerializeToString,
+            fedpipe_dot_proto_dot_stage__pb2.LoadAdapterReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RoundStatus(request,
             target,
             options=(),
             channel_credentials=None,
@@ -376,9 +436,36 @@ class StageControl:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/fedpipe.proto.StageControl/LoadAdapter',
-            fedpipe_dot_proto_dot_stage__pb2.LoadAdapterRequest.SerializeToString,
-            fedpipe_dot_proto_dot_stage__pb2.LoadAdapterReply.FromString,
+            '/fedpipe.proto.StageControl/RoundStatus',
+            fedpipe_dot_proto_dot_stage__pb2.RoundStatusRequest.SerializeToString,
+            fedpipe_dot_proto_dot_stage__pb2.RoundStatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Hello(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedpipe.proto.StageControl/Hello',
+            fedpipe_dot_proto_dot_stage__pb2.HelloRequest.SerializeToString,
+            fedpipe_dot_proto_dot_stage__pb2.HelloReply.FromString,
             options,
             channel_credentials,
             insecure,

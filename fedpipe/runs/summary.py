@@ -11,7 +11,13 @@ Records (one JSON object per line, ``event`` says which):
 - ``failure``: one failed device (``device``, ``round``, ``reason``);
 - ``eval``: the round's record (held-out loss, device counts, ``wall_s`` of the round itself,
   ``elapsed_s`` since the start);
-- ``waiting``: whom a round waits for; ``stop``: the run was stopped early, and why.
+- ``waiting``: whom a round waits for (while replies are out: the late devices, and ``why``
+  for each); ``stop``: the run was stopped early, and why;
+- ``progress``: while a round's replies are out, each device's ``steps_done`` (the
+  StageServer's count) of the round's ``steps`` and its ``state`` (:mod:`fedpipe.fl.progress`).
+
+``waiting`` and ``progress`` are for the live console only: the summary leaves them out (the
+``train``, ``failure`` and ``eval`` records hold each round's outcome).
 
 Runs written before the keys were snake_case (``train-loss``, ``partition-id``...) still read.
 """

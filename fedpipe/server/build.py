@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+import secrets
 from pathlib import Path
 
 import torch
 
 from fedpipe.auth.calls import ControlVerifier
+from fedpipe.auth.secret_files import warn_if_readable
 from fedpipe.auth.tokens import InvalidTokenError, TokenLedger, check_secret, verify_token
 from fedpipe.config import FedpipeConfig, ServerConfig
 from fedpipe.errors import AuthError
@@ -19,6 +21,7 @@ from fedpipe.server.sessions import RuntimeLimits
 from fedpipe.server.stage_server import StageServer
 from fedpipe.split import build_stage, split_layout
 from fedpipe.split.agreement import SplitInfo
+from fedpipe.wire.host import is_loopback
 
 __all__ = [
     "build_runtime",
@@ -154,6 +157,9 @@ def runtime_limits(server: ServerConfig) -> RuntimeLimits:
         max_weight_decay=server.max_weight_decay,
         session_idle_s=server.session_idle_s,
         stream_idle_s=server.stream_idle_s,
+        max_device_streams=server.max_device_streams,
+        max_echoes=server.max_echoes,
+        memory_budget_bytes=int(server.memory_budget_mb * 2**20),
     )
 
 
@@ -184,6 +190,7 @@ def _tls_files(server: ServerConfig) -> tuple[tuple[bytes, bytes] | None, bytes 
     """(certificate, key) the StageServer serves TLS with, and the CA of client certificates."""
     if not server.tls_cert:
         return None, None
+    warn_if_readable(Path(server.tls_key), "the StageServer's TLS key")
     tls = (Path(server.tls_cert).read_bytes(), Path(server.tls_key).read_bytes())
     client_ca = Path(server.tls_client_ca).read_bytes() if server.tls_client_ca else None
     return tls, client_ca
@@ -196,20 +203,36 @@ def build_stage_server(
     port: int | None = None,
     folder: Path | None = None,
 ) -> StageServer:
-    """A ready-to-start StageServer; with ``secret``, sessions need tokens issued for the round."""
+    """A ready-to-start StageServer; with ``secret``, sessions need tokens issued for the round.
+
+    Without a secret anyone who reaches the server may open sessions and call round control:
+    that is refused on an address others can reach unless ``server.allow_unauthenticated``.
+    """
+    host = config.server.host
+    if not secret and not is_loopback(host) and not config.server.allow_unauthenticated:
+        raise ValueError(
+            f"the StageServer would listen on {host} without a secret: anyone who reaches it "
+            "could open sessions and change the run's adapters; give it --secret-file (the "
+            "ServerApp gets the same file), or set server.allow_unauthenticated = true for a "
+            "closed network"
+        )
+    if not secret and not is_loopback(host):
+        log.warning("no secret on %s: sessions and round control need no token", host)
     runtime, split = build_runtime(config, folder=folder)
     tls, client_ca = _tls_files(config.server)
+    server_id = secrets.token_hex(8)
     return StageServer(
         runtime,
         split,
         host=config.server.host,
         port=config.server.port if port is None else port,
         authenticate=_authenticator(secret) if secret else None,
-        control_auth=ControlVerifier(secret) if secret else None,
+        control_auth=ControlVerifier(secret, server_id=server_id) if secret else None,
         max_message_bytes=config.server.max_message_bytes,
         tls=tls,
         client_ca=client_ca,
         max_streams=config.server.max_streams,
         max_delta_cache_bytes=int(config.server.max_delta_cache_mb * 2**20),
         delta_store_bytes=int(config.server.delta_store_mb * 2**20),
+        server_id=server_id,
     )

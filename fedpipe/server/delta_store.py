@@ -29,6 +29,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, replace
 
 from fedpipe.compress.delta import CacheIdentity, DeltaCache
+from fedpipe.errors import StageCapacityError
+from fedpipe.server.budget import ByteBudget
 
 __all__ = ["DeltaStore", "Resumed"]
 
@@ -59,10 +61,11 @@ class Resumed:
 class DeltaStore:
     """Devices' delta caches between sessions: at most ``max_bytes`` in all, LRU over devices."""
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, budget: ByteBudget | None = None) -> None:
         if max_bytes < 0:
             raise ValueError(f"server.delta_store_mb must be >= 0, got {max_bytes} bytes")
         self.max_bytes = max_bytes
+        self.budget = budget  # the server's: kept caches draw from it too
         self.run_id = ""
         self._kept: OrderedDict[str, _Kept] = OrderedDict()  # oldest kept first
         self._lock = threading.Lock()
@@ -81,6 +84,7 @@ class DeltaStore:
         with self._lock:
             if run_id != self.run_id and self._kept:
                 log.info("new run %r: dropping %d devices' delta caches", run_id, len(self._kept))
+                self._give(sum(k.cache.nbytes for k in self._kept.values()))
                 self._kept.clear()
             self.run_id = run_id
 
@@ -92,6 +96,8 @@ class DeltaStore:
         """
         with self._lock:
             kept = self._kept.pop(device_id, None)
+            if kept is not None:
+                self._give(kept.cache.nbytes)  # the session's own share holds it from here
         reason = _mismatch(kept, wanted, max_bytes, codec)
         if kept is not None and not reason:
             return Resumed(kept.cache, resumed=True)
@@ -108,15 +114,24 @@ class DeltaStore:
         with self._lock:
             if run_id != self.run_id:
                 return  # the session began in an earlier run
-            self._kept.pop(device_id, None)
+            old_kept = self._kept.pop(device_id, None)
+            if old_kept is not None:
+                self._give(old_kept.cache.nbytes)
             if cache.nbytes > self.max_bytes:
                 log.info("delta cache of %s (%d bytes) exceeds the store", device_id, cache.nbytes)
                 return
+            if self.budget is not None:
+                try:
+                    self.budget.take(cache.nbytes, f"keeping {device_id}'s delta cache")
+                except StageCapacityError as exc:
+                    log.info("delta cache of %s not kept: %s", device_id, exc)
+                    return
             self._kept[device_id] = _Kept(cache, codec, session_id, closed=not session_id)
             total = sum(k.cache.nbytes for k in self._kept.values())
             while total > self.max_bytes:
                 evicted, old = self._kept.popitem(last=False)
                 total -= old.cache.nbytes
+                self._give(old.cache.nbytes)
                 log.info(
                     "delta store full: evicted %s's cache (%d bytes)", evicted, old.cache.nbytes
                 )
@@ -129,6 +144,10 @@ class DeltaStore:
                     self._kept[device_id] = replace(kept, closed=True)
                     return True
         return False
+
+    def _give(self, nbytes: int) -> None:
+        if self.budget is not None:
+            self.budget.give(nbytes)
 
     def get(self, device_id: str) -> DeltaCache | None:
         """``device_id``'s kept cache, if any (to inspect it: a session must ``take`` it)."""

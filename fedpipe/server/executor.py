@@ -152,7 +152,7 @@ class StageExecutor:
                 raise SessionStateError(f"duplicate ACTIVATION for step {msg.step} microbatch {mb}")
             if len(info.cache) + len(reserved) >= self.max_in_flight:
                 raise StageCapacityError(
-                    f"session {info.session_id} has {len(info.cache) + len(reserved)} "
+                    f"session {info.short} has {len(info.cache) + len(reserved)} "
                     "microbatches in flight, the server's limit (server.max_in_flight = "
                     f"{self.max_in_flight}); send fewer before their gradients"
                 )
@@ -348,6 +348,9 @@ class StageExecutor:
         info.optimizer.step()
         info.optimizer.zero_grad(set_to_none=True)
         info.cache.clear()
+        now = time.monotonic()  # stamped before the count: a reader never sees one without it
+        info.first_step_at = info.first_step_at or now
+        info.last_step_at = now
         info.step += 1
         info.steps_done += 1
         return StageMsg(Kind.STEP_DONE, msg.step)

@@ -31,6 +31,7 @@ import logging
 import secrets
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -43,8 +44,10 @@ from fedpipe.errors import (
     UnknownSessionError,
 )
 from fedpipe.lora import AdapterBank, BatchedAdapterBank
+from fedpipe.lora.robust import AggregationRule
 from fedpipe.messages import END, Kind, StageMsg
 from fedpipe.server.batch_policy import BatchChoice, BatchPolicy, Lane, choose_batch
+from fedpipe.server.budget import ByteBudget
 from fedpipe.server.commit import (
     KEEP_COMMITS,
     CommitResult,
@@ -64,6 +67,7 @@ from fedpipe.server.sessions import (
     check_declared,
     check_optimizer,
     seq_bound,
+    short_id,
 )
 from fedpipe.server.streams import StreamHandle, message_bytes
 from fedpipe.trace import Tracer
@@ -73,6 +77,9 @@ __all__ = ["StageRuntime"]
 log = logging.getLogger(__name__)
 
 Reply = StageMsg | BaseException
+# A stream the server ended (replaced, idle, dropped) has this long to finish on its own before
+# its RPC is cancelled: a device that reads gets the error; one that reads nothing is cut off.
+_CANCEL_GRACE_S = 2.0
 
 
 class StageRuntime:
@@ -120,7 +127,12 @@ class StageRuntime:
             copies=self.copies,
         )
         self.max_seq_len = seq_bound(max_positions, self.limits.max_seq_len)
+        # What devices make the server hold, all together (fedpipe.server.budget).
+        self.budget = ByteBudget(self.limits.memory_budget_bytes)
         self._sessions: dict[str, SessionInfo] = {}
+        self._device_streams: dict[str, int] = {}  # device -> its streams not yet closed
+        self._ending: dict[StreamHandle, float] = {}  # ended by the server, not yet gone: by when
+        self._drop_listeners: list[Callable[[SessionInfo], None]] = []
         self._commits: dict[int, CommitResult] = {}
         self._opening = 0  # sessions being opened: their adapter is being added
         self._lock = threading.RLock()  # sessions, streams, counters; never held by compute
@@ -180,9 +192,9 @@ class StageRuntime:
                 self._drop(old, reason="replaced by a newer session")  # a concurrent open
             self._sessions[session_id] = info
         log.info(
-            "[%s] session %s… opened for round %d (microbatch <= %d, seq_len <= %d, lr %g)",
+            "[%s] session %s opened for round %d (microbatch <= %d, seq_len <= %d, lr %g)",
             device_id,
-            session_id[:8],
+            short_id(session_id),
             round_,
             rows,
             tokens,
@@ -196,7 +208,8 @@ class StageRuntime:
                 return self._sessions[session_id]
             except KeyError:
                 raise UnknownSessionError(
-                    f"unknown session {session_id!r}: it was never opened, was closed, expired "
+                    f"unknown session {short_id(session_id)}: it was never opened, was closed, "
+                    "expired "
                     "or was discarded when its round was committed; open a new session"
                 ) from None
 
@@ -223,33 +236,67 @@ class StageRuntime:
                 self._drop(info, reason="closed without a completed step")
             return info.steps_done
 
+    def discard(self, session_id: str, *, reason: str) -> None:
+        """Forget a session now (an admission that failed after it was opened)."""
+        with self._lock:
+            info = self._sessions.get(session_id)
+            if info is not None:
+                self._drop(info, reason=reason)
+
+    def hold(self, session_id: str, nbytes: int, what: str) -> None:
+        """Draw ``nbytes`` from the budget for the session itself (given back when it goes)."""
+        with self._lock:
+            info = self.session(session_id)
+            self.budget.take(nbytes, what)
+            info.held_bytes += nbytes
+
+    def on_drop(self, listener: Callable[[SessionInfo], None]) -> None:
+        """Call ``listener(info)`` (under the runtime's lock) when a session is forgotten."""
+        self._drop_listeners.append(listener)
+
     def _drop(self, info: SessionInfo, *, reason: str) -> None:
         """Forget a session (caller holds ``_lock``); its stream, if any, ends NOT_FOUND."""
         self._sessions.pop(info.session_id, None)
         info.dropped = True
         self._queue.clear(info.session_id)
         if info.stream is not None:
-            error = UnknownSessionError(f"session {info.session_id} was dropped: {reason}")
+            error = UnknownSessionError(f"session {info.short} was dropped: {reason}")
             self._unlink(info, info.stream, error, reset=False)
+        self.budget.give(info.held_bytes)
+        info.held_bytes = 0
+        for listener in self._drop_listeners:
+            listener(info)
         with self._bank_lock:
             info.cache.clear()
             if info.session_id in self.bank.names():
                 self.bank.remove(info.session_id)
-        log.info("[%s] session %s… dropped: %s", info.device_id, info.session_id[:8], reason)
+        log.info("[%s] session %s dropped: %s", info.device_id, info.short, reason)
 
     # -- streams ----------------------------------------------------------------------------
     def attach(self, session_id: str) -> StreamHandle:
-        """Start the session's stream; a live older stream ends ABORTED and its step is undone."""
+        """Start the session's stream; a live older stream ends ABORTED and its step is undone.
+
+        A device holds at most ``max_device_streams`` streams not yet closed, live or ending
+        (a stream the server ended is cancelled if it has not gone within a grace).
+        """
         with self._lock:
             info = self.session(session_id)
             if info.closed:
-                raise SessionStateError(f"session {session_id} is closed; open a new session")
+                raise SessionStateError(f"session {info.short} is closed; open a new session")
+            open_now = self._device_streams.get(info.device_id, 0)
+            if open_now >= self.limits.max_device_streams:
+                raise StageCapacityError(
+                    f"device {info.device_id!r} has {open_now} streams open, its limit "
+                    f"(server.max_device_streams = {self.limits.max_device_streams}); use one "
+                    "stream per session and read its replies"
+                )
+            self._device_streams[info.device_id] = open_now + 1
             old = info.stream
             info.streams_opened += 1
             handle = StreamHandle(self, info, info.streams_opened)
             if old is not None:
                 replaced = StreamReplacedError(
-                    f"stream {old.epoch} of session {session_id} was replaced by stream "
+                    f"stream {old.epoch} of session {info.short} was replaced by stream "
                     f"{handle.epoch}; use one stream per session"
                 )
                 self._unlink(info, old, replaced)  # queues the reset of its unfinished step
@@ -261,7 +308,12 @@ class StageRuntime:
     def _unlink(
         self, info: SessionInfo, handle: StreamHandle, end: object, *, reset: bool = True
     ) -> None:
-        """Detach ``handle`` from ``info`` and end it (caller holds ``_lock``)."""
+        """Detach ``handle`` from ``info`` and end it (caller holds ``_lock``).
+
+        What it holds goes back to the budget at once. Ended with an error, a stream whose
+        transport does not finish it within the grace (its device reads nothing, so the
+        transport is stuck sending) is cancelled by the reaper.
+        """
         handle.broken = True
         if info.stream is handle:
             info.stream = None
@@ -269,57 +321,139 @@ class StageRuntime:
             self._queue.clear(info.session_id)
             if reset:
                 self._queue.put(info.session_id, (None, RESET))
+        self._release(handle)
+        if end is not END and not handle.closed:
+            self._ending[handle] = time.monotonic() + _CANCEL_GRACE_S
         handle._end(end)
 
+    def _release(self, handle: StreamHandle) -> None:
+        """Give the stream's queued and unread bytes back to the budget (once)."""
+        if not handle.released:
+            handle.released = True
+            self.budget.give(handle.pending_bytes)
+
     def _detach(self, handle: StreamHandle) -> None:
+        """The transport is done with ``handle`` (its RPC ended): it holds nothing any more."""
         with self._lock:
             if handle.info.stream is handle:  # a stream that was replaced touches nothing
                 self._unlink(handle.info, handle, END)
+            if not handle.closed:
+                handle.closed = True
+                self._release(handle)
+                self._ending.pop(handle, None)
+                device = handle.info.device_id
+                left = self._device_streams.get(device, 1) - 1
+                if left > 0:
+                    self._device_streams[device] = left
+                else:
+                    self._device_streams.pop(device, None)
 
     def _break(self, handle: StreamHandle) -> None:
+        """The stream ends with an error (its own or its RPC's end); cancelled if it lingers."""
         with self._lock:
             handle.broken = True
+            if not handle.closed:
+                self._ending.setdefault(handle, time.monotonic() + _CANCEL_GRACE_S)
 
     def _submit(self, handle: StreamHandle, msg: StageMsg) -> None:
-        info, lim = handle.info, self.limits
+        info = handle.info
         nbytes = message_bytes(msg)
         if not info.dropped and not handle.broken:  # before the worker can take it
             self.copies.prefetch(msg.tensor)  # a refused message frees its copy as it goes
             self.copies.prefetch(msg.labels)
         with self._lock:
             if info.dropped:
-                raise UnknownSessionError(f"session {info.session_id} was dropped")
+                raise UnknownSessionError(f"session {info.short} was dropped")
             if info.stream is not handle:
                 raise StreamReplacedError(f"stream {handle.epoch} is no longer the session's")
             if handle.broken:
                 return  # the stream is ending with an error already
-            if handle.pending >= lim.max_pending:
-                raise StageCapacityError(
-                    f"session {info.session_id} has {handle.pending} messages queued or "
-                    f"unread, its limit (server.max_pending = {lim.max_pending}); read the "
-                    "replies and send less ahead"
-                )
-            if handle.pending_bytes + nbytes > lim.max_pending_bytes:
-                raise StageCapacityError(
-                    f"session {info.session_id} has {handle.pending_bytes} bytes queued or "
-                    f"unread, a message of {nbytes} more passes its limit "
-                    f"(server.max_pending_mb = {lim.max_pending_bytes / 2**20:g})"
-                )
-            handle.pending += 1
-            handle.pending_bytes += nbytes
-            handle.last_active = info.last_seen = time.monotonic()
+            self._admit(handle, nbytes, "a message")
             self._queue.put(info.session_id, (handle, msg))
+
+    def _admit(self, handle: StreamHandle, nbytes: int, what: str) -> None:
+        """Count one more queued or unread item of ``nbytes`` (caller holds ``_lock``)."""
+        info, lim = handle.info, self.limits
+        if handle.pending >= lim.max_pending:
+            raise StageCapacityError(
+                f"session {info.short} has {handle.pending} messages queued or "
+                f"unread, its limit (server.max_pending = {lim.max_pending}); read the "
+                "replies and send less ahead"
+            )
+        if handle.pending_bytes + nbytes > lim.max_pending_bytes:
+            raise StageCapacityError(
+                f"session {info.short} has {handle.pending_bytes} bytes queued or "
+                f"unread, {what} of {nbytes} more passes its limit "
+                f"(server.max_pending_mb = {lim.max_pending_bytes / 2**20:g})"
+            )
+        self.budget.take(nbytes, f"{what} of session {info.short}")
+        handle.pending += 1
+        handle.pending_bytes += nbytes
+        handle.last_active = info.last_seen = time.monotonic()
+
+    def _echo(self, handle: StreamHandle, msg: StageMsg) -> None:
+        """Answer a link probe at once, beside the worker's replies (stage.proto: ECHO).
+
+        The reply skips the compute queue, so a probe times the link, not the server's backlog.
+        It is counted like any reply (pending slots, bytes, the budget); one probe per stream is
+        outstanding at a time, and a session probes at most ``max_echoes`` times.
+        """
+        info = handle.info
+        if not 0 <= msg.tokens <= info.microbatch_size:
+            raise InvalidRequestError(
+                f"ECHO of {msg.tokens} rows; the session declared microbatches of at most "
+                f"{info.microbatch_size}"
+            )
+        nbytes = msg.tokens * info.seq_len * self.hidden_size * 4
+        with self._lock:
+            if info.dropped or info.stream is not handle or handle.broken:
+                return
+            if handle.echo_out:
+                raise InvalidRequestError(
+                    "ECHO before the reply to the last one was read; a stream probes the link "
+                    "one message at a time"
+                )
+            if info.echoes >= self.limits.max_echoes:
+                raise InvalidRequestError(
+                    f"ECHO number {info.echoes + 1} of session {info.short}; a session may probe "
+                    f"the link {self.limits.max_echoes} times (a planner needs about 10)"
+                )
+            self._admit(handle, nbytes, "a link probe's reply")
+            info.echoes += 1
+            handle.echo_out = True
+            if handle.unread_since is None:
+                handle.unread_since = time.monotonic()
+        reply = StageMsg(Kind.ECHO, msg.step, msg.microbatch)
+        if msg.tokens > 0:
+            reply.tensor = torch.zeros(msg.tokens, info.seq_len, self.hidden_size)
+        handle._reply(reply, nbytes)
+
+    def _decoding(self, handle: StreamHandle, nbytes: int) -> int:
+        """Draw what decoding one frame may allocate (the session's largest tensors at most)."""
+        info = handle.info
+        bound = info.microbatch_size * info.seq_len * (self.hidden_size * 4 + 8)
+        nbytes = min(nbytes, bound)
+        self.budget.take(nbytes, f"decoding a message of session {info.short}")
+        return nbytes
 
     def _finish(self, handle: StreamHandle) -> None:
         with self._lock:
             if handle.info.stream is handle:
                 self._queue.put(handle.info.session_id, (handle, END))
 
-    def _taken(self, handle: StreamHandle, nbytes: int) -> None:
+    def _give(self, nbytes: int) -> None:
+        self.budget.give(nbytes)
+
+    def _taken(self, handle: StreamHandle, nbytes: int, item: object) -> None:
         with self._lock:
             handle.pending -= 1
             handle.pending_bytes -= nbytes
+            if not handle.released:
+                self.budget.give(nbytes)
+            if isinstance(item, StageMsg) and item.kind is Kind.ECHO:
+                handle.echo_out = False
             handle.last_active = handle.info.last_seen = time.monotonic()
+            handle.unread_since = None if handle.nothing_unread() else handle.last_active
 
     # -- rounds and the global adapter -----------------------------------------------------
     def commit_round(self, round_: int, finished: dict[str, float]) -> CommitResult:
@@ -357,10 +491,10 @@ class StageRuntime:
             self._drop(info, reason=dropped.get(info.device_id, f"round {round_} committed"))
         return CommitResult(len(merge), len(stale), dropped)
 
-    def set_aggregation(self, mode: str) -> None:
-        """How commits aggregate from now on (federated.aggregation)."""
+    def set_aggregation(self, mode: str, rule: AggregationRule | None = None) -> None:
+        """How commits aggregate from now on (federated.aggregation), by which rule."""
         with self._bank_lock:
-            self.bank.set_aggregation(mode)
+            self.bank.set_aggregation(mode, rule)
 
     def global_state(self) -> dict[str, torch.Tensor]:
         """A copy of the global adapter (and folded base deltas), never half-way through a merge."""
@@ -466,13 +600,39 @@ class StageRuntime:
     def _deliver(self, handle: StreamHandle, msg: StageMsg, reply: Reply) -> None:
         nbytes = message_bytes(reply) if isinstance(reply, StageMsg) else 0
         with self._lock:
-            handle.pending_bytes += nbytes - message_bytes(msg)
+            change = nbytes - message_bytes(msg)
+            handle.pending_bytes += change
+            if not handle.released:
+                self.budget.force(change)  # computed: the message's bytes become the reply's
+            if handle.unread_since is None:
+                handle.unread_since = time.monotonic()
         handle._reply(reply, nbytes)
 
     def _reap(self) -> None:
         every = max(0.05, min(1.0, self.limits.stream_idle_s / 4, self.limits.session_idle_s / 4))
         while not self._stopped.wait(every):
             self.expire_idle()
+            self.cancel_stuck()
+
+    def cancel_stuck(self, now: float | None = None) -> None:
+        """Cancel the RPC of streams the server ended that are still there past the grace.
+
+        A device that reads nothing leaves its stream's transport blocked on flow control: the
+        error queued for it is never sent, and the stream would hold its gRPC thread for good.
+        """
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            stuck = [h for h, by in self._ending.items() if now >= by]
+            for handle in stuck:
+                del self._ending[handle]
+        for handle in stuck:
+            log.info(
+                "[%s] stream %d of session %s did not end after the server ended it: cancelled",
+                handle.info.device_id,
+                handle.epoch,
+                handle.info.short,
+            )
+            handle.cancel()
 
     def expire_idle(self, now: float | None = None) -> None:
         """End streams and drop open sessions idle past their deadlines (logged)."""
@@ -482,16 +642,13 @@ class StageRuntime:
             for info in list(self._sessions.values()):
                 handle = info.stream
                 busy = handle is not None and handle.pending > 0
-                if handle is not None and not busy and now - handle.last_active > lim.stream_idle_s:
-                    idle = now - handle.last_active
-                    log.info(
-                        "[%s] stream %d idle for %.0f s: ended", info.device_id, handle.epoch, idle
-                    )
-                    error = IdleTimeoutError(
-                        f"stream idle for {idle:.1f} s, over server.stream_idle_s = "
-                        f"{lim.stream_idle_s:g}; open a new stream"
-                    )
-                    self._unlink(info, handle, error)
+                unread = handle is not None and handle.unread_since is not None
+                stalled = unread and now - handle.unread_since > lim.stream_idle_s  # type: ignore[union-attr, operator]
+                if handle is not None and (
+                    stalled or (not busy and now - handle.last_active > lim.stream_idle_s)
+                ):
+                    self._unlink(info, handle, _idle_error(info, handle, now, lim, stalled))
+                    busy = False
                 if not info.closed and not busy and now - info.last_seen > lim.session_idle_s:
                     idle = now - info.last_seen
                     reason = (
@@ -508,11 +665,11 @@ class StageRuntime:
             for i, (info, msg) in enumerate(work):
                 if msg.step != info.step:
                     results[i] = SessionStateError(
-                        f"message for step {msg.step}, but session {info.session_id} is at "
+                        f"message for step {msg.step}, but session {info.short} is at "
                         f"step {info.step}"
                     )
                 elif info.dropped:
-                    results[i] = UnknownSessionError(f"session {info.session_id} was dropped")
+                    results[i] = UnknownSessionError(f"session {info.short} was dropped")
                 else:
                     runnable.append(i)
             replies = self.executor.compute_batch([work[i] for i in runnable])
@@ -524,3 +681,20 @@ class StageRuntime:
         """Forget a failed step's graphs and gradients; the session may retry the same step."""
         with self._bank_lock:
             self.executor.reset(info)
+
+
+def _idle_error(
+    info: SessionInfo, handle: StreamHandle, now: float, lim: RuntimeLimits, stalled: bool
+) -> IdleTimeoutError:
+    """Why a stream is ended for idleness (logged): nothing sent, or replies left unread."""
+    if stalled:
+        idle = now - (handle.unread_since or now)
+        what = f"its replies unread for {idle:.1f} s"
+    else:
+        idle = now - handle.last_active
+        what = f"idle for {idle:.1f} s"
+    log.info("[%s] stream %d %s: ended", info.device_id, handle.epoch, what)
+    return IdleTimeoutError(
+        f"stream {what}, over server.stream_idle_s = {lim.stream_idle_s:g}; open a new stream "
+        "and read its replies"
+    )

@@ -28,6 +28,7 @@ __all__ = [
     "check_declared",
     "check_optimizer",
     "seq_bound",
+    "short_id",
 ]
 
 OptimizerFactory = Callable[[list[nn.Parameter], float, float], torch.optim.Optimizer]
@@ -53,6 +54,9 @@ class RuntimeLimits:
     default_learning_rate: float = 1e-3  # for a device that asks for none
     session_idle_s: float = 120.0
     stream_idle_s: float = 60.0
+    max_device_streams: int = 4  # streams of one device open at once, live or ending
+    max_echoes: int = 64  # link probes (ECHO) one session may send
+    memory_budget_bytes: int = 4096 * 2**20  # all devices together (fedpipe.server.budget)
 
 
 @dataclass(eq=False)
@@ -71,12 +75,29 @@ class SessionInfo:
     # microbatch -> (input, output with its graph | the batched bank's Tape): the executor's
     cache: dict[int, tuple[torch.Tensor, object]] = field(default_factory=dict)
     last_seen: float = field(default_factory=time.monotonic)
+    # time.monotonic() at open and at the first and last completed step (0: none yet)
+    opened_at: float = field(default_factory=time.monotonic)
+    first_step_at: float = 0.0
+    last_step_at: float = 0.0
     closed: bool = False  # CloseSession called: waits for its round's commit
     dropped: bool = False  # gone from the runtime; late work is refused
     stream: Any = None  # the live Exchange stream, a fedpipe.server.streams.StreamHandle, or None
     streams_opened: int = 0
     frozen_head: bool = False  # frozen-device mode: no input gradient goes back
     blocks: tuple[int, ...] | None = None  # the stage's blocks its cut runs (None: all)
+    echoes: int = 0  # link probes answered, over all its streams
+    held_bytes: int = 0  # drawn from the server's budget for the session itself (delta cache)
+
+    @property
+    def short(self) -> str:
+        """The id as logs and errors show it: a prefix, never the whole secret id."""
+        return short_id(self.session_id)
+
+
+def short_id(session_id: str) -> str:
+    """A session id's first 8 characters: enough to tell sessions apart in a log, too few to
+    take the session over (the whole id is 192 random bits)."""
+    return f"{session_id[:8]}…"
 
 
 def _f32(x: float) -> float:

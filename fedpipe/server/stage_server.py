@@ -9,18 +9,29 @@ caches between their sessions. The gRPC server itself is :class:`fedpipe.wire.ho
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
+import time
 
 import torch
 
 from fedpipe.compress.delta import DeltaCache
-from fedpipe.errors import InvalidRequestError
+from fedpipe.errors import AuthError, InvalidRequestError
+from fedpipe.lora.robust import AggregationRule
 from fedpipe.server.commit import CommitResult
 from fedpipe.server.delta_store import DeltaStore
 from fedpipe.server.rounds import Authenticator, RoundState
-from fedpipe.server.runtime import StageRuntime, StreamHandle
+from fedpipe.server.runtime import StageRuntime
+from fedpipe.server.sessions import SessionInfo
+from fedpipe.server.streams import StreamHandle
 from fedpipe.split.agreement import SplitInfo, check_agreement
-from fedpipe.wire.backend import OpenedSession, SessionRequest, StreamOptions, StreamPort
+from fedpipe.wire.backend import (
+    OpenedSession,
+    SessionProgress,
+    SessionRequest,
+    StreamOptions,
+    StreamPort,
+)
 from fedpipe.wire.control_servicer import ControlAuth
 from fedpipe.wire.host import GrpcHost
 from fedpipe.wire.stream_codec import rounding_seed
@@ -50,16 +61,23 @@ class StageServer:
         max_streams: int = 64,
         max_delta_cache_bytes: int = 256 * 2**20,
         delta_store_bytes: int = 1024 * 2**20,
+        server_id: str = "",
     ) -> None:
         self.runtime = runtime
         self.split = split
+        # This process's identity (Hello): signed control calls must name it.
+        self.server_id = server_id or secrets.token_hex(8)
+        # What LoadAdapter takes: the stage's own size twice over (dense base deltas of exact
+        # aggregation are as large as the layers they change), and room for the adapters.
+        self.max_adapter_bytes = 2 * _stage_bytes(runtime) + 64 * 2**20
         self.max_message_bytes = max_message_bytes
         self.max_delta_cache_bytes = max_delta_cache_bytes
         self.rounds = RoundState(authenticate)
         # Devices' delta caches between their sessions (fedpipe.server.delta_store).
-        self.delta_store = DeltaStore(delta_store_bytes)
+        self.delta_store = DeltaStore(delta_store_bytes, runtime.budget)
         self._stream_options: dict[str, StreamOptions] = {}  # by session id
         self._options_lock = threading.Lock()
+        runtime.on_drop(self._forget_options)
         self._host = GrpcHost(
             self,
             host=host,
@@ -122,6 +140,11 @@ class StageServer:
         )
         opened = OpenedSession(session_id)
         if request.delta_cache_bytes:
+            try:  # the cache grows to its size on this server: the budget holds that much
+                self.runtime.hold(session_id, request.delta_cache_bytes, "a delta cache")
+            except Exception:
+                self.runtime.discard(session_id, reason="no room for its delta cache")
+                raise
             opened = self._resume_delta(request, options, session_id)
         self._keep_options(session_id, options)
         return opened
@@ -157,6 +180,18 @@ class StageServer:
             while len(self._stream_options) > _MAX_STREAM_OPTIONS:
                 del self._stream_options[next(iter(self._stream_options))]
 
+    def _forget_options(self, info: SessionInfo) -> None:
+        """A session is gone: its options go, and a delta cache no stream took is freed."""
+        with self._options_lock:
+            options = self._stream_options.pop(info.session_id, None)
+        if options is not None and options.delta_cache is not None:
+            log.info(
+                "[%s] delta cache of session %s freed: no stream took it",
+                info.device_id,
+                info.short,
+            )
+            options.delta_cache = None
+
     def attach(self, session_id: str) -> tuple[StreamPort, StreamOptions]:
         """The session's new stream, and its options (the delta cache goes to the first only)."""
         handle: StreamHandle = self.runtime.attach(session_id)
@@ -183,18 +218,32 @@ class StageServer:
         return steps
 
     # -- round control (StageBackend) ------------------------------------------------------------
-    def begin_round(self, round_: int, run_id: str, aggregation: str) -> None:
+    def begin_round(self, round_: int, run_id: str, aggregation: str, rule: str = "") -> None:
         self.rounds.require_run("BeginRound")
-        try:  # federated.aggregation: how this round's CommitRound merges
-            self.runtime.set_aggregation(aggregation)
+        try:  # federated.aggregation and the strategy's rule: how this round's commit merges
+            self.runtime.set_aggregation(aggregation, AggregationRule.parse(rule))
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from None
         self.rounds.begin(round_, run_id)
         self.delta_store.begin_run(run_id)  # devices' delta caches never cross into another run
         log.info("round %d of run %r begun", round_, run_id)
 
-    def commit_round(self, round_: int, weights: dict[str, float]) -> CommitResult:
+    def _check_run(self, method: str, signed_run: str | None, *, read_only: bool = False) -> None:
+        """A signed call names the run it was made in; it must be this server's run. A
+        read-only call may name none (a preflight check of the secret, outside any run)."""
+        current = self.rounds.run_id
+        if read_only and signed_run == "":
+            return
+        if signed_run is not None and signed_run != current:
+            raise AuthError(
+                f"{method} refused: signed in run {signed_run!r}, this server's run is {current!r}"
+            )
+
+    def commit_round(
+        self, round_: int, weights: dict[str, float], *, signed_run: str | None = None
+    ) -> CommitResult:
         self.rounds.require_run("CommitRound", round_)
+        self._check_run("CommitRound", signed_run)
         result = self.runtime.commit_round(round_, weights)
         log.info(
             "round %d committed: %d merged, %d discarded, dropped %s",
@@ -205,13 +254,31 @@ class StageServer:
         )
         return result
 
-    def global_adapter(self) -> dict[str, torch.Tensor]:
+    def global_adapter(self, *, signed_run: str | None = None) -> dict[str, torch.Tensor]:
         self.rounds.require_run("GetAdapter")
+        self._check_run("GetAdapter", signed_run, read_only=True)
         return self.runtime.global_state()
 
     def load_adapter(self, state: dict[str, torch.Tensor] | None) -> None:
         self.runtime.load_global_state(state)
         self.rounds.adapter_loaded()
+
+    def round_status(self, round_: int) -> list[SessionProgress]:
+        """Read-only: the sessions of ``round_`` not yet committed or dropped, and their steps."""
+        now = time.monotonic()
+        return [_progress(info, now) for info in self.runtime.sessions() if info.round == round_]
+
+
+def _progress(info: SessionInfo, now: float) -> SessionProgress:
+    stepped = info.steps_done > 0
+    return SessionProgress(
+        device_id=info.device_id,
+        steps_done=info.steps_done,
+        opened_s_ago=now - info.opened_at,
+        first_step_s_ago=now - info.first_step_at if stepped else None,
+        last_step_s_ago=now - info.last_step_at if stepped else None,
+        closed=info.closed,
+    )
 
 
 def _with_cache(options: StreamOptions, cache: DeltaCache | None) -> StreamOptions:
@@ -235,3 +302,11 @@ def _check_delta_cache(requested: int, limit: int) -> None:
             "server.max_delta_cache_mb per session); set pipeline.delta_cache_mb lower, or "
             "pipeline.delta = false"
         )
+
+
+def _stage_bytes(runtime: StageRuntime) -> int:
+    """Bytes of the stage's weights (frozen base and adapters), at fp32."""
+    stage = getattr(runtime.bank, "stage", None)
+    if stage is None:
+        return 0
+    return sum(p.numel() * 4 for p in stage.parameters())

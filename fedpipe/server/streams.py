@@ -11,30 +11,29 @@ from __future__ import annotations
 
 import queue
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Protocol
 
-import torch
-
-from fedpipe.errors import InvalidRequestError
-from fedpipe.messages import Kind, StageMsg
+from fedpipe.messages import StageMsg
 from fedpipe.server.sessions import SessionInfo
 
-__all__ = ["MAX_ECHOES", "Reply", "StreamHandle", "StreamOwner", "message_bytes"]
+__all__ = ["Reply", "StreamHandle", "StreamOwner", "message_bytes"]
 
 Reply = StageMsg | BaseException
-MAX_ECHOES = 64  # link probes (ECHO) one stream may send: they bypass the pending limits
 
 
 class StreamOwner(Protocol):
     """The runtime behind a stream: it counts what the stream holds, under its own lock."""
 
-    hidden_size: int
-
     def _submit(self, handle: StreamHandle, msg: StageMsg) -> None: ...
+    def _echo(self, handle: StreamHandle, msg: StageMsg) -> None: ...
+    def _decoding(self, handle: StreamHandle, nbytes: int) -> int: ...
     def _finish(self, handle: StreamHandle) -> None: ...
-    def _taken(self, handle: StreamHandle, nbytes: int) -> None: ...
+    def _taken(self, handle: StreamHandle, nbytes: int, item: object) -> None: ...
     def _break(self, handle: StreamHandle) -> None: ...
     def _detach(self, handle: StreamHandle) -> None: ...
+    def _give(self, nbytes: int) -> None: ...
 
 
 class StreamHandle:
@@ -48,12 +47,16 @@ class StreamHandle:
         self.epoch = epoch
         self._owner = owner
         self._replies: queue.SimpleQueue[tuple[object, int]] = queue.SimpleQueue()
-        self.echoes = 0  # link probes answered on this stream
+        self._cancel: Callable[[], object] | None = None  # ends the RPC (the transport's)
         # Guarded by the owner's lock:
         self.pending = 0
         self.pending_bytes = 0
         self.broken = False  # a reply was an error: the stream is ending, drop its later work
         self.last_active = time.monotonic()
+        self.unread_since: float | None = None  # the oldest reply not yet taken, if any
+        self.echo_out = False  # a link probe's reply not yet taken
+        self.released = False  # its bytes went back to the budget (the stream was ended)
+        self.closed = False  # the transport is done with it
 
     # -- what the link servicer reads -----------------------------------------------------------
     @property
@@ -82,21 +85,28 @@ class StreamHandle:
         self._owner._submit(self, msg)
 
     def echo(self, msg: StageMsg) -> None:
-        """Answer a link probe at once, beside the worker's replies (stage.proto: ECHO).
+        """Answer a link probe at once, beside the compute queue (counted like a reply)."""
+        self._owner._echo(self, msg)
 
-        The reply skips the compute queue, so a probe times the link, not the server's backlog;
-        it holds no pending slot, so the count per stream is capped instead.
-        """
-        self.echoes += 1
-        if self.echoes > MAX_ECHOES:
-            raise InvalidRequestError(
-                f"ECHO number {self.echoes} on one stream; a stream may probe the link "
-                f"{MAX_ECHOES} times (a planner needs about 10)"
-            )
-        reply = StageMsg(Kind.ECHO, msg.step, msg.microbatch)
-        if msg.tokens > 0:
-            reply.tensor = torch.zeros(msg.tokens, self.info.seq_len, self._owner.hidden_size)
-        self._end(reply)  # nbytes -1: no pending slot
+    @contextmanager
+    def decoding(self, nbytes: int) -> Iterator[None]:
+        """Hold budget for decoding one frame of ``nbytes`` on the wire while it decodes."""
+        held = self._owner._decoding(self, nbytes)
+        try:
+            yield
+        finally:
+            self._owner._give(held)
+
+    def bind_cancel(self, cancel: Callable[[], object]) -> None:
+        """How the transport's RPC is cancelled when the server ends a stream that hangs."""
+        self._cancel = cancel
+
+    def cancel(self) -> None:
+        if self._cancel is not None:
+            self._cancel()
+
+    def nothing_unread(self) -> bool:
+        return self._replies.empty()
 
     def finish(self) -> None:
         """The device half-closed: end the replies after those to everything it sent."""
@@ -110,7 +120,7 @@ class StreamHandle:
         except queue.Empty:
             return None
         if nbytes >= 0:
-            self._owner._taken(self, nbytes)
+            self._owner._taken(self, nbytes, item)
         return item
 
     def fail(self, error: BaseException) -> None:

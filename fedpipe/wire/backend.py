@@ -10,7 +10,8 @@ machine plugs into.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -23,6 +24,7 @@ from fedpipe.split.agreement import SplitInfo, SplitLike
 __all__ = [
     "CommitSummary",
     "OpenedSession",
+    "SessionProgress",
     "SessionRequest",
     "StageBackend",
     "StreamOptions",
@@ -75,6 +77,22 @@ class OpenedSession:
     delta_reset_reason: str = ""
 
 
+@dataclass(frozen=True)
+class SessionProgress:
+    """How far one session has got, as the StageServer counts it (RoundStatus).
+
+    Times are seconds before the answer, on the server's clock, so that no clock is compared
+    across hosts; the step times are None while the session has done no step.
+    """
+
+    device_id: str
+    steps_done: int
+    opened_s_ago: float
+    first_step_s_ago: float | None = None
+    last_step_s_ago: float | None = None
+    closed: bool = False
+
+
 class CommitSummary(Protocol):
     """What a CommitRound did (``fedpipe.server.commit.CommitResult``)."""
 
@@ -89,9 +107,12 @@ class CommitSummary(Protocol):
 class StreamPort(Protocol):
     """One Exchange stream of a session, as the link servicer drives it.
 
-    The servicer's reader thread calls :meth:`submit` (or :meth:`echo` for a link probe) per
-    decoded message and :meth:`finish` when the device half-closes; its reply loop takes
-    :meth:`next_reply` until it gets :data:`fedpipe.messages.END`.
+    The servicer's reader thread decodes each frame inside :meth:`decoding` (which holds the
+    server's budget for it), calls :meth:`submit` (or :meth:`echo` for a link probe) per
+    message and :meth:`finish` when the device half-closes; its reply loop takes
+    :meth:`next_reply` until it gets :data:`fedpipe.messages.END`. :meth:`bind_cancel` gives the
+    server a way to cut the RPC off when a stream it ended does not go (a device that reads
+    nothing).
     """
 
     @property
@@ -107,6 +128,8 @@ class StreamPort(Protocol):
 
     def submit(self, msg: StageMsg) -> None: ...
     def echo(self, msg: StageMsg) -> None: ...
+    def decoding(self, nbytes: int) -> AbstractContextManager[None]: ...
+    def bind_cancel(self, cancel: Callable[[], object]) -> None: ...
     def finish(self) -> None: ...
     def next_reply(self, timeout: float) -> object | None: ...
     def fail(self, error: BaseException) -> None: ...
@@ -115,18 +138,29 @@ class StreamPort(Protocol):
 
 class StageBackend(Protocol):
     """The StageServer as its servicers see it. Every method raises a ``fedpipe.errors`` type
-    (mapped to a status code by :func:`fedpipe.wire.status.status_for`) on a refusal."""
+    (mapped to a status code by :func:`fedpipe.wire.status.status_for`) on a refusal.
+
+    ``signed_run``: the run a signed control call names (None: calls are not signed); a call
+    signed in another run than the server's is refused.
+    """
 
     @property
     def split(self) -> SplitInfo: ...
     @property
     def max_message_bytes(self) -> int: ...
+    @property
+    def server_id(self) -> str: ...
+    @property
+    def max_adapter_bytes(self) -> int: ...
 
     def open_session(self, request: SessionRequest) -> OpenedSession: ...
     def attach(self, session_id: str) -> tuple[StreamPort, StreamOptions]: ...
     def keep_delta(self, port: StreamPort, options: StreamOptions, cache: DeltaCache) -> None: ...
     def close_session(self, session_id: str) -> int: ...
-    def begin_round(self, round_: int, run_id: str, aggregation: str) -> None: ...
-    def commit_round(self, round_: int, weights: dict[str, float]) -> CommitSummary: ...
-    def global_adapter(self) -> dict[str, torch.Tensor]: ...
+    def begin_round(self, round_: int, run_id: str, aggregation: str, rule: str) -> None: ...
+    def commit_round(
+        self, round_: int, weights: dict[str, float], *, signed_run: str | None = None
+    ) -> CommitSummary: ...
+    def global_adapter(self, *, signed_run: str | None = None) -> dict[str, torch.Tensor]: ...
     def load_adapter(self, state: dict[str, torch.Tensor] | None) -> None: ...
+    def round_status(self, round_: int) -> list[SessionProgress]: ...

@@ -1,29 +1,38 @@
 """The ServerApp's client for the StageServer's round control service.
 
-Every call is signed with a MAC of its request (see :mod:`fedpipe.auth.calls`); the
-secret itself never leaves this process. Calls are retried with backoff, each try signed anew.
+Every call is signed with a MAC of its request, the server's identity and the run (see
+:mod:`fedpipe.auth.calls`); the secret itself never leaves this process. The server's identity
+comes from its Hello; a server that restarted has a new one, which the client fetches and signs
+with on the next try. Calls are retried with backoff, each try signed anew. The global adapter
+moves in pieces (:func:`~fedpipe.wire.control_servicer.adapter_chunks`), so any size works.
+The read-only looks (RoundStatus, the access check) try once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import grpc
 import torch
 from google.protobuf.message import Message as ProtoMessage
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
 from fedpipe.auth.calls import sign_call
 from fedpipe.proto import stage_pb2 as pb
 from fedpipe.proto import stage_pb2_grpc as pb_grpc
-from fedpipe.wire.channels import secure_channel_credentials
+from fedpipe.wire.backend import SessionProgress
+from fedpipe.wire.channels import channel_options, secure_channel_credentials
+from fedpipe.wire.control_servicer import adapter_chunks, adapter_from_chunks
 from fedpipe.wire.status import retry_call
 
 __all__ = ["Committed", "StageControlClient"]
 
 _SERVICE = "/fedpipe.proto.StageControl/"
+_MESSAGE_BYTES = 64 * 2**20  # the control link's messages: far above a piece of an adapter
+_ADAPTER_BYTES = 1 << 40  # what GetAdapter accepts: the ServerApp trusts its own StageServer
+
+log = logging.getLogger(__name__)
 
 
 class Committed(NamedTuple):
@@ -42,17 +51,31 @@ class StageControlClient:
         address: str,
         secret: str,
         *,
+        run_id: str = "",
         root_certificates: bytes | None = None,
         certificate_chain: bytes | None = None,
         private_key: bytes | None = None,
     ) -> None:
+        options = channel_options(_MESSAGE_BYTES)
         if root_certificates is not None:
             creds = secure_channel_credentials(root_certificates, certificate_chain, private_key)
-            self.channel = grpc.secure_channel(address, creds)
+            self.channel = grpc.secure_channel(address, creds, options=options)
         else:
-            self.channel = grpc.insecure_channel(address)
+            self.channel = grpc.insecure_channel(address, options=options)
         self.stub = pb_grpc.StageControlStub(self.channel)
+        self.run_id = run_id  # the run the calls are made in (begin_round sets it)
         self._secret = secret
+        self._server_id: str | None = None  # the server's Hello, fetched at the first call
+
+    def _metadata(self, name: str, body: bytes) -> Any:
+        if not self._secret:
+            return None
+        if self._server_id is None:
+            self._server_id = self.stub.Hello(pb.HelloRequest(), timeout=30).server_id
+        server_id = self._server_id
+        return sign_call(
+            self._secret, _SERVICE + name, body, server_id=server_id, run_id=self.run_id
+        )
 
     def _call(self, name: str, request: ProtoMessage, timeout: float) -> Any:
         """Call ``name`` with a fresh signature per try (a retried call is not a replay)."""
@@ -60,16 +83,30 @@ class StageControlClient:
         body = request.SerializeToString(deterministic=True)
 
         def once() -> Any:
-            metadata = sign_call(self._secret, _SERVICE + name, body) if self._secret else None
-            return method(request, timeout=timeout, metadata=metadata)
+            try:
+                return method(request, timeout=timeout, metadata=self._metadata(name, body))
+            except grpc.RpcError as exc:
+                self._forget_server(exc)
+                raise
 
         return retry_call(once)
 
-    def begin_round(self, round_: int, run_id: str = "", aggregation: str = "") -> None:
+    def _forget_server(self, exc: grpc.RpcError) -> None:
+        """A server that restarted refuses the old identity: ask it again on the next try."""
+        if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAUTHENTICATED):
+            self._server_id = None
+
+    def begin_round(
+        self, round_: int, run_id: str = "", aggregation: str = "", rule: str = ""
+    ) -> None:
         """Tell the StageServer that ``round_`` of ``run_id`` starts: tokens must name both.
 
-        ``aggregation`` (federated.aggregation; "" = separate) is how its commit merges."""
-        request = pb.BeginRoundRequest(round=round_, run_id=run_id, aggregation=aggregation)
+        ``aggregation`` (federated.aggregation; "" = separate) is how its commit merges, and
+        ``rule`` (``AggregationRule.text()``; "" = the weighted mean) by which rule."""
+        self.run_id = run_id or self.run_id
+        request = pb.BeginRoundRequest(
+            round=round_, run_id=self.run_id, aggregation=aggregation, rule=rule
+        )
         self._call("BeginRound", request, 30)
 
     def commit_round(self, round_: int, finished: dict[str, float]) -> Committed:
@@ -84,29 +121,78 @@ class StageControlClient:
         return Committed(reply.merged, reply.discarded, dropped)
 
     def get_adapter(self) -> dict[str, torch.Tensor]:
-        reply = self._call("GetAdapter", pb.AdapterRequest(), 60)
-        return st_load(reply.safetensors)
+        """The server's global adapter (and folded base deltas), of any size."""
+        pieces: Iterator[pb.AdapterChunk] = self._call("GetAdapter", pb.AdapterRequest(), 600)
+        header = next(pieces)
+        state = adapter_from_chunks(header, pieces, max_bytes=_ADAPTER_BYTES)
+        assert state is not None  # the server never sends a reset
+        return state
 
     def load_adapter(self, state: dict[str, torch.Tensor]) -> None:
-        data = st_save({k: v.contiguous() for k, v in state.items()})
-        self._call("LoadAdapter", pb.LoadAdapterRequest(safetensors=data), 60)
+        self._load(state)
 
     def reset_adapter(self) -> None:
         """Start the server's global adapter afresh (a new run, not a resumed one)."""
-        self._call("LoadAdapter", pb.LoadAdapterRequest(), 60)
+        self._load(None)
+
+    def _load(self, state: dict[str, torch.Tensor] | None) -> None:
+        chunks = list(adapter_chunks(state))
+        header = chunks[0]
+        body = header.SerializeToString(deterministic=True)
+
+        def once() -> Any:
+            try:
+                return self.stub.LoadAdapter(
+                    iter(chunks), timeout=600, metadata=self._metadata("LoadAdapter", body)
+                )
+            except grpc.RpcError as exc:
+                self._forget_server(exc)
+                raise
+
+        retry_call(once)
+
+    def round_status(self, round_: int, timeout: float = 5.0) -> list[SessionProgress] | None:
+        """How far each session of ``round_`` has got, as the StageServer counts it; None when
+        the server cannot say (it is unreachable, or older and lacks RoundStatus).
+
+        Read-only and asked while a round runs, so one try, not retried: a later call asks again.
+        """
+        request = pb.RoundStatusRequest(round=round_)
+        body = request.SerializeToString(deterministic=True)
+        try:
+            reply = self.stub.RoundStatus(
+                request, timeout=timeout, metadata=self._metadata("RoundStatus", body)
+            )
+        except grpc.RpcError as exc:
+            self._forget_server(exc)
+            log.debug("RoundStatus: %s", exc)
+            return None
+        return [_session_from_proto(s) for s in reply.sessions]
 
     def check_access(self, timeout: float = 10.0) -> None:
         """One signed, read-only call (no retry): raises ``grpc.RpcError`` unless the server
         accepts this client's secret. A fresh StageServer answers FAILED_PRECONDITION (no run's
         adapter yet) only after it checked the signature, so that answer passes too."""
         request = pb.AdapterRequest()
-        body = request.SerializeToString(deterministic=True)
-        metadata = sign_call(self._secret, _SERVICE + "GetAdapter", body) if self._secret else None
+        metadata = self._metadata("GetAdapter", request.SerializeToString(deterministic=True))
         try:
-            self.stub.GetAdapter(request, timeout=timeout, metadata=metadata)
+            for _ in self.stub.GetAdapter(request, timeout=timeout, metadata=metadata):
+                break  # its first piece: the server accepted the call
         except grpc.RpcError as exc:
             if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
                 raise
 
     def close(self) -> None:
         self.channel.close()
+
+
+def _session_from_proto(status: pb.SessionStatus) -> SessionProgress:
+    stepped = status.steps_done > 0
+    return SessionProgress(
+        device_id=status.device_id,
+        steps_done=status.steps_done,
+        opened_s_ago=status.opened_s_ago,
+        first_step_s_ago=status.first_step_s_ago if stepped else None,
+        last_step_s_ago=status.last_step_s_ago if stepped else None,
+        closed=status.closed,
+    )

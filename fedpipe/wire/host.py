@@ -60,6 +60,12 @@ class GrpcHost:
         options = [
             *channel_options(max_message_bytes),
             ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+            # Backstops against connections that hold the server's threads: a connection with
+            # no call for 5 min is closed, and one older than an hour is asked to go away (its
+            # calls get an hour more: a round's stream is never cut).
+            ("grpc.max_connection_idle_ms", 5 * 60_000),
+            ("grpc.max_connection_age_ms", 60 * 60_000),
+            ("grpc.max_connection_age_grace_ms", 60 * 60_000),
         ]
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="stage-grpc"),

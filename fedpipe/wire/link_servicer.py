@@ -163,6 +163,7 @@ class LinkServicer(pb_grpc.StageLinkServicer):
         except Exception as exc:
             context.abort(status_for(exc), str(exc))
         context.add_callback(lambda: port.fail(_Gone()))  # wakes the loop below at once
+        port.bind_cancel(context.cancel)
         encoder, decoder = self._codecs(port, options)
         reader = threading.Thread(
             target=self._read,
@@ -219,11 +220,12 @@ class LinkServicer(pb_grpc.StageLinkServicer):
     ) -> None:
         try:
             for raw in requests:
-                msg = decoder.decode(raw)
-                if msg.kind is Kind.ECHO:
-                    port.echo(msg)
-                    continue
-                port.submit(msg)
+                with port.decoding(len(raw)):  # counted from the frame to the queued message
+                    msg = decoder.decode(raw)
+                    if msg.kind is Kind.ECHO:
+                        port.echo(msg)
+                    else:
+                        port.submit(msg)
         except grpc.RpcError:
             return  # the device went away; the stream's end cleans up
         except Exception as exc:

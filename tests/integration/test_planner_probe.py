@@ -20,8 +20,8 @@ from fedpipe.edge.trainer import DeviceTrainer
 from fedpipe.link import DeviceProfile, LinkProfile
 from fedpipe.messages import Kind, StageMsg
 from fedpipe.models import resolve_model
+from fedpipe.server.sessions import RuntimeLimits
 from fedpipe.server.stage_server import StageServer
-from fedpipe.server.streams import MAX_ECHOES
 from fedpipe.wire.link_client import StageClient
 
 BATCH, SEQ, HIDDEN = 4, 16, 64  # tiny-llama's hidden size is 64
@@ -84,22 +84,25 @@ def test_echo_leaves_training_untouched(server: StageServer, folder) -> None:  #
     assert losses[0] == pytest.approx(losses[1], rel=1e-6)
 
 
-def test_echo_asks_within_the_session_and_a_stream_probes_a_bounded_number_of_times(
+def test_echo_asks_within_the_session_and_a_session_probes_a_bounded_number_of_times(
     server: StageServer, folder
 ) -> None:  # type: ignore[no-untyped-def]
+    """A probe asks for at most the session's rows; a session probes at most ``max_echoes``
+    times (one probe outstanding per stream: tests/integration/test_hostile_device.py)."""
     trainer = DeviceTrainer(CONFIG, device_id="greedy-prober", folder=folder)
+    most = RuntimeLimits().max_echoes
     with StageClient(server.address) as client:
         with _session(client, trainer) as session:
             session.send(StageMsg(Kind.ECHO, 0, 0, tokens=BATCH + 1))
             with pytest.raises(Exception, match="ECHO may ask for 0 to 4"):
                 session.receive(Kind.ECHO, 0, 0)
         with _session(client, trainer) as session:
-            for mb in range(MAX_ECHOES + 1):
+            for mb in range(most):
                 session.send(StageMsg(Kind.ECHO, 0, mb))
-            for mb in range(MAX_ECHOES):
                 session.receive(Kind.ECHO, 0, mb)
-            with pytest.raises(Exception, match=f"a stream may probe the link {MAX_ECHOES}"):
-                session.receive(Kind.ECHO, 0, MAX_ECHOES)
+            session.send(StageMsg(Kind.ECHO, 0, most))
+            with pytest.raises(Exception, match=f"a session may probe the link {most} times"):
+                session.receive(Kind.ECHO, 0, most)
             assert grpc.StatusCode.INVALID_ARGUMENT.name in str(session._failure)
 
 

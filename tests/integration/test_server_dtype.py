@@ -18,9 +18,11 @@ from fedpipe.edge.trainer import DeviceTrainer
 from fedpipe.server.build import build_runtime, cpu_has_native_bf16, pick_device
 from fedpipe.wire.link_client import StageClient
 
-# One step's loss of a bf16 server against an fp32 one (relative). Measured: 1e-5 (tiny-llama),
-# 8e-5 (small-llama), 3e-4 (SmolLM2-135M, 2+2 device layers, random tokens).
-BF16_LOSS_BOUND = 1e-3
+# The first step's loss of a bf16 server against an fp32 one (relative), for tiny-llama with the
+# settings below (1+1 device layers, 4 x 16 random tokens): about twice the largest difference
+# seen over 40 random batches, with native (avx512_bf16) and with emulated (AVX2) bf16 kernels.
+# A bound for this model only: larger models differ more (measure them before reusing it).
+BF16_LOSS_BOUND = 1e-4
 BATCH, SEQ, STEPS = 4, 16, 4
 
 

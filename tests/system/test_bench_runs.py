@@ -1,16 +1,19 @@
 """One smoke run per bench: each `fedpipe bench ...` (or bench script) runs on a tiny model,
 as a real process where the command is one, and keeps the JSON contract other tools read
-(DESIGN.md). The delta-cache run also checks what the quality bench shows of kept caches.
+(DESIGN.md). The delta-cache run also checks what the quality bench shows of kept caches,
+and the transport bench's run where its stage-link figure comes from.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import re
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 from fedpipe_bench.pipeline import round_robin
@@ -19,6 +22,7 @@ from fedpipe_bench.quality import RUNS, run_quality_bench
 
 from fedpipe.cli.main import main
 from fedpipe.edge.planner.bound import Components, pipeline_bound
+from fedpipe.models import load_config, resolve_model
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -212,17 +216,43 @@ def test_bench_memory_default_model_and_split_work(capsys: pytest.CaptureFixture
     assert report["model"] == "tiny-gpt2"
 
 
+def _transport_bench() -> ModuleType:
+    """benchmarks/transport_bench.py as a module, for its constants."""
+    path = ROOT / "benchmarks" / "transport_bench.py"
+    spec = importlib.util.spec_from_file_location("transport_bench", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_transport_bench_prints_the_ratio_as_json() -> None:
+    """The script's JSON, and where its stage-link figure comes from: every timed message
+    crossed a session the StageServer opened (its streams answered them), and the device's
+    sessions counted the bytes of every message both ways. Not a timing test."""
+    messages, trials = 3, 2
     out = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks/transport_bench.py"), "--json"]
-        + ["--messages", "1", "--trials", "1"],
+        + ["--messages", str(messages), "--trials", str(trials)],
         capture_output=True,
         text=True,
         timeout=300,
         check=True,
     )
     result = json.loads(out.stdout)
-    assert result["message_mb"] == pytest.approx(9.44, abs=0.01)
+    assert result["message_mb"] == pytest.approx(9.44, abs=0.01)  # the bundled model's
     assert result["stage_mb_per_s"] > 0 and result["plain_grpc_mb_per_s"] > 0
     expected = result["stage_mb_per_s"] / result["plain_grpc_mb_per_s"]
     assert result["ratio"] == pytest.approx(expected, rel=1e-2)
+    bench = _transport_bench()
+    hidden = int(load_config(resolve_model("default")).hidden_size)
+    assert result["shape"] == [bench.MICROBATCH, bench.SEQ_LEN, hidden]
+    payload = bench.MICROBATCH * bench.SEQ_LEN * hidden * 4  # fp32
+    # the server held one session per timed trial, and its streams answered every message
+    assert result["server_sessions"] == trials
+    assert result["server_echoes"] == trials * messages
+    # the device's sessions counted each message's frame: the payload plus a small header
+    for key in ("session_bytes_up", "session_bytes_down"):
+        per_message = result[key] / (trials * messages)
+        assert payload < per_message < payload + 256, (key, per_message)

@@ -40,6 +40,7 @@ import pytest
 from harness.certs import fedpipe_certs
 from harness.deploy import SMALL, Deployment
 from harness.processes import Started, assert_no_flower_under
+from safetensors.torch import load_file
 
 AS_ROOT = os.geteuid() == 0
 _MOUNT_OVER = 'mount -t tmpfs -o mode=000,size=64k fedpipe-elsewhere "$0" && exec "$@"'
@@ -216,7 +217,9 @@ def _check_devices_kept_out(roots: list[Path], secret_file: Path) -> None:
 
 
 def test_stage_server_killed_mid_round_and_the_run_resumed(tmp_path: Path) -> None:
-    """SIGKILL the StageServer in round 2; the run stops; a new one + `run --resume` finish it."""
+    """SIGKILL the StageServer in round 2; the run stops; a new one + `run --resume` finish it
+    with exactly the losses and checkpoints of an uninterrupted run of the same settings (run
+    afterwards on the same SuperLink, devices and StageServer)."""
     from fedpipe.launch.processes import start_superlink
 
     started = Started(tmp_path)
@@ -226,7 +229,7 @@ def test_stage_server_killed_mid_round_and_the_run_resumed(tmp_path: Path) -> No
     stage_args = ["server", *SMALL, "-v", "--secret-file", str(secret_file)]
     run_args = [
         "run", *SMALL, "--superlink", link.address, "--secret-file", str(secret_file),
-        "--name", "restarted", "--runs-dir", str(tmp_path / "runs"), "--rounds", "2",
+        "--runs-dir", str(tmp_path / "runs"), "--rounds", "2",
         "--devices", "2", "--timeout", "300", "--no-progress",
     ]  # fmt: skip
     try:
@@ -247,7 +250,8 @@ def test_stage_server_killed_mid_round_and_the_run_resumed(tmp_path: Path) -> No
                 f"client{i}", lambda n=f"client{i}": "connected to" in started.text(n), 120
             )
         stage = f"127.0.0.1:{port}"
-        started.spawn("run1", [*run_args, "--stage-server", stage], flwr_home=tmp_path / "h1")
+        restarted = [*run_args, "--name", "restarted", "--stage-server", stage]
+        started.spawn("run1", restarted, flwr_home=tmp_path / "h1")
         started.wait_for("stage1", lambda: "opened for round 2" in started.text("stage1"), 300)
         started.procs["stage1"].kill()  # mid-round 2: sessions and the round's adapters are lost
         started.procs["stage1"].wait()
@@ -259,19 +263,35 @@ def test_stage_server_killed_mid_round_and_the_run_resumed(tmp_path: Path) -> No
         started.wait_for("stage2", port_file.exists, timeout_s=120)
         assert started.procs["run1"].wait(timeout=330) != 0  # the run stops, it does not go on
         print("the interrupted run ended with:", started.text("run1")[-1500:])
-        run2 = started.spawn(
-            "run2", [*run_args, "--stage-server", stage, "--resume"], flwr_home=tmp_path / "h2"
-        )
+        run2 = started.spawn("run2", [*restarted, "--resume"], flwr_home=tmp_path / "h2")
         assert run2.wait(timeout=330) == 0, started.text("run2")[-6000:]
+        straight = [*run_args, "--name", "straight", "--stage-server", stage]
+        run3 = started.spawn("run3", straight, flwr_home=tmp_path / "h3")
+        assert run3.wait(timeout=330) == 0, started.text("run3")[-6000:]
     finally:
-        started.stop(["run1", "run2", "client0", "client1", "stage2", "stage1"])
+        started.stop(["run1", "run2", "run3", "client0", "client1", "stage2", "stage1"])
         link.stop()
-    summary = json.loads((tmp_path / "runs" / "restarted" / "summary.json").read_text())
+    runs = tmp_path / "runs"
+    summary = json.loads((runs / "restarted" / "summary.json").read_text())
     rounds = {entry["round"]: entry for entry in summary["rounds"]}
     assert sorted(rounds) == [0, 1, 2]
     assert rounds[2]["merged"] == 2 and rounds[2]["eval_loss"] > 0
-    evals = [r for r in _history(tmp_path / "runs" / "restarted") if r.get("event") == "eval"]
+    evals = [r for r in _history(runs / "restarted") if r.get("event") == "eval"]
     assert [r["round"] for r in evals] == [0, 1, 2]  # each round evaluated once, in order
+    # exactly what the uninterrupted run gives: every loss, and both sides' adapters
+    uninterrupted = json.loads((runs / "straight" / "summary.json").read_text())
+    losses = {(e["round"], e.get("eval_loss"), e.get("train_loss")) for e in summary["rounds"]}
+    assert losses == {
+        (e["round"], e.get("eval_loss"), e.get("train_loss")) for e in uninterrupted["rounds"]
+    }
+    for side in ("device", "server"):
+        got = load_file(
+            str(runs / "restarted" / "checkpoints" / "round-0002" / f"{side}.safetensors")
+        )
+        want = load_file(
+            str(runs / "straight" / "checkpoints" / "round-0002" / f"{side}.safetensors")
+        )
+        assert got.keys() == want.keys() and all(got[k].equal(want[k]) for k in got), side
 
 
 def _history(folder: Path) -> list[dict[str, object]]:

@@ -1,12 +1,19 @@
-"""``fedpipe bench quality``: the run list is data, and a ``--quick`` run keeps the JSON contract
-(DESIGN.md): every named run with its loss, perplexity, bytes, wall time and steps."""
+"""``fedpipe bench quality``: the run list is data, seeds combine, and a setting the bench does
+not model is refused. (A ``--quick`` run and its JSON contract: tests/system/test_bench_runs.py.)"""
 
 from __future__ import annotations
 
 import math
 
 import pytest
-from fedpipe_bench.quality import COMPRESSION, EXTRA_RUNS, RUNS, over_seeds, run_names
+from fedpipe_bench.quality import (
+    COMPRESSION,
+    EXTRA_RUNS,
+    RUNS,
+    over_seeds,
+    run_names,
+    run_quality_bench,
+)
 
 from fedpipe.config import FedpipeConfig
 
@@ -44,3 +51,11 @@ def test_seeds_combine_into_means_with_each_seed_and_the_spread() -> None:
     assert row["wall_s"] == pytest.approx(20.0) and row["steps"] == 6 and row["bytes_up"] == 100
     one = over_seeds(rows[:1], [0])
     assert one["eval_loss"] == 3.0 and one["eval_loss_std"] == 0.0
+
+
+def test_bench_quality_refuses_a_setting_it_does_not_model() -> None:
+    with pytest.raises(ValueError) as refused:
+        run_quality_bench(quick=True, overrides={"federated.straggler_s": 5.0})
+    message = str(refused.value)
+    assert "federated.straggler_s=5.0" in message and "\n" not in message
+    assert "round_deadline_s" not in message  # only what was given is named

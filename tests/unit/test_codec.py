@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from fedpipe.errors import TensorFormatError
@@ -275,57 +275,164 @@ def test_expect_shape_wildcards_accept_any_size() -> None:
 
 _int64 = st.integers(-(2**63), 2**63 - 1)
 _dim = st.one_of(st.integers(-2, 6), st.integers(0, 2**40), _int64, st.just(2**63 - 1))
+_FUZZ_CODECS = (*CODECS, "int4g16", "int2tg16", "int4to", "int2o8g16")
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    codec=st.one_of(st.sampled_from([0, 1, 2, 3, 4, 5, 6]), st.integers(-(2**31), 2**31 - 1)),
-    group_size=st.sampled_from([0, 16, 64, 3]),
-    token_groups=st.booleans(),
-    shape=st.lists(_dim, max_size=5) | st.lists(st.integers(0, 1), max_size=MAX_NDIM + 3),
-    data=st.binary(max_size=200) | st.just(b""),
-    scales=st.binary(max_size=40),
-    expect_shape=st.none() | st.lists(st.none() | st.integers(0, 6), max_size=5),
-    max_elements=st.none() | st.integers(0, 100),
-    dtype=st.sampled_from(FLOAT_DTYPES),
-)
-def test_fuzz_only_tensor_format_errors(
-    codec: int,
-    shape: list[int],
-    data: bytes,
-    scales: bytes,
-    expect_shape: list[int | None] | None,
-    max_elements: int | None,
-    dtype: torch.dtype,
-    group_size: int,
-    token_groups: bool,
-) -> None:
-    msg = pb.Tensor(
-        codec=codec,
-        shape=shape,
-        data=data,
-        scales=scales,
-        group_size=group_size,
-        token_groups=token_groups,
+@st.composite
+def _random_tensor_message(draw: st.DrawFn) -> pb.Tensor:
+    """Any field values at all: nearly always a message no sender could have written."""
+    return pb.Tensor(
+        codec=draw(st.one_of(st.sampled_from(range(7)), st.integers(-(2**31), 2**31 - 1))),
+        shape=draw(st.lists(_dim, max_size=5) | st.lists(st.integers(0, 1), max_size=MAX_NDIM + 3)),
+        data=draw(st.binary(max_size=200)),
+        scales=draw(st.binary(max_size=40)),
+        group_size=draw(st.sampled_from([0, 16, 64, 3])),
+        token_groups=draw(st.booleans()),
     )
-    try:
-        y = tensor_from_proto(
-            msg, expect_shape=expect_shape, dtype=dtype, max_elements=max_elements
+
+
+def _mutate(draw: st.DrawFn, msg: pb.Tensor) -> str:
+    """Change one field of an encoded message as a broken or hostile sender might."""
+    how = draw(st.sampled_from(["flip", "truncate", "extend", "shape", "codec", "group", "scales"]))
+    if how == "flip" and msg.data:
+        at = draw(st.integers(0, len(msg.data) - 1))
+        data = bytearray(msg.data)
+        data[at] ^= draw(st.integers(1, 255))  # may stay a finite value, or become NaN
+        msg.data = bytes(data)
+    elif how == "truncate":
+        msg.data = msg.data[: draw(st.integers(0, max(len(msg.data) - 1, 0)))]
+    elif how == "extend":
+        msg.data += draw(st.binary(min_size=1, max_size=9))
+    elif how == "shape" and msg.shape:
+        msg.shape[draw(st.integers(0, len(msg.shape) - 1))] = draw(_dim)
+    elif how == "codec":
+        msg.codec = draw(st.integers(-1, 8))
+    elif how == "group":
+        msg.group_size = draw(st.sampled_from([0, 3, 16, 64, 128, 2**20]))
+    else:
+        msg.scales = draw(st.binary(max_size=40))
+    return how
+
+
+@st.composite
+def _tensor_cases(draw: st.DrawFn) -> tuple[pb.Tensor, torch.Tensor | None, str]:
+    """(message, the tensor it encodes or None, how it was made): a valid encoding of a real
+    tensor, the same with one field changed, or random field values."""
+    kind = draw(st.sampled_from(["valid", "mutated", "random"]))
+    if kind == "random":
+        return draw(_random_tensor_message()), None, kind
+    codec = draw(st.sampled_from(_FUZZ_CODECS))
+    shape = tuple(draw(st.lists(st.integers(0, 6), max_size=4)))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    x = torch.randn(shape, generator=gen) * draw(st.sampled_from([1e-3, 1.0, 1e3]))
+    msg = pb.Tensor.FromString(tensor_to_proto(x, codec).SerializeToString())
+    if kind == "mutated":
+        return msg, None, _mutate(draw, msg)
+    return msg, x, codec
+
+
+def _decode_options(draw: st.DrawFn, msg: pb.Tensor) -> dict[str, object]:
+    """expect_shape and max_elements: fitting the message (wildcards included), or anything."""
+    shape = list(msg.shape)
+    expect: list[int | None] | None = draw(
+        st.none()
+        | st.lists(st.none() | st.integers(0, 6), max_size=5)
+        | st.just([d if draw(st.booleans()) else None for d in shape])
+    )
+    limit = draw(st.none() | st.integers(0, 100))
+    return {"expect_shape": expect, "max_elements": limit}
+
+
+def _assert_decodes_within_bound(msg: pb.Tensor, x: torch.Tensor, *, codec: str) -> None:
+    """``msg`` (``x`` encoded with ``codec``) decodes to fp32 within the codec's stated bound.
+
+    Low-bit codecs of any group layout: within half a step of the whole tensor's range, which
+    bounds every group's half step."""
+    y = tensor_from_proto(msg)
+    if codec in CODECS:
+        _assert_within_bound(x, y, codec)
+    elif x.numel():
+        step = float(x.max() - x.min()) / (2 ** (4 if codec.startswith("int4") else 2) - 1)
+        slack = 4e-7 * float(x.abs().max()) + 1e-30
+        assert float((y - x).abs().max()) <= step / 2 * (1 + 1e-5) + slack
+
+
+def test_fuzz_decodes_valid_messages_and_refuses_others_with_format_errors() -> None:
+    """Generated messages: real encodings (which must decode within the codec's bound), real
+    encodings with one field broken, and random fields. Any refusal is a TensorFormatError, every
+    decoded tensor has the declared shape and dtype, and both outcomes occur often."""
+    outcomes: dict[str, int] = {"decoded": 0, "refused": 0}
+
+    @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(case=_tensor_cases(), data=st.data(), dtype=st.sampled_from(FLOAT_DTYPES))
+    def decode(
+        case: tuple[pb.Tensor, torch.Tensor | None, str], data: st.DataObject, dtype: torch.dtype
+    ) -> None:
+        msg, original, how = case
+        kwargs = _decode_options(data.draw, msg)
+        try:
+            y = tensor_from_proto(msg, dtype=dtype, **kwargs)  # type: ignore[arg-type]
+        except TensorFormatError:
+            outcomes["refused"] += 1
+            event(f"refused ({how})")
+            return
+        outcomes["decoded"] += 1
+        event(f"decoded ({how})")
+        assert tuple(y.shape) == tuple(msg.shape) and y.dtype == dtype and y.is_contiguous()
+        assert payload_nbytes(msg) == len(msg.data) + len(msg.scales)
+        if original is not None:  # an untouched encoding: within the codec's stated bound
+            _assert_decodes_within_bound(msg, original, codec=how)
+
+    decode()
+    # The property must see both sides: a fuzz whose every case is refused checks nothing about
+    # what decodes (random bytes almost never match a shape), and one that never refuses
+    # checks no error path.
+    assert outcomes["decoded"] >= 30 and outcomes["refused"] >= 30, outcomes
+
+
+@st.composite
+def _label_cases(draw: st.DrawFn) -> tuple[pb.Tensor, torch.Tensor | None, str]:
+    """Labels as ``labels_to_proto`` writes them, the same with one field changed, or random."""
+    kind = draw(st.sampled_from(["valid", "mutated", "random"]))
+    if kind == "random":
+        msg = pb.Tensor(
+            codec=draw(st.integers(-5, 5)),
+            shape=draw(st.lists(_dim, max_size=4)),
+            data=draw(st.binary(max_size=64)),
         )
-    except TensorFormatError:
-        return
-    assert tuple(y.shape) == tuple(shape) and y.dtype == dtype and y.is_contiguous()
-    assert payload_nbytes(msg) == len(data) + len(scales)
+        return msg, None, kind
+    shape = tuple(draw(st.lists(st.integers(0, 5), max_size=3)))
+    x = torch.tensor(
+        draw(st.lists(_int64, min_size=math.prod(shape), max_size=math.prod(shape))),
+        dtype=torch.int64,
+    ).reshape(shape)
+    msg = pb.Tensor.FromString(labels_to_proto(x).SerializeToString())
+    if kind == "mutated":
+        return msg, None, _mutate(draw, msg)
+    return msg, x, kind
 
 
-@settings(max_examples=100, deadline=None)
-@given(shape=st.lists(_dim, max_size=4), data=st.binary(max_size=64), codec=st.integers(-5, 5))
-def test_fuzz_labels_only_tensor_format_errors(shape: list[int], data: bytes, codec: int) -> None:
-    try:
-        y = labels_from_proto(pb.Tensor(codec=codec, shape=shape, data=data))
-    except TensorFormatError:
-        return
-    assert tuple(y.shape) == tuple(shape) and y.dtype == torch.int64
+def test_fuzz_decodes_valid_labels_and_refuses_others_with_format_errors() -> None:
+    outcomes: dict[str, int] = {"decoded": 0, "refused": 0}
+
+    @settings(max_examples=150, deadline=None)
+    @given(case=_label_cases())
+    def decode(case: tuple[pb.Tensor, torch.Tensor | None, str]) -> None:
+        msg, original, how = case
+        try:
+            y = labels_from_proto(msg)
+        except TensorFormatError:
+            outcomes["refused"] += 1
+            event(f"refused ({how})")
+            return
+        outcomes["decoded"] += 1
+        event(f"decoded ({how})")
+        assert tuple(y.shape) == tuple(msg.shape) and y.dtype == torch.int64
+        if original is not None:
+            assert torch.equal(y, original)
+
+    decode()
+    assert outcomes["decoded"] >= 15 and outcomes["refused"] >= 15, outcomes
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

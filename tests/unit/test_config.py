@@ -147,7 +147,7 @@ def test_unknown_table_in_toml_is_refused(tmp_path: Path) -> None:
         ({"pipeline.uplink_codec": "fp8"}, "pipeline.uplink_codec 'fp8' unknown"),
         ({"train.lr": 0}, "train.lr must be > 0, got 0"),
         ({"server.device": "tpu"}, "server.device must be auto, cpu or cuda, got 'tpu'"),
-        ({"server.max_message_mb": "0"}, "server.max_message_mb must be > 0"),
+        ({"server.max_message_mb": "0"}, "server.max_message_mb must be >= 0.5"),
         ({"federated.partition": "random"}, "federated.partition must be iid, by-source or"),
     ],
 )

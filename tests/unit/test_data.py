@@ -148,24 +148,35 @@ def test_default_corpus_is_ten_kjv_books() -> None:
 
 @settings(max_examples=40, deadline=None)
 @given(
-    n=st.integers(1, 60),
     k=st.integers(1, 8),
+    extra=st.integers(0, 52),
     scheme=st.sampled_from(["iid", "dirichlet"]),
     alpha=st.floats(0.01, 10.0),
     seed=st.integers(0, 2**16),
 )
 def test_partition_covers_every_doc_once(
-    n: int, k: int, scheme: str, alpha: float, seed: int
+    k: int, extra: int, scheme: str, alpha: float, seed: int
 ) -> None:
-    docs = _docs(n)
-    if n < k:
-        with pytest.raises(ValueError, match="cannot fill"):
-            partition(docs, k, scheme=scheme, alpha=alpha, seed=seed)  # type: ignore[arg-type]
-        return
+    docs = _docs(k + extra)  # at least one document per partition
     parts = partition(docs, k, scheme=scheme, alpha=alpha, seed=seed)  # type: ignore[arg-type]
     assert len(parts) == k and all(parts)
     assert sorted(d.text for p in parts for d in p) == sorted(d.text for d in docs)  # type: ignore[type-var]
     assert parts == partition(docs, k, scheme=scheme, alpha=alpha, seed=seed)  # type: ignore[arg-type]
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    k=st.integers(2, 8),
+    data=st.data(),
+    scheme=st.sampled_from(["iid", "dirichlet"]),
+    seed=st.integers(0, 2**16),
+)
+def test_fewer_docs_than_partitions_is_refused(
+    k: int, data: st.DataObject, scheme: str, seed: int
+) -> None:
+    docs = _docs(data.draw(st.integers(1, k - 1)))
+    with pytest.raises(ValueError, match="cannot fill"):
+        partition(docs, k, scheme=scheme, seed=seed)  # type: ignore[arg-type]
 
 
 def test_iid_sizes_balanced_and_seed_matters() -> None:

@@ -140,3 +140,19 @@ def test_wire_size_from_shapes_counts_the_sample_keys() -> None:
     raw = pb.StageMessage.FromString(msg_to_wire(msg, session_id="s" * 32, codec="int4"))
     assert list(raw.sample_keys) == [1, 2, 3, 2**63]
     assert raw.ByteSize() <= wire_nbytes(raw) <= raw.ByteSize() + 96
+
+
+def test_a_difference_that_overflows_its_base_is_refused_and_not_stored() -> None:
+    """A finite difference from a finite base can sum to Inf (3e38 + 3e38 in fp32): the rebuilt
+    row is checked, refused, and the base the receiver holds stays as it was."""
+    decoder = StreamDecoder(delta_cache_bytes=10 * ROW_BYTES)
+    big = torch.full((1, T, C), 3e38)
+    key = 0x1234
+    first = StageMsg(Kind.ACTIVATION, 0, 0, tensor=big, sample_keys=(key,))
+    decoder.decode(msg_to_wire(first, session_id="s", codec="fp32"))
+    held = decoder.delta.cache.get(key)
+    assert held is not None and torch.equal(held, big[0])
+    second = StageMsg(Kind.ACTIVATION, 1, 0, tensor=big, sample_keys=(key | DELTA_BIT,))
+    with pytest.raises(TensorFormatError, match="row 0 holds NaN or Inf once its base is added"):
+        decoder.decode(msg_to_wire(second, session_id="s", codec="fp32"))
+    assert torch.equal(decoder.delta.cache.get(key), big[0])  # type: ignore[arg-type]

@@ -3,6 +3,7 @@ how Flower's error replies are turned back into a device and a reason."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -112,3 +113,25 @@ def test_a_device_gone_for_good_costs_one_connect_wait() -> None:
     nodes.ids = []
     with pytest.raises(StopRun, match=r"only 0 of 2 devices connected .*min_devices=1"):
         grid.wait_for_devices(want=3, min_devices=1, wait_s=0)
+
+
+def test_a_device_flower_reports_gone_costs_no_connect_wait() -> None:
+    """After a round, a device Flower no longer lists (killed, its heartbeat expired) is not
+    waited for: the next round starts at once with the live ones (min_devices allowing)."""
+    from fedpipe.fl.rounds import DeviceBook, RoundGrid
+
+    records: list[dict] = []
+    nodes = _Nodes([1, 2])
+    grid = RoundGrid(
+        nodes,  # type: ignore[arg-type]
+        log=records.append,
+        devices=DeviceBook(),
+        deadline_s=60,
+        report_every_s=30,
+    )
+    assert grid.wait_for_devices(want=2, min_devices=1, wait_s=600) == [1, 2]
+    nodes.ids = [1]  # device 2 was killed in its round; Flower reports it gone
+    started = time.monotonic()
+    assert grid.wait_for_devices(want=2, min_devices=1, wait_s=600) == [1]
+    assert time.monotonic() - started < 60  # no connect wait (it would be 600 s)
+    assert records == []

@@ -7,7 +7,6 @@ reported as failed; a device whose server adapter the StageServer refused to mer
 
 from __future__ import annotations
 
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -17,8 +16,7 @@ from flwr.app import ArrayRecord, MetricRecord
 
 from fedpipe.fl.device_work import RunSettings
 from fedpipe.fl.rounds import DeviceBook, RoundGrid, StopRun
-from fedpipe.fl.server_app import _Rounds
-from fedpipe.runs.folder import RunFolder
+from fedpipe.fl.server_app import Rounds
 from fedpipe.wire.control_client import Committed
 
 
@@ -46,9 +44,9 @@ def _reply(node: int, value: float) -> Any:
     )
 
 
-def _rounds(tmp_path: Path, control: _Control) -> tuple[_Rounds, list[dict]]:
-    rounds = _Rounds(control, RunFolder.open(tmp_path, "r"), RunSettings(), 0)  # type: ignore[arg-type]
+def _rounds(control: _Control) -> tuple[Rounds, list[dict]]:
     records: list[dict] = []
+    rounds = Rounds(control, RunSettings(), 0, log=records.append)  # type: ignore[arg-type]
     rounds.grid = RoundGrid(
         SimpleNamespace(),  # type: ignore[arg-type]
         log=records.append,
@@ -60,11 +58,11 @@ def _rounds(tmp_path: Path, control: _Control) -> tuple[_Rounds, list[dict]]:
     return rounds, records
 
 
-def test_a_non_finite_device_adapter_is_not_aggregated(tmp_path: Path) -> None:
+def test_a_non_finite_device_adapter_is_not_aggregated() -> None:
     control = _Control(dropped={})
-    rounds, records = _rounds(tmp_path, control)
+    rounds, records = _rounds(control)
     replies = [_reply(1, 0.5), _reply(2, float("nan")), _reply(3, float("inf"))]
-    kept = rounds.finite_replies(replies)
+    kept = rounds.valid_replies(replies)
     assert [r.metadata.src_node_id for r in kept] == [1]
     assert [(r["node_id"], r["event"]) for r in records] == [(2, "failure"), (3, "failure")]
     assert (
@@ -76,9 +74,9 @@ def test_a_non_finite_device_adapter_is_not_aggregated(tmp_path: Path) -> None:
     assert rounds.stats["devices_trained"] == 1 and rounds.stats["devices_failed"] == 2
 
 
-def test_a_server_adapter_the_stage_server_dropped_is_a_failure(tmp_path: Path) -> None:
+def test_a_server_adapter_the_stage_server_dropped_is_a_failure() -> None:
     control = _Control(dropped={"2": "1 of 512 values of lora_B are NaN or Inf"})
-    rounds, records = _rounds(tmp_path, control)
+    rounds, records = _rounds(control)
     rounds.commit(1, [_reply(1, 0.5), _reply(2, 0.5)])
     failures = [r for r in records if r["event"] == "failure"]
     assert [(r["node_id"], r["reason"]) for r in failures] == [
@@ -87,6 +85,6 @@ def test_a_server_adapter_the_stage_server_dropped_is_a_failure(tmp_path: Path) 
     assert rounds.stats["devices_trained"] == 1 and rounds.stats["devices_failed"] == 1
 
     control = _Control(dropped={"1": "NaN"})
-    rounds, _ = _rounds(tmp_path / "again", control)
+    rounds, _ = _rounds(control)
     with pytest.raises(StopRun, match="no device trained"):
         rounds.commit(1, [_reply(1, 0.5)])

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
 
 from fedpipe.errors import InvalidRequestError, TensorFormatError
 from fedpipe.messages import Kind, StageMsg
@@ -97,3 +99,63 @@ def test_a_framed_tensor_is_checked_like_any_other() -> None:
     bounds = MessageBounds(hidden_size=8, max_batch=1, max_tokens=5)
     with pytest.raises(InvalidRequestError, match="does not fit the session"):
         msg_from_wire(msg_to_wire(_msg(False), session_id="", codec="fp32"), bounds=bounds)
+
+
+@st.composite
+def _frames(draw: st.DrawFn) -> tuple[bytes, StageMsg | None, str]:
+    """(frame, the message it encodes or None, how it was made): a frame ``msg_to_wire`` wrote
+    for a real message, the same with bytes flipped, cut or appended, or random bytes."""
+    how = draw(st.sampled_from(["valid", "flip", "truncate", "extend", "random"]))
+    if how == "random":
+        return draw(st.binary(max_size=120)), None, how
+    shape = (draw(st.integers(1, 3)), draw(st.integers(1, 6)), draw(st.integers(1, 8)))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    msg = StageMsg(
+        draw(st.sampled_from([Kind.ACTIVATION, Kind.OUTPUT, Kind.OUTPUT_GRAD, Kind.INPUT_GRAD])),
+        draw(st.integers(0, 2**31)),
+        draw(st.integers(0, 64)),
+        tensor=torch.randn(shape, generator=gen),
+        loss_scale=draw(st.sampled_from([0.0, 0.125, 1.0])),
+    )
+    if msg.kind == Kind.ACTIVATION and draw(st.booleans()):
+        msg.labels = torch.randint(0, 50, shape[:2], generator=gen)
+    frame = bytearray(msg_to_wire(msg, session_id="s1", codec=draw(st.sampled_from(CODECS))))
+    if how == "flip":
+        for _ in range(draw(st.integers(1, 3))):
+            frame[draw(st.integers(0, len(frame) - 1))] ^= draw(st.integers(1, 255))
+    elif how == "truncate":
+        del frame[draw(st.integers(0, len(frame) - 1)) :]
+    elif how == "extend":
+        frame += draw(st.binary(min_size=1, max_size=12))
+    return bytes(frame), (msg if how == "valid" else None), how
+
+
+def test_fuzz_frames_decode_when_valid_and_are_refused_with_format_errors_otherwise() -> None:
+    """msg_from_wire on generated frames: every frame msg_to_wire wrote decodes to its message;
+    a damaged or random frame decodes or is refused with TensorFormatError/InvalidRequestError,
+    never another exception; both outcomes occur often."""
+    outcomes = {"decoded": 0, "refused": 0}
+
+    @settings(max_examples=150, deadline=None)
+    @given(case=_frames())
+    def decode(case: tuple[bytes, StageMsg | None, str]) -> None:
+        frame, sent, how = case
+        try:
+            got = msg_from_wire(frame)
+        except (TensorFormatError, InvalidRequestError):
+            outcomes["refused"] += 1
+            event(f"refused ({how})")
+            assert sent is None, "a frame msg_to_wire wrote was refused"
+            return
+        outcomes["decoded"] += 1
+        event(f"decoded ({how})")
+        assert got.wire_bytes == len(frame)
+        if sent is not None:
+            assert (got.kind, got.step, got.microbatch) == (sent.kind, sent.step, sent.microbatch)
+            assert got.tensor is not None and sent.tensor is not None
+            assert got.tensor.shape == sent.tensor.shape
+            if sent.labels is not None:
+                assert torch.equal(got.labels, sent.labels)  # type: ignore[arg-type]
+
+    decode()
+    assert outcomes["decoded"] >= 20 and outcomes["refused"] >= 20, outcomes

@@ -25,6 +25,7 @@ def test_settings_are_set_by_name() -> None:
     names = {f.name for f in dataclasses.fields(ServerConfig)}
     limit_names = {f.name for f in dataclasses.fields(RuntimeLimits)} - {
         "max_pending_bytes",
+        "memory_budget_bytes",
         "default_learning_rate",
     }
     assert limit_names <= names  # every runtime bound is a server.* setting

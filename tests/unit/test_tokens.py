@@ -116,6 +116,16 @@ def test_ledger_admits_one_session_per_device_and_round() -> None:
     assert len(ledger) == 4
 
 
+def test_a_token_is_refused_again_when_its_round_is_begun_again() -> None:
+    """A round begun anew (a resumed run) takes fresh tokens only: one that opened a session
+    in the earlier attempt, even if issued within the clock skew of the new start, is refused."""
+    ledger = TokenLedger()
+    token = verify_token(SECRET, _token(), round=1, now=NOW)
+    ledger.claim(token, epoch=NOW, now=NOW)
+    with pytest.raises(InvalidTokenError, match="this session token .* already used"):
+        ledger.claim(token, epoch=NOW + 10, now=NOW + 10)
+
+
 def test_ledger_forgets_expired_tokens() -> None:
     ledger = TokenLedger()
     ledger.claim(verify_token(SECRET, _token(ttl_s=10), round=1, now=NOW), now=NOW)
@@ -161,7 +171,20 @@ def test_stale_and_unsigned_calls_are_refused() -> None:
     with pytest.raises(AuthError, match="no valid fedpipe-control-auth header"):
         verify(METHOD, b"x", (), now=NOW)
     with pytest.raises(AuthError, match="no valid"):
-        verify(METHOD, b"x", ((CONTROL_HEADER, "v1.notanumber.n.m"),), now=NOW)
+        verify(METHOD, b"x", ((CONTROL_HEADER, "v2.notanumber.n.s.r.m"),), now=NOW)
+
+
+def test_a_call_is_bound_to_its_server_and_names_its_run() -> None:
+    """A call signed for one StageServer is refused by another sharing the secret (or the same
+    one restarted: a new identity); the verified call names the run it was made in."""
+    metadata = sign_call(SECRET, METHOD, b"x", server_id="a1", run_id="run-1.ff", now=NOW)
+    with pytest.raises(AuthError, match="signed for StageServer 'a1', this is 'b2'"):
+        ControlVerifier(SECRET, server_id="b2")(METHOD, b"x", metadata, now=NOW)
+    signed = ControlVerifier(SECRET, server_id="a1")(METHOD, b"x", metadata, now=NOW)
+    assert signed.run_id == "run-1.ff"
+    forged = ((CONTROL_HEADER, metadata[0][1].replace("a1", "b2", 1)),)  # the id rewritten
+    with pytest.raises(AuthError, match="MAC does not match"):
+        ControlVerifier(SECRET, server_id="b2")(METHOD, b"x", forged, now=NOW)
 
 
 # -- who reads the secret ------------------------------------------------------------------------

@@ -1,0 +1,107 @@
+"""The quality bench's devices: this process's DeviceWorks, answering the ServerApp's messages.
+
+Each node answers a train message as fedpipe's ClientApp does (:mod:`fedpipe.fl.client_app`):
+the ClientApp's mod first (Flower's client-side clipping, when ``privacy.adapter_dp = client``
+puts a clipping norm in the round's config), then the round's global adapters loaded, the
+local steps over the stage link with the round's token (and FedProx's ``proximal-mu`` under
+``fedprox``), and a reply holding the device's adapters, its ``RoundReport`` as metrics, its
+plan and cut. A node's device id is its node id, as a Flower node's is, so the ServerApp's
+commit names the sessions it trained on the StageServer. Left out, as a simulation's devices
+do not use them: a device's own data and TLS files, test fault injection, and a delta cache
+kept on disk (each device's stays in memory for the run, as its DeviceWork does).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import cast
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+
+from fedpipe.config import FedpipeConfig, format_cut
+from fedpipe.edge.trainer import RoundReport
+from fedpipe.fl.adapter_dp import adapter_clipping_mod
+from fedpipe.fl.device_work import DeviceWork
+from fedpipe_bench.local_grid import Node
+
+__all__ = ["FIRST_NODE", "LocalDevices", "Traffic"]
+
+FIRST_NODE = 1001  # device i is node FIRST_NODE + i (Flower's SuperLink is node 1)
+
+
+@dataclass
+class Traffic:
+    """What a federated run moved: stage-link bytes, Flower-side adapter bytes, tokens."""
+
+    up: int = 0
+    down: int = 0
+    adapters_up: int = 0
+    adapters_down: int = 0
+    tokens: int = 0
+
+
+class LocalDevices:
+    """``federated.num_devices`` devices (partitions 0..N-1) and their tallies."""
+
+    def __init__(self, cfg: FedpipeConfig) -> None:
+        fed = cfg.federated
+        self.cfg = cfg
+        nodes = {FIRST_NODE + i: i for i in range(fed.num_devices)}
+        self.works = {
+            node: DeviceWork(cfg, device_id=str(node), partition=i, num_partitions=fed.num_devices)
+            for node, i in nodes.items()
+        }
+        self.reports: dict[int, list[RoundReport]] = {}  # by round, in the order they trained
+        self.traffic = Traffic()
+
+    def nodes(self) -> dict[int, Node]:
+        """Node id -> the function that answers its messages (for :class:`LocalGrid`)."""
+        return {node: partial(self._answer, node) for node in self.works}
+
+    def _answer(self, node: int, msg: Message) -> Message:
+        context = Context(run_id=0, node_id=node, node_config={}, state=RecordDict(), run_config={})
+        return adapter_clipping_mod(msg, context, lambda m, _: self._train(node, m))
+
+    def _train(self, node: int, msg: Message) -> Message:
+        work = self.works[node]
+        config = cast(ConfigRecord, msg.content["config"])
+        arrays = cast(ArrayRecord, msg.content["arrays"]).to_torch_state_dict()
+        round_ = int(cast(int, config["fedpipe-round"]))
+        work.trainer.load_adapters(arrays)
+        fedprox = self.cfg.federated.strategy == "fedprox"
+        report = work.train(
+            str(config["stage-address"]),
+            round_=round_,
+            token=str(config["token"]),
+            proximal_mu=float(cast(float, config.get("proximal-mu", 0.0))) if fedprox else 0.0,
+        )
+        adapters = work.trainer.adapters()
+        self._count(round_, report, down=arrays, up=adapters)
+        metrics = MetricRecord({**report.metrics(), "partition-id": work.partition})
+        content = RecordDict({"arrays": ArrayRecord(adapters), "metrics": metrics})
+        if report.plan:
+            content["plan"] = ConfigRecord(dict(report.plan))
+        content["device"] = ConfigRecord({"cut": format_cut(work.trainer.cut)})
+        return Message(content=content, reply_to=msg)
+
+    def _count(
+        self,
+        round_: int,
+        report: RoundReport,
+        *,
+        down: dict[str, torch.Tensor],
+        up: dict[str, torch.Tensor],
+    ) -> None:
+        """A device's round: its stage-link bytes and tokens, and the adapters each way."""
+        self.reports.setdefault(round_, []).append(report)
+        self.traffic.up += report.bytes_up
+        self.traffic.down += report.bytes_down
+        self.traffic.tokens += sum(s.tokens for s in report.steps)
+        self.traffic.adapters_up += _nbytes(up)
+        self.traffic.adapters_down += _nbytes(down)
+
+
+def _nbytes(state: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())

@@ -1,0 +1,157 @@
+"""What a device's train reply may carry into everyone's model, checked before aggregation.
+
+A reply is the device's word: its adapters and its metrics. The ServerApp accepts only what an
+honest device of the run sends, and a reply that is anything else is that device's failure
+(named, like a non-finite adapter), never an error that stops the round:
+
+- **arrays**: exactly the adapter keys of the cut the device declares (one the server offers),
+  each of the global adapter's shape, finite; never a folded base delta (``*.base_delta``: only
+  the ServerApp folds them) and never a key no cut holds;
+- **metrics**: the keys a fedpipe device sends (:data:`METRIC_KEYS`, plus the privacy and delta
+  coding ones its settings add), each a finite number;
+- **the weight** ``num-examples``: a whole number from 0 to what the round lets a device train
+  (``train.batch_size x train.local_steps``); a claim past it is refused, not trusted.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import cast
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+
+from fedpipe.config import FedpipeConfig, format_cut
+from fedpipe.lora.aggregation import DELTA_SUFFIX, adapter_block
+
+__all__ = ["METRIC_KEYS", "ReplyRules", "check_reply", "device_keys"]
+
+# What every fedpipe device reports (fedpipe.edge.trainer.RoundReport.metrics, the ClientApp).
+METRIC_KEYS = frozenset(
+    {
+        "num-examples",
+        "train-loss",
+        "step-time-median-s",
+        "step-time-max-s",
+        "bytes-up",
+        "bytes-down",
+        "steps",
+        "wall-s",
+        "peak-rss-mb",
+        "stash-peak",
+        "partition-id",
+    }
+)
+# What settings add: stage-link privacy (LinkAccountant.report) and delta coding.
+_OPTIONAL_KEYS = frozenset(
+    {
+        "privacy-releases",
+        "privacy-delta",
+        "privacy-epsilon",
+        "privacy-epsilon-activations",
+        "privacy-epsilon-gradients",
+        "delta-hit-rate",
+        "delta-resumed",
+    }
+)
+
+
+@dataclass(frozen=True)
+class ReplyRules:
+    """What the round's replies may hold: each offered cut's keys and shapes, and the weight."""
+
+    keys_by_cut: Mapping[str, Mapping[str, tuple[int, ...]]]  # "2+1" -> {key: shape}
+    default_cut: str  # the cut of a device that declares none
+    max_examples: int  # train.batch_size x train.local_steps
+    rows_per_step: int = 0  # train.batch_size: a step the server counted weighs this much
+
+
+def device_keys(
+    config: FedpipeConfig, initial: Mapping[str, torch.Tensor], num_layers: int
+) -> dict[str, dict[str, tuple[int, ...]]]:
+    """Per offered cut, the device adapter keys (and shapes) a device of that cut holds.
+
+    ``initial`` holds the seeded adapters of every offered cut; a cut ``h+t`` holds blocks
+    ``0..h-1`` and, in the U-shaped split, ``L-t..L-1`` of the model's ``L`` blocks.
+    """
+    out: dict[str, dict[str, tuple[int, ...]]] = {}
+    for head, tail in config.model.offered_cuts:
+        blocks = set(range(head))
+        if config.model.split == "u":
+            blocks |= set(range(num_layers - tail, num_layers))
+        out[format_cut((head, tail))] = {
+            key: tuple(value.shape)
+            for key, value in initial.items()
+            if not key.endswith(DELTA_SUFFIX) and adapter_block(key) in blocks | {None}
+        }
+    return out
+
+
+def check_reply(reply: Message, rules: ReplyRules) -> str:
+    """Why ``reply`` (not an error reply) may not be aggregated, as one line; "" when it may."""
+    why = _problem(reply, rules)
+    if not why or why.startswith("device adapter not aggregated"):
+        return why
+    return f"reply not aggregated: {why}"
+
+
+def _problem(reply: Message, rules: ReplyRules) -> str:
+    content = reply.content
+    arrays, metrics = content.get("arrays"), content.get("metrics")
+    if not isinstance(arrays, ArrayRecord) or not isinstance(metrics, MetricRecord):
+        return "the reply has no adapters ('arrays') or no metrics ('metrics')"
+    why = _metrics_problem(metrics, rules.max_examples)
+    if why:
+        return why
+    device = content.get("device", ConfigRecord())
+    cut = str(cast(ConfigRecord, device).get("cut", rules.default_cut))
+    if cut not in rules.keys_by_cut:
+        offered = ", ".join(rules.keys_by_cut)
+        return f"it declares cut {cut!r}, which the server does not offer ({offered})"
+    return _arrays_problem(arrays, rules.keys_by_cut[cut], cut)
+
+
+def _metrics_problem(metrics: MetricRecord, max_examples: int) -> str:
+    keys = set(metrics.keys())
+    missing = sorted(METRIC_KEYS - keys)
+    if missing:
+        return f"its metrics lack {', '.join(missing)}"
+    extra = sorted(keys - METRIC_KEYS - _OPTIONAL_KEYS)
+    if extra:
+        return f"its metrics carry keys no fedpipe device sends: {', '.join(extra[:5])}"
+    for key, value in metrics.items():
+        if not isinstance(value, int | float) or not math.isfinite(float(value)):
+            return f"metric {key} is {value!r}, not a finite number"
+    examples = float(cast(float, metrics["num-examples"]))
+    if not (examples.is_integer() and 0 <= examples <= max_examples):
+        return (
+            f"it claims {examples:g} examples; a device trains 0 to {max_examples} in a round "
+            "(train.batch_size x train.local_steps)"
+        )
+    return ""
+
+
+def _arrays_problem(arrays: ArrayRecord, expected: Mapping[str, tuple[int, ...]], cut: str) -> str:
+    keys = set(arrays.keys())
+    deltas = sorted(k for k in keys if k.endswith(DELTA_SUFFIX))
+    if deltas:
+        return f"it sends folded base deltas ({deltas[0]}, ...), which only the ServerApp makes"
+    unknown = sorted(keys - set(expected))
+    if unknown:
+        return (
+            f"it sends {len(unknown)} adapter keys its cut {cut} does not hold ({unknown[0]}, ...)"
+        )
+    missing = sorted(set(expected) - keys)
+    if missing:
+        return f"it lacks {len(missing)} adapter keys of its cut {cut} ({missing[0]}, ...)"
+    for key, value in arrays.to_torch_state_dict().items():
+        if tuple(value.shape) != expected[key]:
+            return f"{key} has shape {tuple(value.shape)}, the global adapter {expected[key]}"
+        if not value.is_floating_point():
+            return f"{key} holds {value.dtype} values, not floats"
+        if not bool(torch.isfinite(value).all()):
+            bad = int((~torch.isfinite(value)).sum())
+            return f"device adapter not aggregated: {bad} values of {key} are NaN or Inf"
+    return ""

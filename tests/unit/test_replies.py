@@ -1,0 +1,100 @@
+"""What a device's train reply may carry: refused replies name why, honest ones pass as sent."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+
+from fedpipe.config import FedpipeConfig, ModelConfig
+from fedpipe.fl.replies import METRIC_KEYS, ReplyRules, check_reply, device_keys
+
+L = 4  # blocks of the model in these tests
+
+
+def _key(block: int, part: str = "A") -> str:
+    return f"model.layers.{block}.self_attn.q_proj.lora_{part}.weight"
+
+
+def _initial() -> dict[str, torch.Tensor]:
+    out = {}
+    for block in range(L):
+        out[_key(block, "A")] = torch.zeros(2, 8)
+        out[_key(block, "B")] = torch.zeros(8, 2)
+    return out
+
+
+def _rules(cuts: str = "") -> ReplyRules:
+    cfg = FedpipeConfig(model=ModelConfig(head_layers=1, tail_layers=1, cuts=cuts))
+    return ReplyRules(device_keys(cfg, _initial(), L), default_cut="1+1", max_examples=16)
+
+
+def _honest() -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    arrays = {k: torch.randn(v.shape) for k, v in _initial().items() if k.split(".")[2] in "03"}
+    metrics = dict.fromkeys(METRIC_KEYS, 1.0) | {"num-examples": 16}
+    return arrays, metrics
+
+
+def _reply(arrays: dict[str, torch.Tensor], metrics: dict[str, Any], cut: str = "") -> Any:
+    content = RecordDict({"arrays": ArrayRecord(arrays), "metrics": MetricRecord(metrics)})
+    if cut:
+        content["device"] = ConfigRecord({"cut": cut})
+    return SimpleNamespace(content=content, has_error=lambda: False)
+
+
+def test_an_honest_reply_passes() -> None:
+    arrays, metrics = _honest()
+    assert check_reply(_reply(arrays, metrics), _rules()) == ""
+    assert check_reply(_reply(arrays, metrics | {"privacy-epsilon": 3.0}), _rules()) == ""
+
+
+def test_a_device_of_another_offered_cut_holds_its_own_blocks() -> None:
+    rules = _rules(cuts="2+1")
+    arrays, metrics = _honest()
+    arrays |= {_key(1, "A"): torch.zeros(2, 8), _key(1, "B"): torch.zeros(8, 2)}
+    assert check_reply(_reply(arrays, metrics, cut="2+1"), rules) == ""
+    assert "does not hold" in check_reply(_reply(arrays, metrics, cut="1+1"), rules)
+    assert "does not offer" in check_reply(_reply(arrays, metrics, cut="3+0"), rules)
+
+
+@pytest.mark.parametrize(
+    ("tamper", "why"),
+    [
+        (lambda a, m: a.update({"model.extra.lora_A.weight": torch.zeros(2)}), "does not hold"),
+        (lambda a, m: a.update({_key(0, "A") + ".base_delta": torch.zeros(8, 8)}), "base deltas"),
+        (lambda a, m: a.pop(_key(3, "B")), "lacks 1 adapter keys"),
+        (lambda a, m: a.update({_key(0, "A"): torch.zeros(3, 8)}), "has shape (3, 8)"),
+        (lambda a, m: a.update({_key(0, "A"): torch.full((2, 8), math.nan)}), "NaN or Inf"),
+        (lambda a, m: m.update({"num-examples": 10**12}), "claims 1e+12 examples"),
+        (lambda a, m: m.update({"num-examples": math.nan}), "not a finite number"),
+        (lambda a, m: m.update({"num-examples": -1}), "claims -1 examples"),
+        (lambda a, m: m.pop("bytes-up"), "lack bytes-up"),
+        (lambda a, m: m.update({"my-own-metric": 1.0}), "no fedpipe device sends"),
+    ],
+    ids=[
+        "extra-key",
+        "base-delta",
+        "missing-key",
+        "shape",
+        "nan",
+        "huge-weight",
+        "nan-weight",
+        "negative-weight",
+        "missing-metric",
+        "extra-metric",
+    ],
+)
+def test_a_tampered_reply_is_refused_saying_why(tamper: Any, why: str) -> None:
+    arrays, metrics = _honest()
+    tamper(arrays, metrics)
+    assert why in check_reply(_reply(arrays, metrics), _rules())
+
+
+def test_a_reply_without_arrays_or_metrics_is_refused() -> None:
+    content = RecordDict({"metrics": MetricRecord({"num-examples": 1})})
+    reply = SimpleNamespace(content=content, has_error=lambda: False)
+    assert "no adapters" in check_reply(reply, _rules())
