@@ -10,7 +10,8 @@ Records (one JSON object per line, ``event`` says which):
   ``cut``: the head+tail blocks it ran);
 - ``failure``: one failed device (``device``, ``round``, ``reason``);
 - ``eval``: the round's record (held-out loss, device counts, ``wall_s`` of the round itself,
-  ``elapsed_s`` since the start);
+  ``elapsed_s`` since the start; with StageServer replicas, ``sessions_per_replica`` and
+  ``replica_mb_per_s``: each replica's sessions and training microbatches per second);
 - ``waiting``: whom a round waits for (while replies are out: the late devices, and ``why``
   for each); ``stop``: the run was stopped early, and why;
 - ``progress``: while a round's replies are out, each device's ``steps_done`` (the
@@ -43,6 +44,8 @@ _EVAL_KEYS = (
     "merged",
     "discarded",
     "devices_sampled",
+    "sessions_per_replica",  # with StageServer replicas: per replica, from its own counts
+    "replica_mb_per_s",
 )
 
 

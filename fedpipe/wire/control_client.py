@@ -60,7 +60,10 @@ class StageControlClient:
         certificate_chain: bytes | None = None,
         private_key: bytes | None = None,
     ) -> None:
-        options = channel_options(_MESSAGE_BYTES)
+        # Its own connection, not one shared with other channels to the same address: a new
+        # client for a server that restarted connects at once instead of inheriting the old
+        # connection's reconnect backoff (the ServerApp makes one for a lost replica).
+        options = [*channel_options(_MESSAGE_BYTES), ("grpc.use_local_subchannel_pool", 1)]
         if root_certificates is not None:
             creds = secure_channel_credentials(root_certificates, certificate_chain, private_key)
             self.channel = grpc.secure_channel(address, creds, options=options)
