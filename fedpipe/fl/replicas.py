@@ -194,24 +194,10 @@ class ReplicaControl:
             if index in self.needs_load:  # lost or not loaded: a new connection, at once
                 self.clients[index].close()
                 self.clients[index] = self._client(index)
-            client = self.clients[index]
-            run = replica_run_id(self.run_id, index)
             try:
-                if index in self.needs_load and not self._load(index):
-                    continue
-                try:
-                    client.begin_round(round_, run, aggregation, rule)
-                except grpc.RpcError as exc:
-                    if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
-                        raise
-                    log.warning(
-                        "replica %d (%s) holds no run adapter (restarted?): loading it",
-                        index,
-                        self.addresses[index],
-                    )
-                    if not self._load(index):
-                        continue
-                    client.begin_round(round_, run, aggregation, rule)
+                if index in self.needs_load:
+                    self._load_or_raise(index)
+                self._begin_one(index, round_, aggregation, rule)
             except grpc.RpcError as exc:
                 log.warning(
                     "replica %d (%s) sits round %d out: %s: %s",
@@ -221,9 +207,43 @@ class ReplicaControl:
                     exc.code().name,
                     exc.details(),
                 )
+                self.needs_load.add(index)
                 continue
             live.append(index)
         return live
+
+    def _begin_one(self, index: int, round_: int, aggregation: str, rule: str) -> None:
+        """BeginRound on one replica; one found restarted is loaded first (raises if it fails).
+
+        A restarted replica has a new identity: the first signed call is refused, the client
+        fetches the new one (Hello), and the call is made again; it then answers
+        FAILED_PRECONDITION (no run's adapter) until the global adapter is loaded."""
+        run = replica_run_id(self.run_id, index)
+        for attempt in range(3):
+            try:
+                self.clients[index].begin_round(round_, run, aggregation, rule)
+                return
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.UNAUTHENTICATED and attempt == 0:
+                    continue  # signed for the replica before its restart
+                if exc.code() != grpc.StatusCode.FAILED_PRECONDITION or attempt == 2:
+                    raise
+                log.warning(
+                    "replica %d (%s) holds no run adapter (restarted?): loading it",
+                    index,
+                    self.addresses[index],
+                )
+                self._load_or_raise(index)
+
+    def _load_or_raise(self, index: int) -> None:
+        for attempt in range(2):
+            try:
+                self.clients[index].load_adapter(self.global_state)
+                self.needs_load.discard(index)
+                return
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAUTHENTICATED or attempt == 1:
+                    raise
 
     def routes(self, devices: Iterable[str]) -> dict[str, Route]:
         """Each device's replica this round (the live ones, by :func:`assign_devices`)."""

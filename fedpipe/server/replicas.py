@@ -24,6 +24,7 @@ import os
 import socket
 import sys
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -146,7 +147,6 @@ class ReplicaSet:
         self.log_to_driver = log_to_driver
         self.replicas: list[ReplicaInfo] = []
         self._actors: list[Any] = []
-        self._started_ray = False
         self._pids: set[int] = set()  # every replica process seen, for the check at stop
 
     # -- start ----------------------------------------------------------------------------------
@@ -196,15 +196,19 @@ class ReplicaSet:
                 file=sys.stderr,
                 flush=True,
             )
+        with warnings.catch_warnings():  # Ray's notice of a future default, not ours to act on
+            warnings.simplefilter("ignore", FutureWarning)
+            self._init_local(ray, max(cores, wanted))
+
+    def _init_local(self, ray: Any, cpus: int) -> None:
         ray.init(
             address="local",
-            num_cpus=max(cores, wanted),
+            num_cpus=cpus,
             include_dashboard=False,
             log_to_driver=self.log_to_driver,
             configure_logging=False,
             object_store_memory=_OBJECT_STORE_BYTES,
         )
-        self._started_ray = True
 
     def _check_capacity(self, ray: Any, resources: dict[str, float]) -> None:
         """Fail at once, one line, when the cluster as a whole cannot hold the replicas."""
