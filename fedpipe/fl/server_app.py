@@ -120,6 +120,9 @@ class Rounds:
             if self.replicas is not None
             else {}
         )
+        if routes:  # which replica serves each device this round (the run folder keeps it)
+            assigned = {node: route.replica for node, route in routes.items()}
+            self.log({"event": "routes", "round": round_, "replicas": assigned})
         out = []
         for msg in messages:
             node = str(msg.metadata.dst_node_id)

@@ -17,6 +17,9 @@ Records (one JSON object per line, ``event`` says which):
 - ``progress``: while a round's replies are out, each device's ``steps_done`` (the
   StageServer's count) of the round's ``steps`` and its ``state`` (:mod:`fedpipe.fl.progress`).
 
+- ``routes``: with StageServer replicas, which replica each device (Flower node id) was told
+  to use in the round.
+
 ``waiting`` and ``progress`` are for the live console only: the summary leaves them out (the
 ``train``, ``failure`` and ``eval`` records hold each round's outcome).
 
