@@ -21,8 +21,10 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
 import socket
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Sequence
@@ -30,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fedpipe.config import FedpipeConfig
+from fedpipe.errors import FedpipeError
 
 __all__ = ["ReplicaInfo", "ReplicaSet", "ReplicaStartError", "replica_resources"]
 
@@ -40,8 +43,8 @@ _OBJECT_STORE_BYTES = 128 * 2**20  # nothing large crosses Ray: the stage link i
 _STOP_S = 15.0  # a replica's own graceful stop, before Ray kills it
 
 
-class ReplicaStartError(RuntimeError):
-    """A replica could not be placed or did not start; the message is one line per replica."""
+class ReplicaStartError(FedpipeError):
+    """Replicas could not be placed or did not start; the message says which, in one line."""
 
 
 @dataclass(frozen=True)
@@ -179,9 +182,20 @@ class ReplicaSet:
         return bool(self.config.server.ray_address)
 
     def _init_ray(self, ray: Any) -> None:
-        address = self.config.server.ray_address
         if ray.is_initialized():
             raise RuntimeError("Ray is initialised in this process already: one replica set each")
+        # ray.init makes SIGTERM exit the process at once; the caller's own handler (stop the
+        # replicas and what else it started, then exit) is put back.
+        main = threading.current_thread() is threading.main_thread()
+        handler = signal.getsignal(signal.SIGTERM) if main else None
+        try:
+            self._init(ray)
+        finally:
+            if handler is not None:
+                signal.signal(signal.SIGTERM, handler)
+
+    def _init(self, ray: Any) -> None:
+        address = self.config.server.ray_address
         if address:
             ray.init(address=address, log_to_driver=self.log_to_driver, configure_logging=False)
             return

@@ -11,6 +11,9 @@ and loads the global adapter into it.
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -102,3 +105,41 @@ def test_replicas_that_cannot_start_are_said_in_one_line_and_leave_no_process() 
     assert "replica 0 of 2 cannot be placed: each asks Ray for 1 GPU" in str(no_gpu.value)
     assert "not serving after 0.05 s (server.replica_start_s)" in str(too_slow.value)
     assert _wait_gone(_descendants() - before) == []
+
+
+def test_fedpipe_server_says_each_replica_and_stops_them_all(tmp_path: Path) -> None:
+    ready = tmp_path / "ready"
+    secret = tmp_path / "secret"
+    command = [
+        sys.executable, "-m", "fedpipe.cli", "server", "--model", "tiny-llama",
+        "--replicas", "2", "--device", "cpu", "--stage-server", "127.0.0.1:0",
+        "--secret-file", str(secret), "--port-file", str(ready),
+    ]  # fmt: skip
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen: set[int] = set()
+    try:
+        end = time.monotonic() + 300
+        while not ready.exists() and proc.poll() is None and time.monotonic() < end:
+            seen |= {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
+            time.sleep(0.5)
+        assert ready.exists(), "fedpipe server --replicas 2 did not become ready"
+        seen |= {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
+        addresses = ready.read_text().split(",")
+        control = ReplicaControl(
+            addresses, secret.read_text().strip(), run_id="run", lora_scale=2.0
+        )
+        control.reset_adapter()  # each replica answers signed round control
+        control.begin_round(1, "run", "separate")
+        live = list(control.round.live)
+        control.close()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, output[-2000:]
+    assert live == [0, 1]
+    for index, address in enumerate(addresses):
+        assert f"fedpipe: replica {index}: {address} (node " in output
+        assert "asked Ray for 1 CPU" in output
+    assert f"`fedpipe run --stage-server {','.join(addresses)}`" in output
+    assert "fedpipe: replicas stopped" in output
+    assert _wait_gone(seen) == []

@@ -69,13 +69,16 @@ class _Watch(threading.Thread):
         super().__init__(daemon=True)
         self.proc, self.run_dir = proc, run
         self.seen: set[int] = set()
+        self.gcs: set[int] = set()  # Ray's GCS servers: one per Ray instance
         self.killed: dict[str, Any] = {}
 
     def run(self) -> None:
         root = psutil.Process(self.proc.pid)
         while self.proc.poll() is None:
             try:
-                self.seen |= {p.pid for p in root.children(recursive=True)}
+                children = root.children(recursive=True)
+                self.seen |= {p.pid for p in children}
+                self.gcs |= {p.pid for p in children if _name(p) == "gcs_server"}
             except psutil.NoSuchProcess:
                 break
             if not self.killed and (victim := _victim(self.run_dir, 2)) is not None:
@@ -84,6 +87,13 @@ class _Watch(threading.Thread):
                 os.kill(pid, signal.SIGKILL)
                 self.killed = {"replica": victim, "pid": pid}
             time.sleep(0.3)
+
+
+def _name(proc: psutil.Process) -> str:
+    try:
+        return str(proc.name())
+    except psutil.Error:
+        return ""
 
 
 def _alive(pids: set[int]) -> list[str]:
@@ -140,6 +150,8 @@ def test_replicas_run_the_demo_shape_and_survive_a_replica_killed_mid_round(
     assert not [f for f in records if f.get("event") == "failure" and f["round"] != 2]
     # round 3: every device assigned again, the restarted replica among the candidates
     assert set(routes[3]) == set(routes[2])
+    # two Ray instances (the replicas' and Flower's simulation engine's): neither joined the other
+    assert len(watch.gcs) >= 2
     # nothing the run started is left: Ray's processes (both), replicas, Flower's
     assert watch.killed["pid"] in watch.seen
     end = time.monotonic() + 30
