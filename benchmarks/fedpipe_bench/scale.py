@@ -48,6 +48,7 @@ __all__ = ["QUICK", "ScaleSettings", "run_scale_bench"]
 log = logging.getLogger(__name__)
 
 Span = tuple[float, float]
+_SHARED = " (it shares the replicas' cores)"
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,7 @@ def _pinning(replicas: int) -> tuple[list[list[int]], dict[str, Any]]:
         "loadgen": "this process, unpinned: one thread per device, 1 torch thread",
         "loadgen_shares_replica_cores": shared,
         "text": f"{text} (sched_setaffinity in each Ray actor), 1 torch thread each; load "
-        f"generator unpinned{' (it shares the replicas' cores)' if shared else ''}",
+        f"generator unpinned{_SHARED if shared else ''}",
     }
 
 
