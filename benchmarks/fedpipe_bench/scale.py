@@ -33,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import psutil
 import torch
 
 from fedpipe.config import load_config
@@ -207,21 +208,40 @@ def _run_round(
         return list(pool.map(one, range(len(devices))))
 
 
+def _cpu_s(pids: Sequence[int]) -> list[float]:
+    """CPU seconds each process (a replica, or this one) has used so far."""
+    out = []
+    for pid in pids:
+        times = psutil.Process(pid).cpu_times()
+        out.append(times.user + times.system)
+    return out
+
+
 def _measure(
-    settings: ScaleSettings, replica_addresses: list[str], rounds: Sequence[int], scale: float
+    settings: ScaleSettings,
+    replica_addresses: list[str],
+    replica_pids: list[int],
+    rounds: Sequence[int],
+    scale: float,
 ) -> dict[str, Any]:
     """One row: ``len(replica_addresses)`` replicas, every round's figures joined."""
     loop = _device_loop(settings)
     control = _Commit(replica_addresses, scale)
     devices = [f"scale-{i}" for i in range(settings.devices)]
     steps = 0
-    window = 0.0
+    window = wall = 0.0
     times: list[float] = []
     commits: list[tuple[float, int]] = []
+    pids = [*replica_pids, os.getpid()]
+    used = [0.0] * len(pids)
     try:
         for round_ in rounds:
             assigned = control.begin(round_, devices)
-            spans = _run_round(loop, {d: replica_addresses[k] for d, k in assigned.items()}, round_)
+            where = {d: replica_addresses[k] for d, k in assigned.items()}
+            t0, cpu0 = time.monotonic(), _cpu_s(pids)
+            spans = _run_round(loop, where, round_)
+            wall += time.monotonic() - t0
+            used = [u + b - a for u, a, b in zip(used, cpu0, _cpu_s(pids), strict=True)]
             start, end, in_window = measurement_window(spans, settings.warmup)
             steps, window = steps + in_window, window + (end - start)
             times += [e - s for device in spans for s, e in device[settings.warmup :]]
@@ -243,6 +263,10 @@ def _measure(
         "commit_bytes": int(sum(c[1] for c in commits) / len(commits)),
         "window_s": round(window, 3),
         "steps_in_window": steps,
+        # cores each replica process, and the load generator (this process), used while the
+        # devices stepped: a replica well under 1.0 did not get its core
+        "replica_cpu": [round(u / wall, 3) for u in used[:-1]],
+        "loadgen_cpu": round(used[-1] / wall, 3),
     }
 
 
@@ -277,7 +301,8 @@ def run_scale_bench(settings: ScaleSettings) -> dict[str, Any]:
     try:
         for count in settings.replicas:
             wanted = [next(rounds) for _ in range(settings.rounds)]
-            row = _measure(settings, replicas.addresses[:count], wanted, scale)
+            pids = [r.pid for r in replicas.replicas[:count]]
+            row = _measure(settings, replicas.addresses[:count], pids, wanted, scale)
             rows.append(row)
             _progress(row)
     finally:
@@ -290,7 +315,8 @@ def _progress(row: dict[str, Any]) -> None:
         f"  {row['replicas']} replica(s), {row['devices']} devices: {row['mb_per_s']:8.2f} mb/s, "
         f"step p50 {row['step_p50_s']:.3f} s p95 {row['step_p95_s']:.3f} s, sessions "
         f"{row['sessions_per_replica']}, commit {row['commit_s']:.3f} s / "
-        f"{row['commit_bytes']} B",
+        f"{row['commit_bytes']} B; cores used: replicas {row['replica_cpu']}, load generator "
+        f"{row['loadgen_cpu']}",
         file=sys.stderr,
     )
 
