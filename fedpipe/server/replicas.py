@@ -189,7 +189,9 @@ class ReplicaSet:
         main = threading.current_thread() is threading.main_thread()
         handler = signal.getsignal(signal.SIGTERM) if main else None
         try:
-            self._init(ray)
+            with warnings.catch_warnings():  # Ray's notice of a future default: not ours to act on
+                warnings.simplefilter("ignore", FutureWarning)
+                self._init(ray)
         finally:
             if handler is not None:
                 signal.signal(signal.SIGTERM, handler)
@@ -210,9 +212,7 @@ class ReplicaSet:
                 file=sys.stderr,
                 flush=True,
             )
-        with warnings.catch_warnings():  # Ray's notice of a future default, not ours to act on
-            warnings.simplefilter("ignore", FutureWarning)
-            self._init_local(ray, max(cores, wanted))
+        self._init_local(ray, max(cores, wanted))
 
     def _init_local(self, ray: Any, cpus: int) -> None:
         ray.init(

@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -24,6 +27,8 @@ from typing import Any
 
 import psutil
 import pytest
+
+from fedpipe.fl.replicas import ReplicaControl
 
 pytestmark = pytest.mark.slow
 
@@ -156,5 +161,73 @@ def test_replicas_run_the_demo_shape_and_survive_a_replica_killed_mid_round(
     assert watch.killed["pid"] in watch.seen
     end = time.monotonic() + 30
     while (left := _alive(watch.seen)) and time.monotonic() < end:
+        time.sleep(0.5)
+    assert left == []
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _wait_for(path: Path, procs: list[subprocess.Popen[str]], deadline_s: float) -> None:
+    end = time.monotonic() + deadline_s
+    while not path.exists() and all(p.poll() is None for p in procs) and time.monotonic() < end:
+        time.sleep(0.5)
+    assert path.exists(), f"{path.name} never came"
+
+
+def test_fedpipe_server_puts_replicas_on_a_ray_cluster_and_leaves_it_as_it_was() -> None:
+    """``--ray-address``: a Ray cluster of one node started with ``ray start`` (its files in a
+    private folder, so no other Ray on this machine finds it); the replicas listen on all
+    interfaces at ``--replica-port`` + i and are reached at the node's address."""
+    temp = Path(tempfile.mkdtemp(prefix="rt", dir="/tmp"))  # Ray's socket paths must be short
+    port, base = _free_port(), _free_port()
+    cluster = subprocess.Popen(
+        [
+            str(Path(sys.executable).parent / "ray"), "start", "--head", "--block",
+            f"--port={port}", f"--temp-dir={temp}", "--num-cpus=2",
+            "--include-dashboard=false", "--object-store-memory=100000000",
+        ],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    server: subprocess.Popen[str] | None = None
+    seen: set[int] = set()
+    try:
+        _wait_for(temp / "ray_current_cluster", [cluster], 120)
+        ready, secret = temp / "ready", temp / "secret"
+        server = subprocess.Popen(
+            [
+                sys.executable, "-m", "fedpipe.cli", "server", "--model", "tiny-llama",
+                "--replicas", "2", "--device", "cpu", "--ray-address", f"127.0.0.1:{port}",
+                "--replica-port", str(base), "--secret-file", str(secret),
+                "--port-file", str(ready),
+            ],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        _wait_for(ready, [cluster, server], 300)
+        addresses = ready.read_text().split(",")
+        control = ReplicaControl(addresses, secret.read_text().strip(), run_id="run", lora_scale=2)
+        control.reset_adapter()
+        control.begin_round(1, "run", "separate")
+        live = list(control.round.live)
+        control.close()
+        seen = {p.pid for p in psutil.Process(cluster.pid).children(recursive=True)}
+    finally:
+        if server is not None:
+            server.send_signal(signal.SIGTERM)
+            output, _ = server.communicate(timeout=120)
+        cluster.send_signal(signal.SIGTERM)
+        cluster.wait(timeout=60)
+        shutil.rmtree(temp, ignore_errors=True)
+    node = addresses[0].rpartition(":")[0]
+    assert [a.rpartition(":")[2] for a in addresses] == [str(base), str(base + 1)]
+    assert node not in ("127.0.0.1", "0.0.0.0") and addresses[1].startswith(node)
+    assert live == [0, 1]
+    assert "fedpipe: replica 0: " in output and "bound to 0.0.0.0" in output
+    assert server.returncode == 0
+    end = time.monotonic() + 30
+    while (left := _alive(seen)) and time.monotonic() < end:
         time.sleep(0.5)
     assert left == []
