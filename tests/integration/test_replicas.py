@@ -20,6 +20,7 @@ from fedpipe.config import FedpipeConfig
 from fedpipe.edge.trainer import DeviceTrainer, split_terms
 from fedpipe.fl.device_work import DeviceWork, RunSettings, evaluate_split
 from fedpipe.fl.replicas import ReplicaControl
+from fedpipe.lora.robust import AggregationRule
 from fedpipe.models import resolve_model
 from fedpipe.proto import stage_pb2 as pb
 from fedpipe.proto import stage_pb2_grpc as pb_grpc
@@ -91,15 +92,18 @@ def _weights() -> dict[str, float]:
     return {d: float(BATCH * 2 + i) for i, d in enumerate(DEVICES)}  # unequal, to be seen
 
 
-@pytest.mark.parametrize("mode", ["separate", "exact"])
-def test_two_replicas_merge_as_one_stage_server(mode: str) -> None:
+MEDIAN = AggregationRule("median", norm_bound=0.05).text()  # a robust rule, updates clipped
+
+
+@pytest.mark.parametrize(("mode", "rule"), [("separate", ""), ("exact", ""), ("separate", MEDIAN)])
+def test_two_replicas_merge_as_one_stage_server(mode: str, rule: str) -> None:
     cfg = _config(mode)
     one, *pair = _servers(cfg, 3)
     single = StageControlClient(one.address, SECRET, run_id="run")
     control = _replica_control(cfg, pair)
     try:
         single.reset_adapter()
-        single.begin_round(1, "run", mode)
+        single.begin_round(1, "run", mode, rule)
         for device in DEVICES:
             _train(cfg, device, one.address, "run")
         assert single.commit_round(1, _weights()).merged == len(DEVICES)
@@ -107,7 +111,7 @@ def test_two_replicas_merge_as_one_stage_server(mode: str) -> None:
         expected_loss = _held_out(cfg, one.address, "run", 1)
 
         control.reset_adapter()
-        control.begin_round(1, "run", mode)
+        control.begin_round(1, "run", mode, rule)
         routes = control.routes(DEVICES)
         assert {r.replica for r in routes.values()} == {0, 1}  # both replicas hold devices
         for device, route in routes.items():
@@ -137,6 +141,39 @@ def test_two_replicas_merge_as_one_stage_server(mode: str) -> None:
     assert control.round_figures()["sessions_per_replica"] == [
         sum(r.replica == k for r in routes.values()) for k in (0, 1)
     ]
+
+
+def test_replicas_resume_from_the_global_adapter_a_checkpoint_holds() -> None:
+    """``--resume``: the checkpoint's global adapter (the coordinator's one copy) loaded into
+    fresh replicas evaluates as it did, and the next round merges from it."""
+    cfg = _config("exact")
+    first, second = _servers(cfg, 2), _servers(cfg, 2)
+    before = _replica_control(cfg, first)
+    after = _replica_control(cfg, second)
+    try:
+        before.reset_adapter()
+        before.begin_round(1, "run", "exact")
+        for device, route in before.routes(DEVICES).items():
+            _train(cfg, device, route.address, route.run_id)
+        before.commit_round(1, _weights())
+        saved = before.get_adapter()  # what a checkpoint holds: server.safetensors
+        route = before.evaluator()
+        loss = _held_out(cfg, route.address, route.run_id, 1)
+
+        after.load_adapter(saved)
+        after.begin_round(2, "run", "exact")
+        resumed = _held_out(cfg, after.evaluator().address, after.evaluator().run_id, 2)
+        for device, route in after.routes(DEVICES).items():
+            _train(cfg, device, route.address, route.run_id, round_=2)
+        merged = after.commit_round(2, _weights()).merged
+    finally:
+        before.close()
+        after.close()
+        _stop([*first, *second])
+    assert any(k.endswith(".base_delta") for k in saved)
+    assert resumed == pytest.approx(loss, abs=1e-6)
+    assert merged == len(DEVICES)
+    assert set(after.get_adapter()) == set(saved) and after.initial.keys() <= saved.keys()
 
 
 def test_a_token_is_valid_on_its_own_replica_only() -> None:
