@@ -102,8 +102,11 @@ def client_train(msg: Message, context: Context) -> Message:
     round_ = int(cast(int, config["fedpipe-round"]))
     work.trainer.load_adapters(cast(ArrayRecord, msg.content["arrays"]).to_torch_state_dict())
     # The device's own flag first (the server's address as seen from the device's network),
-    # else the one the ServerApp sent.
+    # else the one the ServerApp sent; with replicas, always the replica it was assigned (its
+    # token is valid there only).
     address = str(node.get("stage-address", "")) or str(config.get("stage-address", ""))
+    if "stage-replica" in config:
+        address = str(config["stage-address"])
     address = address or run.stage_address
     report = work.train(
         address,
