@@ -153,6 +153,9 @@ _DELTA = {
 }
 # Known but not run by default (--runs noniid-stack).
 EXTRA_RUNS: list[dict[str, Any]] = [
+    # lossless with the lowest blocks frozen as their adapters converge (pipeline.freeze); its
+    # row holds each round's frozen blocks (`frozen_below`) beside its bytes and wall time.
+    {"name": "progressive", "pipeline.freeze": "progressive"},
     {"name": "noniid-stack", **_NONIID, "federated.aggregation": "stack"},
     {"name": "int8-delta", **_DELTA},
     {"name": "int8-delta-session", **_DELTA, "pipeline.delta_resume": False},
@@ -403,11 +406,11 @@ def run_rounds(
     steps = fed.rounds * cfg.train.local_steps
     row = _row("", loss, devices.traffic, wall, steps)
     per_round = [_round_row(r, devices.reports[r]) for r in sorted(devices.reports)]
-    return row | {
-        "aggregation": fed.aggregation,
-        "strategy": fed.strategy,
-        "per_round": per_round,
-    }, final
+    row |= {"aggregation": fed.aggregation, "strategy": fed.strategy, "per_round": per_round}
+    freeze = [r for r in records if r["event"] == "freeze"]
+    if freeze:  # pipeline.freeze: after each round, the blocks below this train no more
+        row["frozen_below"] = [r["frozen_below"] for r in freeze]
+    return row, final
 
 
 def _round_row(round_: int, reports: list[RoundReport]) -> dict[str, Any]:
