@@ -24,6 +24,12 @@ step by step (``round_robin``), so that drift on a shared machine hits every sch
 
 ``speedup`` and ``ceiling`` are taken against the faster stop-and-wait. A wide spread of the
 solo timings sets ``noisy`` and warns on stderr.
+
+With ``frozen_head`` one more session runs ``pipeline.schedule`` (or the last pipelined
+schedule asked for) with the head frozen (frozen-device mode, what ``pipeline.freeze`` switches
+a device to once its head blocks froze: head forward only, no input gradient down), walked in
+the same round robin; the entry's ``frozen_head`` holds its step time and downlink bytes per
+step beside the same schedule's trained run.
 """
 
 from __future__ import annotations
@@ -68,6 +74,7 @@ log = logging.getLogger(__name__)
 BENCH_SCHEDULES = ("sequential", "gpipe", "1f1b", "greedy")
 SOLO = "solo"
 WHOLE = "sequential-whole"
+FROZEN = "frozen-head"
 NOISE_THRESHOLD = 0.2
 """Solo timings whose IQR/median (or per-step max/min - 1) exceeds this mark the run noisy."""
 
@@ -165,8 +172,10 @@ def _open_run(
     schedule: str,
     link: LinkProfile,
     microbatches: int,
+    frozen_head: bool = False,
 ) -> _Run:
-    """A session of its own (its own device id, so the server keeps them all open)."""
+    """A session of its own (its own device id, so the server keeps them all open); with
+    ``frozen_head`` the head runs forward only and no input gradient comes down."""
     cfg = trainer.config
     tracer = Tracer()
     session = client.open_session(
@@ -183,6 +192,7 @@ def _open_run(
         split=trainer.split,
         microbatch_size=-(-cfg.train.batch_size // microbatches),
         seq_len=cfg.train.seq_len,
+        frozen_head=frozen_head,
     )
     stack.enter_context(session)
     phased = name == SOLO
@@ -195,6 +205,7 @@ def _open_run(
         microbatches=microbatches,
         max_in_flight=None if phased else cfg.pipeline.max_in_flight or None,
         tracer=tracer,
+        frozen_head=frozen_head,
     )
     return _Run(name, link, microbatches, session, runtime, tracer, [])
 
@@ -362,17 +373,23 @@ def _bench_link(
     schedules: Sequence[str],
     batches: list[dict[str, torch.Tensor]],
     warmup: int,
+    frozen_head: bool = False,
 ) -> dict[str, Any]:
     cfg = trainer.config
     m, split = cfg.pipeline.microbatches, cfg.model.split
-    plan = [(SOLO, "gpipe", LinkProfile.unlimited(), m)]
-    plan += [(name, name, link, m) for name in schedules]
+    plan = [(SOLO, "gpipe", LinkProfile.unlimited(), m, False)]
+    plan += [(name, name, link, m, False) for name in schedules]
     if "sequential" in schedules:
-        plan.append((WHOLE, "sequential", link, 1))
+        plan.append((WHOLE, "sequential", link, 1, False))
+    frozen_schedule = _frozen_schedule(cfg, schedules)
+    if frozen_head:
+        plan.append((FROZEN, frozen_schedule, link, m, True))
     with contextlib.ExitStack() as stack:
         runs = [
-            _open_run(trainer, client, stack, name=n, schedule=s, link=lk, microbatches=k)
-            for n, s, lk, k in plan
+            _open_run(
+                trainer, client, stack, name=n, schedule=s, link=lk, microbatches=k, frozen_head=f
+            )
+            for n, s, lk, k, f in plan
         ]
         _walk_runs(runs, batches, warmup, link.name)
         by_name = {run.name: run for run in runs}
@@ -382,8 +399,45 @@ def _bench_link(
         inrun = _inrun_components(by_name[best], split)
         solo_run = by_name[SOLO]
         samples = _compute_samples(solo_run.tracer)
+        frozen = (
+            _frozen_entry(by_name[frozen_schedule], by_name[FROZEN], len(batches))
+            if frozen_head
+            else None
+        )
     solo = solo_components(samples, link, _transfer_bytes(cfg, trainer.split.hidden_size, m), split)
-    return _entry(link, m, times, best, solo, inrun, noise_report(samples, solo_run.walls))
+    entry = _entry(link, m, times, best, solo, inrun, noise_report(samples, solo_run.walls))
+    if frozen is not None:
+        entry["frozen_head"] = frozen
+    return entry
+
+
+def _frozen_schedule(cfg: FedpipeConfig, schedules: Sequence[str]) -> str:
+    """The schedule the frozen-head run uses: pipeline.schedule when it is measured, else the
+    last pipelined one asked for (a trained run of it is the comparison)."""
+    if cfg.pipeline.schedule in schedules:
+        return cfg.pipeline.schedule
+    pipelined = [s for s in schedules if s != "sequential"] or list(schedules)
+    return pipelined[-1]
+
+
+def _frozen_entry(trained: _Run, frozen: _Run, steps: int) -> dict[str, Any]:
+    """The frozen-head run beside the trained run of the same schedule: median step times and
+    stage-link bytes per step (every step's tensors have the same size)."""
+    t_trained, t_frozen = _median(trained.walls), _median(frozen.walls)
+    down = {run.name: run.session.stats.bytes_down / steps for run in (trained, frozen)}
+    up = {run.name: run.session.stats.bytes_up / steps for run in (trained, frozen)}
+    return {
+        "schedule": trained.name,
+        "t_trained_s": round(t_trained, 4),
+        "t_frozen_s": round(t_frozen, 4),
+        "step_saving": round(1 - t_frozen / t_trained, 3),
+        "bytes_up_per_step": round(up[frozen.name]),
+        "bytes_down_per_step": round(down[frozen.name]),
+        "bytes_down_trained_per_step": round(down[trained.name]),
+        "bytes_saving": round(
+            1 - (up[frozen.name] + down[frozen.name]) / (up[trained.name] + down[trained.name]), 3
+        ),
+    }
 
 
 def _entry(
@@ -441,8 +495,10 @@ def run_pipeline_bench(
     schedules: Sequence[str] = BENCH_SCHEDULES,
     steps: int = 4,
     warmup: int = 1,
+    frozen_head: bool = False,
 ) -> dict[str, Any]:
-    """Measure every schedule at every link; returns the JSON-ready report."""
+    """Measure every schedule at every link (and the head frozen, with ``frozen_head``);
+    returns the JSON-ready report."""
     profiles = [parse_link(name) for name in links]  # a typo fails now, not after the server
     cpus = sorted(os.sched_getaffinity(0))
     with tempfile.TemporaryDirectory(prefix="fedpipe-bench-") as tmp:
@@ -461,7 +517,9 @@ def run_pipeline_bench(
             entries = []
             with StageClient(address) as client:
                 for link in profiles:
-                    entries.append(_bench_link(trainer, client, link, schedules, batches, warmup))
+                    entries.append(
+                        _bench_link(trainer, client, link, schedules, batches, warmup, frozen_head)
+                    )
         finally:
             server.terminate()
             server.wait(timeout=30)
