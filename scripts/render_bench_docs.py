@@ -130,10 +130,33 @@ def _pipeline(r: dict[str, Any]) -> list[Table]:
     ]
     schedules = sorted({s for e in r.get("links", []) for s in e.get("schedules", {})})
     per = [[e.get("link"), *(num(get(e, "schedules", s)) for s in schedules)] for e in r["links"]]
-    return [
+    tables = [
         (caption, headers, rows),
         ("Step time of every schedule, seconds", ["link", *schedules], per),
     ]
+    frozen = [e for e in r.get("links", []) if "frozen_head" in e]
+    if frozen:  # --frozen-head: the head frozen beside the same schedule trained
+        tables.append(_frozen_head(frozen))
+    return tables
+
+
+def _frozen_head(entries: list[dict[str, Any]]) -> Table:
+    headers = ["link", "schedule", "trained s", "head frozen s", "step saved"]
+    headers += ["bytes down/step trained", "bytes down/step frozen", "bytes saved (both ways)"]
+    rows = [
+        [
+            e.get("link"),
+            get(e, "frozen_head", "schedule"),
+            num(get(e, "frozen_head", "t_trained_s")),
+            num(get(e, "frozen_head", "t_frozen_s")),
+            pct(get(e, "frozen_head", "step_saving")),
+            num(get(e, "frozen_head", "bytes_down_trained_per_step")),
+            num(get(e, "frozen_head", "bytes_down_per_step")),
+            pct(get(e, "frozen_head", "bytes_saving")),
+        ]
+        for e in entries
+    ]
+    return ("The head frozen (--frozen-head), one more session in the same run", headers, rows)
 
 
 def _server(r: dict[str, Any]) -> list[Table]:
@@ -345,7 +368,16 @@ def _quality(r: dict[str, Any]) -> list[Table]:
         ]
         for run in r.get("runs", [])
     ]
-    return [(caption, headers, rows)]
+    tables = [(caption, headers, rows)]
+    frozen = [run for run in r.get("runs", []) if "frozen_below" in run]
+    if frozen:  # pipeline.freeze runs: which blocks froze, round by round
+        headers = ["run", "frozen below, after each round", "wall s"]
+        rows = [
+            [run.get("name"), " ".join(map(str, run["frozen_below"])), num(run.get("wall_s"), 1)]
+            for run in frozen
+        ]
+        tables.append(("pipeline.freeze: the first block still training", headers, rows))
+    return tables
 
 
 def _batch(r: dict[str, Any]) -> list[Table]:

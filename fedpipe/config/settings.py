@@ -150,10 +150,12 @@ class PipelineConfig:
     # device whose head blocks are all frozen runs its head forward only from the next round.
     freeze: str = "off"
     # progressive: a block has converged when its adapter's relative change in a round fell to
-    # freeze_ratio of the largest it made; no block freezes before round freeze_after + 1, and
-    # at most freeze_max of the model's blocks freeze.
+    # this fraction of the largest change it made in a round so far.
     freeze_ratio: float = 0.5
+    # progressive: the first decision is taken after this round, so blocks freeze from round
+    # freeze_after + 1 on at the earliest.
     freeze_after: int = 2
+    # progressive: at most this fraction of the model's blocks ever freeze (rounded down).
     freeze_max: float = 0.5
 
     def __post_init__(self) -> None:
