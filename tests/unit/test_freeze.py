@@ -3,6 +3,8 @@ settings that refuse what it cannot do, and the parts that keep frozen blocks as
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -15,8 +17,11 @@ from fedpipe.edge.planner.plan import (
     components,
     with_frozen_head,
 )
+from fedpipe.fl.device_work import RunSettings
 from fedpipe.fl.freeze import FreezeRule, FreezeState, block_movement, decide, pin_frozen
+from fedpipe.fl.server_app import Rounds, _checkpoint_state
 from fedpipe.lora.freezing import freeze_blocks, is_frozen, trainable_part
+from fedpipe.runs.folder import RunFolder
 
 RULE = FreezeRule(ratio=0.5, after=2, max_blocks=3)
 
@@ -145,3 +150,23 @@ def test_settings_refuse_unknown_modes_and_stack() -> None:
             {"pipeline.freeze": "progressive", "federated.aggregation": "stack"}
         )
     assert PipelineConfig().freeze == "off"
+
+
+def test_a_checkpoint_keeps_the_decision_for_a_resumed_run(tmp_path: Path) -> None:
+    state = FreezeState()
+    rule = FreezeRule(ratio=0.5, after=1, max_blocks=2)
+    decide(rule, state, 1, {0: 1.0, 1: 1.0})
+    decide(rule, state, 2, {0: 0.1, 1: 0.9})
+    run = RunSettings(run_id="r")
+    rounds = Rounds(None, run, 0, log=lambda _: None)  # type: ignore[arg-type]  # no rounds run
+    rounds.freeze = state
+    folder = RunFolder.open(tmp_path, "run")
+    adapter = {"model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(2, 4)}
+    folder.save_checkpoint(
+        2, device=adapter, server=adapter, state=_checkpoint_state(2, run, rounds)
+    )
+    saved = folder.latest_checkpoint()
+    assert saved is not None
+    assert FreezeState.from_json(saved.state["freeze"]) == state and state.frozen_below == 1
+    rounds.freeze = None  # pipeline.freeze = off: the checkpoint holds no decision
+    assert "freeze" not in _checkpoint_state(2, run, rounds)
