@@ -6,8 +6,8 @@ device sends its whole adapters and receives the global ones as they are. With a
 codec on either side, a round's adapters travel as updates:
 
 - the ServerApp sends the round's global adapters encoded with the downlink codec
-  (:func:`encode_adapters`; the folded base deltas of ``exact`` and ``stack`` aggregation go
-  as they are) and the two codec names in the round's config;
+  (:func:`encode_adapters`; as they are when it is fp32, and the folded base deltas of
+  ``exact`` and ``stack`` aggregation always) and the two codec names in the round's config;
 - the device (:func:`adapter_codec_mod`, the ClientApp's outer mod) decodes them
   (:func:`decode_adapters`) and trains from what it decoded. It sends its update, its adapters
   minus what it decoded, encoded with the uplink codec; what the encoding dropped (the residual)
@@ -136,14 +136,15 @@ def decode_adapters(
 
     With a ``reference`` (the ServerApp's view of a device's reply) every tensor must be
     encoded, with ``codec``, under a key and shape the reference holds; else (a device's view
-    of the global adapters) base deltas may come as they are. Raises
+    of the global adapters) a tensor not encoded is taken as it is (an fp32 downlink sends the
+    global adapters so, and base deltas always go so). Raises
     :class:`AdapterFormatError` naming the tensor and what is wrong.
     """
     out: dict[str, torch.Tensor] = {}
     for key in record.keys():
         array = record[key]
         if array.stype != ENCODED:
-            if reference is None and key.endswith(DELTA_SUFFIX):
+            if reference is None:  # the server's: an fp32 downlink, or a base delta
                 out[key] = torch.from_numpy(array.numpy())
                 continue
             raise AdapterFormatError(f"{key} is not encoded as {codec} (stype {array.stype!r})")
@@ -248,4 +249,4 @@ def _residuals(context: Context) -> dict[Hashable, torch.Tensor]:
     record = context.state.get(FEEDBACK_KEY)
     if not isinstance(record, ArrayRecord):
         return {}
-    return dict(record.to_torch_state_dict())
+    return {key: value for key, value in record.to_torch_state_dict().items()}

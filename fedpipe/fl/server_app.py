@@ -197,9 +197,9 @@ class Rounds:
         self._apply_stop_policy(round_, len(ok), failed)
 
     def _downlink(self, arrays: ArrayRecord) -> ArrayRecord:
-        """The round's global adapters as the devices receive them: as they are (fp32 both
-        ways), else encoded with the downlink codec, once for all the round's messages."""
-        if self.codecs.plain:
+        """The round's global adapters as the devices receive them: as they are (an fp32
+        downlink), else encoded with the downlink codec, once for all the round's messages."""
+        if self.codecs.down == "fp32":
             return arrays
         if self._down is None or self._down[0] is not arrays:
             encoded = encode_adapters(arrays.to_torch_state_dict(), self.codecs.down)
