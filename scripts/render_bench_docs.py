@@ -130,10 +130,29 @@ def _pipeline(r: dict[str, Any]) -> list[Table]:
     ]
     schedules = sorted({s for e in r.get("links", []) for s in e.get("schedules", {})})
     per = [[e.get("link"), *(num(get(e, "schedules", s)) for s in schedules)] for e in r["links"]]
-    return [
+    tables = [
         (caption, headers, rows),
         ("Step time of every schedule, seconds", ["link", *schedules], per),
     ]
+    if any("step_end_share" in e for e in r.get("links", [])):
+        tables.append(_step_end_shares(r["links"], schedules))
+    return tables
+
+
+def _step_end_shares(links: list[dict[str, Any]], schedules: list[str]) -> Table:
+    """Each link's step end (last backward to the optimizer applied) over its median step."""
+    headers = ["link", "share (best)", "device s", "server s", *schedules]
+    rows = [
+        [
+            e.get("link"),
+            f"{num(e.get('step_end_share'), 4)} ({e.get('best_schedule')})",
+            num(get(e, "step_end_s", "device_s"), 4),
+            num(get(e, "step_end_s", "server_s"), 4),
+            *(num(get(e, "step_end_by_schedule", s), 4) for s in schedules),
+        ]
+        for e in links
+    ]
+    return ("Step end as a share of a step (median steps)", headers, rows)
 
 
 def _server(r: dict[str, Any]) -> list[Table]:
@@ -345,6 +364,15 @@ def _quality(r: dict[str, Any]) -> list[Table]:
         ]
         for run in r.get("runs", [])
     ]
+    if any("adapter_bytes_up_per_round" in run for run in r.get("runs", [])):
+        headers += ["adapter codec (up / down)", "adapter bytes up/round", "down/round"]
+        for row, run in zip(rows, r["runs"], strict=True):
+            codecs = f"{run.get('adapter_codec', '–')} / {run.get('adapter_downlink_codec', '–')}"
+            row += [
+                codecs,
+                num(run.get("adapter_bytes_up_per_round")),
+                num(run.get("adapter_bytes_down_per_round")),
+            ]
     return [(caption, headers, rows)]
 
 
