@@ -9,7 +9,6 @@ import sys
 import pytest
 
 
-@pytest.mark.slow
 def test_bench_pipeline_reports_the_step_end_share_of_every_schedule() -> None:
     args = [
         *("bench", "pipeline", "--model", "tiny-llama", "--json"),
