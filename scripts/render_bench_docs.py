@@ -370,10 +370,15 @@ def _quality(r: dict[str, Any]) -> list[Table]:
             codecs = f"{run.get('adapter_codec', '–')} / {run.get('adapter_downlink_codec', '–')}"
             row += [
                 codecs,
-                num(run.get("adapter_bytes_up_per_round")),
-                num(run.get("adapter_bytes_down_per_round")),
+                num(_whole(run.get("adapter_bytes_up_per_round"))),
+                num(_whole(run.get("adapter_bytes_down_per_round"))),
             ]
     return [(caption, headers, rows)]
+
+
+def _whole(value: Any) -> Any:
+    """A mean count of bytes as a whole number (``None`` as it is)."""
+    return round(value) if isinstance(value, float) else value
 
 
 def _batch(r: dict[str, Any]) -> list[Table]:

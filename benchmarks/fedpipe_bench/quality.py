@@ -424,8 +424,8 @@ def run_rounds(
     row |= {  # Flower's adapter bytes of a round, all its devices together
         "adapter_codec": fed.adapter_codec,
         "adapter_downlink_codec": fed.adapter_downlink_codec,
-        "adapter_bytes_up_per_round": devices.traffic.adapters_up / fed.rounds,
-        "adapter_bytes_down_per_round": devices.traffic.adapters_down / fed.rounds,
+        "adapter_bytes_up_per_round": round(devices.traffic.adapters_up / fed.rounds),
+        "adapter_bytes_down_per_round": round(devices.traffic.adapters_down / fed.rounds),
     }
     per_round = [_round_row(r, devices.reports[r]) for r in sorted(devices.reports)]
     return row | {
