@@ -407,13 +407,13 @@ class FederatedConfig:
     # How LoRA adapters are aggregated on both sides: separate | exact | ffa | stack
     # (fedpipe.lora.aggregation); exact and stack need a FedAvg-style strategy.
     aggregation: str = "separate"
-    # Adapters through Flower (fedpipe.fl.adapter_codec). adapter_codec: fp32 sends each
-    # device's adapters as they are; another stage-link codec (int8, int4, ...) sends its
-    # update (its adapters minus the round's global ones) in that codec, keeping what the codec
-    # dropped on the device for its next round (error feedback). adapter_downlink_codec: the
-    # global adapters sent to devices (other than fp32: each device trains from what it decoded
-    # and sends its update, which the ServerApp adds to the exact global adapters).
+    # Device adapters through Flower (fedpipe.fl.adapter_codec): fp32 sends them as they are;
+    # another stage-link codec (int8, int4, ...) sends each device's update (its adapters minus
+    # the round's global ones) in that codec, keeping what the codec dropped on the device for
+    # its next round (error feedback).
     adapter_codec: str = "fp32"
+    # The global adapters sent to the devices: fp32 as they are; in another codec, each device
+    # trains from what it decoded and sends its update, added to the exact global adapters.
     adapter_downlink_codec: str = "fp32"
     # Round policy: wait up to connect_wait_s for num_devices to connect, then start with
     # those connected if there are at least min_devices; wait at most round_deadline_s for
