@@ -130,10 +130,10 @@ def test_replicas_run_the_demo_shape_and_survive_a_replica_killed_mid_round(
     watch.start()
     output, _ = proc.communicate(timeout=1200)
     watch.join(timeout=10)
+    assert proc.returncode == 0, output[-3000:]
     summary = json.loads((runs / name / "summary.json").read_text())
     records = _records(runs / name)
 
-    assert proc.returncode == 0, output[-3000:]
     assert summary["ok"], summary["problems"]
     assert watch.killed, "no device of round 2 was seen stepping: nothing was killed"
     victim = watch.killed["replica"]
