@@ -137,6 +137,8 @@ def _pipeline(r: dict[str, Any]) -> list[Table]:
     frozen = [e for e in r.get("links", []) if "frozen_head" in e]
     if frozen:  # --frozen-head: the head frozen beside the same schedule trained
         tables.append(_frozen_head(frozen))
+    if any("step_end_share" in e for e in r.get("links", [])):
+        tables.append(_step_end_shares(r["links"], schedules))
     return tables
 
 
@@ -157,6 +159,22 @@ def _frozen_head(entries: list[dict[str, Any]]) -> Table:
         for e in entries
     ]
     return ("The head frozen (--frozen-head), one more session in the same run", headers, rows)
+
+
+def _step_end_shares(links: list[dict[str, Any]], schedules: list[str]) -> Table:
+    """Each link's step end (last backward to the optimizer applied) over its median step."""
+    headers = ["link", "share (best)", "device s", "server s", *schedules]
+    rows = [
+        [
+            e.get("link"),
+            f"{num(e.get('step_end_share'), 4)} ({e.get('best_schedule')})",
+            num(get(e, "step_end_s", "device_s"), 4),
+            num(get(e, "step_end_s", "server_s"), 4),
+            *(num(get(e, "step_end_by_schedule", s), 4) for s in schedules),
+        ]
+        for e in links
+    ]
+    return ("Step end as a share of a step (median steps)", headers, rows)
 
 
 def _server(r: dict[str, Any]) -> list[Table]:
@@ -368,6 +386,15 @@ def _quality(r: dict[str, Any]) -> list[Table]:
         ]
         for run in r.get("runs", [])
     ]
+    if any("adapter_bytes_up_per_round" in run for run in r.get("runs", [])):
+        headers += ["adapter codec (up / down)", "adapter bytes up/round", "down/round"]
+        for row, run in zip(rows, r["runs"], strict=True):
+            codecs = f"{run.get('adapter_codec', '–')} / {run.get('adapter_downlink_codec', '–')}"
+            row += [
+                codecs,
+                num(_whole(run.get("adapter_bytes_up_per_round"))),
+                num(_whole(run.get("adapter_bytes_down_per_round"))),
+            ]
     tables = [(caption, headers, rows)]
     frozen = [run for run in r.get("runs", []) if "frozen_below" in run]
     if frozen:  # pipeline.freeze runs: which blocks froze, round by round
@@ -378,6 +405,11 @@ def _quality(r: dict[str, Any]) -> list[Table]:
         ]
         tables.append(("pipeline.freeze: the first block still training", headers, rows))
     return tables
+
+
+def _whole(value: Any) -> Any:
+    """A mean count of bytes as a whole number (``None`` as it is)."""
+    return round(value) if isinstance(value, float) else value
 
 
 def _batch(r: dict[str, Any]) -> list[Table]:

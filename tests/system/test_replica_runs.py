@@ -26,11 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-import pytest
 
 from fedpipe.fl.replicas import ReplicaControl
-
-pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCAL_STEPS = 20  # the demo's 6, stretched: round 2 lasts long enough to kill a replica in it
@@ -133,10 +130,10 @@ def test_replicas_run_the_demo_shape_and_survive_a_replica_killed_mid_round(
     watch.start()
     output, _ = proc.communicate(timeout=1200)
     watch.join(timeout=10)
+    assert proc.returncode == 0, output[-3000:]
     summary = json.loads((runs / name / "summary.json").read_text())
     records = _records(runs / name)
 
-    assert proc.returncode == 0, output[-3000:]
     assert summary["ok"], summary["problems"]
     assert watch.killed, "no device of round 2 was seen stepping: nothing was killed"
     victim = watch.killed["replica"]
