@@ -454,7 +454,8 @@ def _bench_link(
             if frozen_head
             else None
         )
-        ends = {run.name: _step_end_of(run) for run in runs if run.name != SOLO}
+        # the schedules' step ends (a frozen head's step ends at its tail: not comparable)
+        ends = {run.name: _step_end_of(run) for run in runs if run.name not in (SOLO, FROZEN)}
     solo = solo_components(samples, link, _transfer_bytes(cfg, trainer.split.hidden_size, m), split)
     entry = _entry(link, m, times, best, solo, inrun, noise_report(samples, solo_run.walls))
     if frozen is not None:
