@@ -1,0 +1,304 @@
+"""What a waiting microbatch keeps for its backward, where it keeps it, and how many bytes.
+
+Between a session's ACTIVATION and its OUTPUT_GRAD (a link round trip, 100 ms and more) the
+server holds what the microbatch's backward needs: the peft bank's autograd graph (its saved
+tensors) or the batched bank's :class:`~fedpipe.lora.batched_blocks.Tape`. With many devices
+this stash, not compute, is what fills a GPU. With ``server.offload = "auto"`` (PipeOffload)
+it waits in host memory instead:
+
+- **peft bank**: the forward of each microbatch runs under
+  ``torch.autograd.graph.saved_tensors_hooks`` (:class:`SavedTensors`); every tensor autograd
+  saves goes to the host at once, except the stage's own weights and the received input, which
+  stay where they are; the backward brings them back (all started before it runs).
+- **batched bank**: after the forward call, its tapes go to the host (:meth:`Stash.put_tapes`);
+  before the backward, :meth:`Stash.fetch_tapes` brings back the ones it needs.
+
+A copy moves a tensor's whole storage and rebuilds the tensor as a view at its own offset and
+strides, each storage once, so tensors that shared a storage still do (the joined rows of one
+batched call stay adjacent) and the backward reads the same values in the same layout: the
+same losses and gradients to the bit. On CUDA the host memory is pinned and the copies run on
+a side stream (the compute stream waits on an event; the caching allocator is told who reads
+what); on a CPU the host copy is a second buffer in the same memory, which saves nothing there
+but runs the same path (the tests' exactness check).
+
+:class:`StashMeter` counts the bytes of the distinct storages that stashes hold, on the stage's
+device and offloaded, and their peaks (``fedpipe bench server``: ``peak_stash_bytes``).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from fedpipe.lora.batched_blocks import Tape
+
+__all__ = ["HostCopies", "SavedTensors", "Stash", "StashMeter"]
+
+DEVICE, HOST = "device", "host"  # where a counted storage lives
+
+
+class StashMeter:
+    """Bytes of the distinct storages stashes hold, on the device and offloaded, with peaks.
+
+    Off by default (``enabled``): a bench turns it on. A storage is counted once however many
+    stashes hold it (the tapes of one batched call share theirs), for as long as any does.
+    """
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self._lock = threading.Lock()
+        self._held: dict[tuple[str, int], list[int]] = {}  # (where, data_ptr) -> [nbytes, refs]
+        self.bytes = {DEVICE: 0, HOST: 0}
+        self.peak = {DEVICE: 0, HOST: 0}
+
+    def hold(self, owner: object, where: str, tensors: Iterable[Tensor]) -> None:
+        """Count the storages of ``tensors`` (in ``where``) until ``owner`` is collected."""
+        if not self.enabled:
+            return
+        sizes = {_ptr(t): t.untyped_storage().nbytes() for t in tensors}
+        keys = [(where, ptr) for ptr in sizes]
+        with self._lock:
+            for key in keys:
+                held = self._held.setdefault(key, [sizes[key[1]], 0])
+                held[1] += 1
+                if held[1] == 1:
+                    self.bytes[where] += held[0]
+                    self.peak[where] = max(self.peak[where], self.bytes[where])
+        weakref.finalize(owner, self._release, keys)
+
+    def _release(self, keys: list[tuple[str, int]]) -> None:
+        with self._lock:
+            for key in keys:
+                held = self._held[key]
+                held[1] -= 1
+                if held[1] == 0:
+                    self.bytes[key[0]] -= held[0]
+                    del self._held[key]
+
+    def snapshot(self, *, reset: bool = False) -> dict[str, int]:
+        """Bytes now and peaks since the last reset (``reset``: the peaks restart from now)."""
+        with self._lock:
+            out = {
+                "stash_bytes": self.bytes[DEVICE],
+                "offloaded_bytes": self.bytes[HOST],
+                "peak_stash_bytes": self.peak[DEVICE],
+                "peak_offloaded_bytes": self.peak[HOST],
+            }
+            if reset:
+                self.peak = dict(self.bytes)
+            return out
+
+
+class HostCopies:
+    """Whole storages to host memory and back: pinned and on a side stream on CUDA.
+
+    One side stream carries both directions, so a storage's way back is queued after its way
+    out without events to match them.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self._side = torch.cuda.Stream(device) if self.cuda else None
+
+    def to_host(self, storage: Tensor) -> Tensor:
+        """A host copy of ``storage`` (a flat uint8 tensor over a whole storage)."""
+        host = torch.empty(storage.numel(), dtype=torch.uint8, pin_memory=self.cuda)
+        if self._side is None:
+            host.copy_(storage)
+            return host
+        self._side.wait_stream(torch.cuda.current_stream(self.device))  # after its producer
+        with torch.cuda.stream(self._side):
+            host.copy_(storage, non_blocking=True)
+        storage.record_stream(self._side)  # not reused before the copy has read it
+        return host
+
+    def to_device(self, hosts: Sequence[Tensor]) -> list[Tensor]:
+        """Device copies of ``hosts``, ready for the compute stream (which waits for them).
+
+        On a CPU the host copies themselves: they are in the stage's memory already.
+        """
+        if self._side is None:
+            return list(hosts)
+        with torch.cuda.stream(self._side):
+            copies = [torch.empty_like(h, device=self.device) for h in hosts]
+            for copy, host in zip(copies, hosts, strict=True):
+                copy.copy_(host, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self._side)
+        compute = torch.cuda.current_stream(self.device)
+        compute.wait_event(done)
+        for copy in copies:
+            copy.record_stream(compute)  # allocated on the side stream, read by compute
+        return copies
+
+
+def _whole(t: Tensor) -> Tensor:
+    """The whole storage under ``t`` as a flat uint8 tensor."""
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+
+
+Geometry = tuple[torch.dtype, int, tuple[int, ...], tuple[int, ...]]  # dtype, offset, size, stride
+
+
+def _geometry(t: Tensor) -> Geometry:
+    return t.dtype, int(t.storage_offset()), tuple(t.shape), t.stride()
+
+
+def _view(storage: Tensor, geometry: Geometry) -> Tensor:
+    """A tensor of ``geometry`` over ``storage`` (another copy of the storage it came from)."""
+    dtype, offset, size, stride = geometry
+    out = torch.empty(0, dtype=dtype, device=storage.device)
+    return out.set_(storage.untyped_storage(), offset, size, stride)
+
+
+def _moved(storages: dict[int, Tensor]) -> Any:
+    """A tensor -> the same tensor over its storage's copy in ``storages`` (by data_ptr)."""
+    return lambda t: _view(storages[_ptr(t)], _geometry(t))
+
+
+def _ptr(t: Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+class _Owner:
+    """Something for the meter to outlive: what a microbatch's stash is counted against."""
+
+
+class _Saved:
+    """What a saved tensor became: its own tensor (kept in place), or a place in its
+    microbatch's host storages. Holding it keeps the microbatch's :class:`SavedTensors`."""
+
+    __slots__ = ("owner", "tensor", "key", "geometry")
+
+    def __init__(
+        self,
+        owner: SavedTensors,
+        tensor: Tensor | None,
+        key: tuple[int, int] = (0, 0),
+        geometry: Geometry | None = None,
+    ) -> None:
+        self.owner, self.tensor, self.key, self.geometry = owner, tensor, key, geometry
+
+
+class SavedTensors:
+    """One microbatch's autograd saved tensors (peft bank), held in host memory.
+
+    Use :meth:`hooks` around the microbatch's forward and :meth:`on_device` around its
+    backward. Storages of ``keep`` stay where they are (the stage's weights, the received
+    input). Without ``offload`` nothing moves: the saved tensors are only counted.
+    """
+
+    def __init__(self, stash: Stash, keep: set[int], *, offload: bool) -> None:
+        self._stash = stash
+        self._keep = keep  # storage data_ptrs
+        self._offload = offload
+        # (storage ptr, version) -> its host copy. Each source is held until the forward
+        # ends, so that no new tensor gets its address (and its key) while packing goes on.
+        self._host: dict[tuple[int, int], Tensor] = {}
+        self._sources: list[Tensor] = []
+        self._kept: dict[int, Tensor] = {}  # stays in place, counted at the end of the forward
+        self._device: dict[tuple[int, int], Tensor] = {}  # brought back for the backward
+
+    @contextmanager
+    def hooks(self) -> Iterator[SavedTensors]:
+        """Autograd's saved tensors of the forward run inside go through this object."""
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            yield self
+        meter = self._stash.meter
+        meter.hold(self, HOST, self._host.values())
+        meter.hold(self, DEVICE, [t for p, t in self._kept.items() if p not in self._keep])
+        self._sources, self._kept = [], {}
+
+    @contextmanager
+    def on_device(self) -> Iterator[None]:
+        """The offloaded storages back on the device (every copy started at once) while the
+        backward runs; let go after it."""
+        keys = list(self._host)
+        owner = _Owner()
+        if keys:
+            copies = self._stash.copies.to_device([self._host[k] for k in keys])
+            self._device = dict(zip(keys, copies, strict=True))
+            self._stash.meter.hold(owner, DEVICE, copies)
+        try:
+            yield
+        finally:
+            self._device = {}
+
+    def _pack(self, t: Tensor) -> _Saved:
+        ptr = _ptr(t)
+        if ptr in self._keep or not self._offload:
+            self._kept.setdefault(ptr, t)
+            return _Saved(self, t.detach())  # detached: no cycle through an output's grad_fn
+        key = (ptr, t._version)
+        if key not in self._host:
+            self._sources.append(t)
+            self._host[key] = self._stash.copies.to_host(_whole(t))
+        return _Saved(self, None, key, _geometry(t))
+
+    def _unpack(self, saved: _Saved) -> Tensor:
+        if saved.tensor is not None:
+            return saved.tensor
+        assert saved.geometry is not None
+        storage = self._device.get(saved.key)
+        if storage is None:  # unpacked outside on_device (a caller's own backward): copy now
+            storage = self._stash.copies.to_device([self._host[saved.key]])[0]
+        return _view(storage, saved.geometry)
+
+
+class Stash:
+    """The executor's stashes: offloaded with ``offload``, counted when the meter is on."""
+
+    def __init__(self, device: torch.device, *, offload: bool = False) -> None:
+        self.offload = offload
+        self.copies = HostCopies(device)
+        self.meter = StashMeter()
+
+    @property
+    def hooked(self) -> bool:
+        """Whether the peft bank's forwards run under saved-tensor hooks."""
+        return self.offload or self.meter.enabled
+
+    def saving(self, stage: torch.nn.Module, x: Tensor) -> SavedTensors:
+        """One microbatch's saved tensors for the peft bank (:class:`SavedTensors`): the
+        stage's weights and buffers and the input ``x`` stay in place."""
+        keep = {_ptr(t) for t in (*stage.parameters(), *stage.buffers(), x)}
+        return SavedTensors(self, keep, offload=self.offload)
+
+    def put_tapes(self, tapes: Sequence[Tape], inputs: Sequence[Tensor]) -> list[Tape]:
+        """The tapes of one forward call, in host memory with ``offload`` (each storage once);
+        counted with the ``inputs`` the executor keeps beside them (not offloaded)."""
+        if not self.offload:
+            for tape, x in zip(tapes, inputs, strict=True):
+                self.meter.hold(tape, DEVICE, [*tape.tensors(), x])
+            return list(tapes)
+        hosts: dict[int, Tensor] = {}
+        for tape in tapes:
+            for t in tape.tensors():
+                if _ptr(t) not in hosts:
+                    hosts[_ptr(t)] = self.copies.to_host(_whole(t))
+        moved = [tape.map(_moved(hosts)) for tape in tapes]
+        for tape, x in zip(moved, inputs, strict=True):
+            self.meter.hold(tape, HOST, tape.tensors())
+            self.meter.hold(tape, DEVICE, [x])
+        return moved
+
+    def fetch_tapes(self, tapes: Sequence[Tape]) -> list[Tape]:
+        """The tapes as the backward reads them: back on the device (every copy at once)."""
+        if not self.offload:
+            return list(tapes)
+        hosts: dict[int, Tensor] = {}
+        for tape in tapes:
+            for t in tape.tensors():
+                hosts.setdefault(_ptr(t), t)
+        copies = self.copies.to_device([_whole(t) for t in hosts.values()])
+        fetched = [tape.map(_moved(dict(zip(hosts, copies, strict=True)))) for tape in tapes]
+        for tape in fetched:
+            self.meter.hold(tape, DEVICE, tape.tensors())
+        return fetched
