@@ -166,6 +166,32 @@ def _server(r: dict[str, Any]) -> list[Table]:
     return [(caption, headers, rows)]
 
 
+def _scale(r: dict[str, Any]) -> list[Table]:
+    caption = (
+        f"{r.get('model')} ({r.get('split')}), {r.get('devices')} devices, "
+        f"{r.get('microbatches')} microbatches of "
+        f"{' x '.join(map(str, r.get('microbatch', [])))} tokens per step, {r.get('rounds')} "
+        f"round(s) of {r.get('steps')} steps; {get(r, 'pinning', 'text')}; 2 replicas / 1: "
+        f"{num(r.get('speedup_2_over_1'), 2)}x"
+    )
+    headers = ["replicas", "mb/s", "tokens/s", "step p50 s", "step p95 s", "sessions"]
+    headers += ["commit s", "commit bytes"]
+    rows = [
+        [
+            row.get("replicas"),
+            num(row.get("mb_per_s"), 2),
+            num(row.get("tokens_per_s"), 0),
+            num(row.get("step_p50_s"), 3),
+            num(row.get("step_p95_s"), 3),
+            " / ".join(str(n) for n in row.get("sessions_per_replica", [])),
+            num(row.get("commit_s"), 3),
+            num(row.get("commit_bytes")),
+        ]
+        for row in r.get("rows", [])
+    ]
+    return [(caption, headers, rows)]
+
+
 def _plan(r: dict[str, Any]) -> list[Table]:
     caption = (
         f"{r.get('model')} ({r.get('split')}), batch {' x '.join(map(str, r.get('batch', [])))}, "
@@ -410,6 +436,11 @@ BENCHES: dict[str, Bench] = {
     ),
     "plan": Bench(
         "fedpipe bench plan --json", _plan, ("--links", "--steps", "--warmup", "--sessions")
+    ),
+    "scale": Bench(
+        "fedpipe bench scale --json",
+        _scale,
+        ("--quick", "--devices", "--rounds", "--steps", "--warmup"),
     ),
     "memory": Bench("fedpipe bench memory --model default", _memory),
     "quality": Bench("fedpipe bench quality --json", _quality, ("--quick",)),

@@ -78,6 +78,20 @@ def register(bsub: Any) -> None:
     v.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     v.add_argument("--quick", action="store_true", help="tiny model, one cut, one defence (CI)")
     _add_bench_server(bsub)
+    _add_bench_scale(bsub)
+
+
+def _add_bench_scale(bsub: Any) -> None:
+    c = add_command(
+        bsub, "scale", f"{_HERE}:cmd_bench_scale", "N devices vs 1 and 2 StageServer replicas"
+    )
+    c.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    c.add_argument("--quick", action="store_true", help="CI size: tiny-llama, 4 devices, 2 steps")
+    c.add_argument("--model", help="tiny-llama | small-llama | SmolLM2 (default: small-llama)")
+    c.add_argument("--devices", type=int, help="devices per row (default: 16; 4 --quick)")
+    c.add_argument("--rounds", type=int, help="rounds per row (default: 2; 1 --quick)")
+    c.add_argument("--steps", type=int, help="measured steps per device (default: 4; 2 --quick)")
+    c.add_argument("--warmup", type=int, help="unmeasured steps first (default: 1)")
 
 
 def _add_bench_server(bsub: Any) -> None:
@@ -189,6 +203,41 @@ def cmd_bench_server(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2))
     else:
         _print_server_table(report)
+    return 0
+
+
+def cmd_bench_scale(args: argparse.Namespace) -> int:
+    """`fedpipe bench scale`: the server load generator against 1 and 2 replicas on Ray."""
+    from fedpipe_bench.scale import make_settings, run_scale_bench
+
+    settings = make_settings(
+        model=args.model,
+        devices=args.devices,
+        rounds=args.rounds,
+        steps=args.steps,
+        warmup=args.warmup,
+        quick=args.quick,
+    )
+    report = run_scale_bench(settings)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(
+        f"model {report['model']} ({report['split']}), microbatch {report['microbatch']} x "
+        f"{report['microbatches']}, {report['devices']} devices; {report['pinning']['text']}"
+    )
+    print(
+        f"{'replicas':>8} {'mb/s':>8} {'tokens/s':>9} {'p50 s':>7} {'p95 s':>7} "
+        f"{'commit s':>9} {'commit B':>10}  sessions"
+    )
+    for row in report["rows"]:
+        print(
+            f"{row['replicas']:>8} {row['mb_per_s']:>8.2f} {row['tokens_per_s']:>9.0f} "
+            f"{row['step_p50_s']:>7.3f} {row['step_p95_s']:>7.3f} {row['commit_s']:>9.3f} "
+            f"{row['commit_bytes']:>10}  {row['sessions_per_replica']}"
+        )
+    if report["speedup_2_over_1"] is not None:
+        print(f"2 replicas / 1: {report['speedup_2_over_1']:.2f}x")
     return 0
 
 

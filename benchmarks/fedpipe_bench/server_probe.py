@@ -1,15 +1,13 @@
 """A server-side stats hook for ``fedpipe bench server``: compute calls timed, messages counted.
 
-It changes nothing in the runtime's code: :meth:`ComputeProbe.install` chains the runtime's
-``on_compute`` hook (called on the worker before each message it computes) and wraps the
-executor's ``compute*`` methods on the instance. Each outermost call becomes one record
+It changes nothing in the runtime's code: :meth:`ComputeProbe.install` wraps the executor's
+``compute*`` methods on the instance. Each outermost call becomes one record
 ``(start, end, messages, tokens)`` on ``time.monotonic`` (the same clock in every process of the
 machine, so the bench can cut the records to its own measurement window):
 
 - ``messages``: forward and backward messages (``ACTIVATION``, ``OUTPUT_GRAD``) the call computed,
   found among its arguments (a ``StageMsg``, or lists/tuples/dicts of them, as a batched call
-  would take); where the arguments hold none, the messages ``on_compute`` saw since the last
-  call. An optimizer step (``STEP_END``) is a call with 0 messages: busy time, not batch size.
+  takes). An optimizer step (``STEP_END``) is a call with 0 messages: busy time, not batch size.
 - ``tokens``: rows x tokens of those messages' tensors.
 
 With today's one-message-at-a-time runtime every forward or backward is its own call, so the
@@ -48,21 +46,12 @@ class ComputeProbe:
         self.cuda_events = cuda_events  # also time each call on the GPU stream (gpu_busy_s)
         self._events: list[tuple[Any, Any]] = []
         self.calls: deque[CallRecord] = deque(maxlen=max_calls)
-        self._seen = (0, 0)  # (messages, tokens) on_compute saw since the last call
         self._lock = threading.Lock()
         self._local = threading.local()
         self.wrapped: list[str] = []
 
     def install(self) -> ComputeProbe:
-        """Chain ``on_compute`` and wrap the executor's ``compute*`` methods; returns self."""
-        prior: Callable[[str, StageMsg], None] | None = self.runtime.on_compute
-
-        def on_compute(session_id: str, msg: StageMsg) -> None:
-            self._note(msg)
-            if prior is not None:
-                prior(session_id, msg)
-
-        self.runtime.on_compute = on_compute
+        """Wrap the executor's ``compute*`` methods; returns self."""
         executor = self.runtime.executor
         for name in dir(type(executor)):
             if name.startswith("compute") and callable(getattr(executor, name)):
@@ -100,11 +89,6 @@ class ComputeProbe:
             events, self._events = self._events, []
         return sum(start.elapsed_time(end) for start, end in events) / 1e3
 
-    def _note(self, msg: StageMsg) -> None:
-        if msg.kind in _WORK:
-            with self._lock:
-                self._seen = (self._seen[0] + 1, self._seen[1] + _tokens(msg))
-
     def _timed(self, method: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(method)
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -124,13 +108,9 @@ class ComputeProbe:
         return timed
 
     def _record(self, start: float, end: float, found: list[StageMsg]) -> None:
+        work = [m for m in found if m.kind in _WORK]
         with self._lock:
-            seen, self._seen = self._seen, (0, 0)
-            if found:
-                work = [m for m in found if m.kind in _WORK]
-                self.calls.append((start, end, len(work), sum(_tokens(m) for m in work)))
-            else:
-                self.calls.append((start, end, *seen))
+            self.calls.append((start, end, len(work), sum(_tokens(m) for m in work)))
 
 
 def _cuda_event() -> Any:

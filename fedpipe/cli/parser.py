@@ -151,7 +151,11 @@ def _add_run(sub: Any) -> None:
     add_settings(p)
     _superlink(p)
     p.add_argument(
-        "--stage-server", default="127.0.0.1:50051", metavar="HOST:PORT", help="the StageServer"
+        "--stage-server",
+        default="127.0.0.1:50051",
+        metavar="HOST:PORT[,HOST:PORT...]",
+        help="the StageServer, or its replicas' addresses as `fedpipe server --replicas` "
+        "prints them",
     )
     p.add_argument(
         "--secret-file",
@@ -258,9 +262,30 @@ def _add_server(sub: Any) -> None:
         "--workdir", type=Path, help="SuperLink log and FLWR_HOME (default: a temp folder)"
     )
     p.add_argument(
-        "--port-file", type=Path, help="write the StageServer's port here once all serves"
+        "--port-file",
+        type=Path,
+        help="write the StageServer's port here once all serves (with replicas: their "
+        "addresses, comma-separated)",
     )
     p.add_argument("--cpu", type=int, help="pin the server process to this CPU (default: any)")
+    p.add_argument(
+        "--replicas",
+        type=int,
+        help=f"server.replicas: this many StageServers, each a Ray actor with the whole middle "
+        f"(default: {s.replicas}: one, no Ray)",
+    )
+    p.add_argument(
+        "--ray-address",
+        metavar="HOST:PORT",
+        help="server.ray_address: start the replicas on this Ray cluster (default: a local Ray)",
+    )
+    p.add_argument(
+        "--replica-port",
+        type=int,
+        metavar="BASE",
+        help="server.replica_port: replica i listens on BASE+i (default: the --stage-server "
+        "port, else free ports; needed with --ray-address)",
+    )
     _deprecated(p, "--host", "--stage-server HOST:PORT", dest="legacy_host")
     _deprecated(p, "--port", "--stage-server HOST:PORT", dest="legacy_port", type=int)
     _deprecated(p, "--superlink-host", "--superlink HOST:PORT", dest="legacy_superlink_host")

@@ -14,7 +14,7 @@ import logging
 import socket
 import ssl
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -298,10 +298,11 @@ def check_run(config: FedpipeConfig, target: RunTarget) -> None:
     for ca in (target.superlink_ca, target.stage_ca):
         if ca:
             check_file(ca, "--tls-ca", "CA certificate")
-    check_tls_matches(
-        target.stage_server, target.stage_ca, "--stage-server", "StageServer", required=True
-    )
-    check_stage_secret(target, config.server.client_identity())
+    # one StageServer, or each of its replicas (a comma-separated list)
+    for address in [a.strip() for a in target.stage_server.split(",") if a.strip()]:
+        each = replace(target, stage_server=address)
+        check_tls_matches(address, target.stage_ca, "--stage-server", "StageServer", required=True)
+        check_stage_secret(each, config.server.client_identity())
     check_tls_matches(
         target.superlink, target.superlink_ca, "--superlink", "SuperLink", required=True
     )
@@ -399,7 +400,7 @@ def check_server(config: FedpipeConfig, setup: ServerSetup) -> None:
             "--node-auth needs TLS (Flower refuses node auth in plaintext): add --tls-ca, "
             "--tls-cert and --tls-key"
         )
-    if config.server.device == "cuda":
+    if config.server.device == "cuda" and not config.server.ray_address:  # else on Ray's nodes
         import torch
 
         if not torch.cuda.is_available():
@@ -407,11 +408,21 @@ def check_server(config: FedpipeConfig, setup: ServerSetup) -> None:
                 "--device cuda: torch sees no CUDA GPU here; use --device auto (CUDA when "
                 "present, else CPU) or --device cpu"
             )
-    check_port_free(setup.stage_host, setup.stage_port, "--stage-server")
+    _check_stage_ports(config, setup)
     if setup.superlink is not None:
         host, port = split_address(setup.superlink, "--superlink")
         check_port_free(host, port, "--superlink")
     check_model(config)
+
+
+def _check_stage_ports(config: FedpipeConfig, setup: ServerSetup) -> None:
+    """The StageServer's port is free; with replicas on this machine, each replica's."""
+    server = config.server
+    if server.replicas == 1:
+        check_port_free(setup.stage_host, setup.stage_port, "--stage-server")
+    elif not server.ray_address and server.replica_port:  # on a cluster: other nodes' ports
+        for index in range(server.replicas):
+            check_port_free(setup.stage_host, server.replica_port + index, "--replica-port")
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from fedpipe.cli.preflight import ServerSetup, check_secret_needed, check_server
 from fedpipe.config import FedpipeConfig
 from fedpipe.launch.processes import Certificates, start_superlink
 from fedpipe.server.build import build_stage_server
+from fedpipe.server.replicas import ReplicaSet
 
 __all__ = ["cmd_server"]
 
@@ -59,10 +60,17 @@ def _server_setup(args: argparse.Namespace, config: FedpipeConfig) -> Any:
 def cmd_server(args: argparse.Namespace) -> int:
     """`fedpipe server`: the StageServer, and a SuperLink with ``--superlink``."""
     tls = {"server.tls_cert": args.tls_cert, "server.tls_key": args.tls_key}
+    replicas = {
+        "server.replicas": args.replicas,
+        "server.ray_address": args.ray_address,
+        "server.replica_port": args.replica_port,
+    }
     config = config_from_args(
-        args, **{"model.name": args.model, "server.device": args.device, **tls}
+        args, **{"model.name": args.model, "server.device": args.device, **tls, **replicas}
     )
     setup = _server_setup(args, config)
+    if config.server.replicas > 1:
+        config = _replica_config(config, setup)
     secret = _server_secret(args)
     check_secret_needed(config, setup.stage_host, secret)
     check_server(config, setup)
@@ -75,6 +83,8 @@ def cmd_server(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda *_: stop.set())
+    if config.server.replicas > 1:
+        return _serve_replicas(args, config, setup, secret, stop)
     server = build_stage_server(
         config.with_overrides({"server.host": setup.stage_host}),
         secret=secret,
@@ -87,15 +97,61 @@ def cmd_server(args: argparse.Namespace) -> int:
         if setup.superlink is not None and not stop.is_set():
             superlink = _start_superlink(args, setup)
         if args.port_file:  # written once everything serves: its presence means "ready"
-            tmp = Path(str(args.port_file) + ".tmp")
-            tmp.write_text(str(server.port))
-            tmp.replace(args.port_file)
+            _write_ready(args.port_file, str(server.port))
         return _serve_until_stopped(stop, superlink)
     finally:
         if superlink is not None:
             superlink.stop()
         server.stop(grace=2.0)
         print("fedpipe: server stopped", file=sys.stderr, flush=True)
+
+
+def _replica_config(config: FedpipeConfig, setup: Any) -> FedpipeConfig:
+    """Replicas listen where --stage-server says: its host, ports from its port on (unless
+    --replica-port), and on a Ray cluster all interfaces of the node Ray places each on."""
+    flat: dict[str, Any] = {"server.host": setup.stage_host}
+    if not config.server.replica_port and setup.stage_port:
+        flat["server.replica_port"] = setup.stage_port
+    return config.with_overrides(flat)
+
+
+def _serve_replicas(
+    args: argparse.Namespace,
+    config: FedpipeConfig,
+    setup: Any,
+    secret: str | None,
+    stop: threading.Event,
+) -> int:
+    """``--replicas N``: N StageServers as Ray actors; each one's address and resources said."""
+    replicas = ReplicaSet(config, secret=secret, log_to_driver=True)
+    superlink = None
+    try:
+        replicas.start()
+        for info in replicas.replicas:
+            print(f"fedpipe: {info.line()}", file=sys.stderr, flush=True)
+        print(
+            f"fedpipe: {config.server.replicas} StageServer replicas ready: "
+            f"`fedpipe run --stage-server {replicas.stage_address}`",
+            file=sys.stderr,
+            flush=True,
+        )
+        if setup.superlink is not None and not stop.is_set():
+            superlink = _start_superlink(args, setup)
+        if args.port_file:
+            _write_ready(args.port_file, replicas.stage_address)
+        return _serve_until_stopped(stop, superlink)
+    finally:
+        if superlink is not None:
+            superlink.stop()
+        replicas.stop()
+        print("fedpipe: replicas stopped", file=sys.stderr, flush=True)
+
+
+def _write_ready(path: Path, text: str) -> None:
+    """Written once everything serves: its presence means "ready"."""
+    tmp = Path(str(path) + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
 
 
 class _RoundLines(logging.Filter):

@@ -272,6 +272,16 @@ class ServerConfig:
     tls_client_ca: str = ""
     tls_client_cert: str = ""  # ... and the ServerApp (control, evaluator) presents this one
     tls_client_key: str = ""
+    # Replicas (fedpipe.server.replicas): this many StageServers, each a Ray actor holding the
+    # whole middle; devices are assigned to one per round. 1: one StageServer, no Ray.
+    replicas: int = 1
+    ray_address: str = ""  # the Ray cluster the replicas start on; "" = a local Ray of their own
+    # Replica i listens on replica_port + i (on a cluster: on the node Ray places it, all
+    # interfaces); 0 = free ports on this machine (local Ray only). Fixed, so that a replica
+    # Ray restarts comes back at the same address.
+    replica_port: int = 0
+    replica_start_s: float = 120.0  # a replica not placed and serving by then fails the start
+    replica_restarts: int = 8  # times Ray restarts a replica that died (-1: without limit)
 
     def __post_init__(self) -> None:
         _check(
@@ -338,6 +348,30 @@ class ServerConfig:
         _check(
             not self.tls_client_ca or bool(self.tls_cert),
             "server.tls_client_ca (mutual TLS) needs server.tls_cert and server.tls_key too",
+        )
+        self._check_replicas()
+
+    def _check_replicas(self) -> None:
+        _check(self.replicas >= 1, f"server.replicas must be >= 1, got {self.replicas}")
+        _check(
+            0 <= self.replica_port <= 65535 - self.replicas,
+            f"server.replica_port must be 0 (free ports) or a base port with room for "
+            f"{self.replicas} replicas (<= {65535 - self.replicas}), got {self.replica_port}",
+        )
+        _check(
+            not (self.ray_address and self.replicas > 1 and self.replica_port == 0),
+            "server.replica_port: replicas on a Ray cluster (server.ray_address) need a base "
+            "port (replica i listens on it + i on its node, so a restarted replica keeps its "
+            "address); set e.g. server.replica_port = 50100",
+        )
+        _check(
+            self.replica_start_s > 0,
+            f"server.replica_start_s must be > 0, got {self.replica_start_s}",
+        )
+        _check(
+            self.replica_restarts >= -1,
+            f"server.replica_restarts must be >= -1 (-1: without limit), got "
+            f"{self.replica_restarts}",
         )
 
     def root_certificates(self, override: str = "") -> bytes | None:

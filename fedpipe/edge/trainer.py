@@ -33,7 +33,6 @@ from fedpipe.trace import Tracer
 from fedpipe.wire.link_client import StageClient, StageSession
 
 __all__ = [
-    "DeviceFailure",
     "DeviceTrainer",
     "RoundReport",
     "initial_device_adapters",
@@ -92,10 +91,6 @@ def peak_rss_mb() -> float:
         return 0.0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # bytes vs KiB
-
-
-class DeviceFailure(RuntimeError):
-    """A device stopped mid-round (fault injection in simulations and tests)."""
 
 
 def _add_proximal_term(
@@ -404,14 +399,11 @@ class DeviceTrainer:
         round_: int = 0,
         token: str = "",
         proximal_mu: float = 0.0,
-        fail_after_steps: int | None = None,
     ) -> RoundReport:
         """Run one round's local steps as pipelined split training; returns metrics.
 
         ``proximal_mu`` > 0 adds FedProx's ``mu/2 * ||w - w_round_start||^2`` to the device
-        adapters' loss (as a gradient term before each optimizer step). ``fail_after_steps``
-        is fault injection for tests: the device drops its stream after that many steps and
-        raises :class:`DeviceFailure`, as a device that vanishes would.
+        adapters' loss (as a gradient term before each optimizer step).
         """
         cfg = self.config
         params = self.parameters()
@@ -427,7 +419,7 @@ class DeviceTrainer:
         session, runtime = self.connect(client, optimizer=optimizer, round_=round_, token=token)
         self._log_delta(session, round_)
         try:
-            self._train_steps(session, runtime, batches, report, round_, fail_after_steps)
+            self._train_steps(session, runtime, batches, report, round_)
         finally:
             if self.delta is not None and self.delta_path is not None:
                 self.delta.save(self.delta_path)  # for the next round's process
@@ -447,18 +439,12 @@ class DeviceTrainer:
         batches: list[dict[str, torch.Tensor]],
         report: RoundReport,
         round_: int,
-        fail_after_steps: int | None,
     ) -> None:
-        """The round's steps over ``session``, which this closes (or aborts, when injected)."""
+        """The round's steps over ``session``, which this closes."""
         with session:
             if self.planner is not None:
                 self.planner.begin(session, runtime)
             for step, batch in enumerate(batches):
-                if fail_after_steps is not None and step >= fail_after_steps:
-                    session.abort()
-                    raise DeviceFailure(
-                        f"device {self.device_id} vanished in round {round_} (injected)"
-                    )
                 result = runtime.train_step(batch, step=step)
                 if self.planner is not None:
                     self.planner.after_step(session, runtime, result, batch)

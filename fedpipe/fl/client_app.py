@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
@@ -52,7 +51,6 @@ def _says_who(train: _TrainFn) -> _TrainFn:
     def wrapped(msg: Message, context: Context) -> Message:
         partition, profile = _device_profile_name(context)
         try:
-            _maybe_hang(msg, context, partition)
             reply = train(msg, context)
         except Exception as exc:
             raise RuntimeError(
@@ -63,18 +61,6 @@ def _says_who(train: _TrainFn) -> _TrainFn:
         return reply
 
     return wrapped
-
-
-def _maybe_hang(msg: Message, context: Context, partition: int) -> None:
-    """Fault injection for tests: ``faults.hang-partition`` stops answering in its round."""
-    config = cast(ConfigRecord, msg.content["config"])
-    round_ = int(cast(int, config.get("fedpipe-round", -1)))
-    hang = int(cast(int, context.run_config.get("faults.hang-partition", -1)))
-    if hang == partition and round_ == int(
-        cast(int, context.run_config.get("faults.hang-round", -1))
-    ):
-        log.warning("[partition %d] hanging in round %d (injected)", partition, round_)
-        time.sleep(float(cast(float, context.run_config.get("faults.hang-s", 3600.0))))
 
 
 def _delta_dir(node: dict[str, Any], run: RunSettings) -> str:
@@ -116,10 +102,12 @@ def client_train(msg: Message, context: Context) -> Message:
     round_ = int(cast(int, config["fedpipe-round"]))
     work.trainer.load_adapters(cast(ArrayRecord, msg.content["arrays"]).to_torch_state_dict())
     # The device's own flag first (the server's address as seen from the device's network),
-    # else the one the ServerApp sent.
+    # else the one the ServerApp sent; with replicas, always the replica it was assigned (its
+    # token is valid there only).
     address = str(node.get("stage-address", "")) or str(config.get("stage-address", ""))
+    if "stage-replica" in config:
+        address = str(config["stage-address"])
     address = address or run.stage_address
-    fail = run.kill_partition == partition and run.kill_round == round_
     report = work.train(
         address,
         round_=round_,
@@ -127,7 +115,6 @@ def client_train(msg: Message, context: Context) -> Message:
         proximal_mu=float(cast(float, config.get("proximal-mu", 0.0)))
         if cfg.federated.strategy == "fedprox"
         else 0.0,
-        fail_after_steps=1 if fail else None,
         trace_dir=Path(run.dir) / "traces" if run.dir else None,
     )
     metrics: dict[str, int | float | list[int] | list[float]] = {

@@ -1,7 +1,7 @@
 """What a Flower app does locally: read its settings, hold a device's model and data, evaluate.
 
 Run-config keys are fedpipe's dotted settings (``pipeline.microbatches``, see
-:mod:`fedpipe.config`) plus run keys (``run.*``) and fault injection for tests (``faults.*``).
+:mod:`fedpipe.config`) plus run keys (``run.*``).
 """
 
 from __future__ import annotations
@@ -54,8 +54,6 @@ class RunSettings:
     secret: str = ""
     run_id: str = "run"
     round_timeout_s: float = 1800.0
-    kill_partition: int = -1  # faults: this partition's device dies mid-round ...
-    kill_round: int = -1  # ... in this round
 
 
 RUN_DEFAULTS: dict[str, Any] = {
@@ -65,17 +63,12 @@ RUN_DEFAULTS: dict[str, Any] = {
     "run.secret-file": "",
     "run.id": "run",
     "run.round-timeout": 1800.0,
-    "faults.kill-partition": -1,
-    "faults.kill-round": -1,
-    "faults.hang-partition": -1,  # this partition's device stops answering ...
-    "faults.hang-round": -1,  # ... in this round ...
-    "faults.hang-s": 3600.0,  # ... for this long
 }
 
 
 def run_settings(run_config: dict[str, Any]) -> tuple[FedpipeConfig, RunSettings]:
     """Split Flower's run config into fedpipe settings and run settings (reads no file)."""
-    settings = {k: v for k, v in run_config.items() if k.split(".")[0] not in ("run", "faults")}
+    settings = {k: v for k, v in run_config.items() if k.split(".")[0] != "run"}
     run = {**RUN_DEFAULTS, **{k: v for k, v in run_config.items() if k not in settings}}
     return FedpipeConfig().with_overrides(settings), RunSettings(
         dir=str(run["run.dir"]),
@@ -84,8 +77,6 @@ def run_settings(run_config: dict[str, Any]) -> tuple[FedpipeConfig, RunSettings
         secret_file=str(run["run.secret-file"]),
         run_id=str(run["run.id"]),
         round_timeout_s=float(run["run.round-timeout"]),
-        kill_partition=int(run["faults.kill-partition"]),
-        kill_round=int(run["faults.kill-round"]),
     )
 
 
@@ -190,7 +181,6 @@ class DeviceWork:
         round_: int,
         token: str,
         proximal_mu: float = 0.0,
-        fail_after_steps: int | None = None,
         trace_dir: Path | None = None,
     ) -> RoundReport:
         """One round of local steps; batches depend only on (seed, partition, round, step)."""
@@ -207,7 +197,6 @@ class DeviceWork:
                 round_=round_,
                 token=token,
                 proximal_mu=proximal_mu,
-                fail_after_steps=fail_after_steps,
             )
         report.privacy = self._privacy(sampler, (round_ + 1) * steps)
         if trace_dir is not None and trace_dir.parent.is_dir():  # only where the run folder is

@@ -12,6 +12,12 @@ every few seconds how many steps each device has done, as the StageServer counts
 The rounds themselves (:class:`Rounds` and :func:`run_rounds`: the configured Flower strategy
 wrapped in fedpipe's round hooks and round policy) do not depend on where the devices run:
 ``fedpipe bench quality`` drives the same code over a grid of its own.
+
+With StageServer replicas (``run.stage-address`` lists several), round control goes through
+:class:`~fedpipe.fl.replicas.ReplicaControl`: each device is told its replica's address and
+gets a token for that replica's run id; before the strategy aggregates, every replica hands
+over its part of the round, and a device whose replica was lost fails the round; the server
+adapters are merged here and loaded back into every replica.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -43,6 +50,7 @@ from fedpipe.fl.aggregate import (
 )
 from fedpipe.fl.device_work import DeviceWork, RunSettings, evaluate_split, server_run_settings
 from fedpipe.fl.progress import RoundWatch
+from fedpipe.fl.replicas import ReplicaControl, stage_addresses
 from fedpipe.fl.replies import ReplyRules, check_reply, device_keys
 from fedpipe.fl.rounds import DeviceBook, RoundGrid, StopRun
 from fedpipe.fl.strategies import STATEFUL, aggregation_rule, make_strategy, robust_options
@@ -52,11 +60,13 @@ from fedpipe.runs.folder import RunFolder
 from fedpipe.runs.tensorboard import Board
 from fedpipe.wire.control_client import StageControlClient
 
-__all__ = ["Rounds", "run_rounds", "seeded_adapters", "server_app"]
+__all__ = ["Rounds", "StageControl", "run_rounds", "seeded_adapters", "server_app", "stage_control"]
 
 log = logging.getLogger(__name__)
 
 server_app = ServerApp()
+
+StageControl = StageControlClient | ReplicaControl  # one StageServer, or its replicas
 
 _PROGRESS_EVERY_S = 2.0  # how often a round asks the StageServer how far its devices have got
 
@@ -69,7 +79,7 @@ class Rounds:
 
     def __init__(
         self,
-        control: StageControlClient,
+        control: StageControl,
         run: RunSettings,
         offset: int,
         *,
@@ -77,6 +87,7 @@ class Rounds:
         policy: FederatedConfig | None = None,
     ) -> None:
         self.control, self.offset, self.log = control, offset, log
+        self.replicas = control if isinstance(control, ReplicaControl) else None
         self.secret, self.run_id = run.secret, run.run_id
         self.stage_address, self.token_ttl_s = run.stage_address, run.round_timeout_s
         self.last_commit: tuple[int, int] = (0, 0)
@@ -84,7 +95,8 @@ class Rounds:
         self.policy = policy or FederatedConfig()
         self.devices = DeviceBook()
         self.grid: RoundGrid | None = None
-        self.stats: dict[str, float | int] = {}  # the last committed round's, for its record
+        # the last committed round's, for its record (with replicas: lists per replica too)
+        self.stats: dict[str, float | int | list[float] | list[int]] = {}
         self.failures_total = 0
         self.started = self.round_started = time.time()
         self.exact = ExactState(mode=self.policy.aggregation)  # `exact`, `stack` across rounds
@@ -102,6 +114,15 @@ class Rounds:
     def configure(self, server_round: int, messages: Iterable[Message]) -> list[Message]:
         round_ = self.offset + server_round
         self.control.begin_round(round_, self.run_id, self.policy.aggregation, self.rule.text())
+        messages = list(messages)
+        routes = (
+            self.replicas.routes(str(m.metadata.dst_node_id) for m in messages)
+            if self.replicas is not None
+            else {}
+        )
+        if routes:  # which replica serves each device this round (the run folder keeps it)
+            assigned = {node: route.replica for node, route in routes.items()}
+            self.log({"event": "routes", "round": round_, "replicas": assigned})
         out = []
         for msg in messages:
             node = str(msg.metadata.dst_node_id)
@@ -109,10 +130,15 @@ class Rounds:
             config["fedpipe-round"] = round_
             # All a device needs for the stage link comes here (its CA is its own file).
             config["stage-address"] = self.stage_address
+            run_id = self.run_id
+            if node in routes:  # its replica's address, and a token for that replica's run
+                config["stage-address"] = routes[node].address
+                config["stage-replica"] = routes[node].replica
+                run_id = routes[node].run_id
             config["token"] = (
                 issue_token(
                     self.secret,
-                    run_id=self.run_id,
+                    run_id=run_id,
                     round=round_,
                     device_id=node,
                     ttl_s=self.token_ttl_s,
@@ -140,6 +166,7 @@ class Rounds:
         }
         merged, discarded, dropped = self.control.commit_round(round_, self.finished)
         self.last_commit = (merged, discarded)
+        figures = self.replicas.round_figures() if self.replicas is not None else {}
         for device, why in dropped.items():  # its server adapter held NaN/Inf: not merged
             self._fail(int(device), f"server adapter not merged: {why}")
         ok = [r for r in ok if str(r.metadata.src_node_id) not in dropped]
@@ -155,10 +182,27 @@ class Rounds:
             self.log({"event": "train", "round": round_, **self.devices.fields(node), **metrics})
         failed = len(self.grid.failures) if self.grid is not None else len(replies) - len(ok)
         self.failures_total += failed
-        self.stats = _round_stats(ok, failed)
+        self.stats = {**_round_stats(ok, failed), **figures}
         log.info("round %d: %d devices merged, %d failed", round_, len(ok), failed)
         _log_privacy(round_, ok)
         self._apply_stop_policy(round_, len(ok), failed)
+
+    def collect(self, server_round: int, replies: list[Message]) -> list[Message]:
+        """Replicas: each hands over its part of the round before anything is aggregated; a
+        device whose replica was lost fails the round (named, with why), and its reply is left
+        out of both sides' aggregation. One StageServer: the replies as they are."""
+        if self.replicas is None:
+            return replies
+        finished = {
+            str(r.metadata.src_node_id): float(cast(int, r.content["metrics"]["num-examples"]))
+            for r in replies
+            if not r.has_error()
+        }
+        lost = self.replicas.collect(self.offset + server_round, finished)
+        for reply in replies:
+            if str(reply.metadata.src_node_id) in lost:
+                self._fail(reply.metadata.src_node_id, lost[str(reply.metadata.src_node_id)])
+        return [r for r in replies if str(r.metadata.src_node_id) not in lost]
 
     def _fail(self, node: int, reason: str) -> None:
         assert self.grid is not None, "rounds run on fedpipe's RoundGrid"
@@ -274,6 +318,7 @@ def _wrap_strategy(strategy, rounds: Rounds, *, stateful: bool):  # type: ignore
         def aggregate_train(self, server_round, replies):  # type: ignore[no-untyped-def]
             replies = rounds.valid_replies(list(replies))
             rounds.weigh_by_server(server_round, replies)
+            replies = rounds.collect(server_round, replies)
             global_state = rounds.exact.device_global
             if rounds.rule.norm_bound > 0:
                 clip_replies(replies, global_state, rounds.rule.norm_bound)
@@ -306,8 +351,12 @@ def _make_evaluate(
         if server_round == 0 and resumed:
             return MetricRecord({})
         state = arrays.to_torch_state_dict()
-        loss, tokens = evaluate_split(work, state, run, round_)
-        record: dict[str, float | int] = {
+        where = run
+        if rounds.replicas is not None:  # on a replica that holds the global adapter
+            route = rounds.replicas.evaluator()
+            where = replace(run, stage_address=route.address, run_id=route.run_id)
+        loss, tokens = evaluate_split(work, state, where, round_)
+        record: dict[str, float | int | list[float] | list[int]] = {
             "round": round_,
             "eval_loss": loss,
             "eval_ppl": math.exp(min(loss, 50.0)),
@@ -326,7 +375,9 @@ def _make_evaluate(
         record |= {"wall_s": now - rounds.round_started, "elapsed_s": now - rounds.started}
         rounds.log({"event": "eval", **record})
         log.info("round %d: eval loss %.4f (ppl %.2f)", round_, loss, record["eval_ppl"])
-        return MetricRecord({k: float(v) for k, v in record.items()})
+        # per replica (with replicas): lists, as MetricRecord holds them
+        values = {k: v if isinstance(v, list) else float(v) for k, v in record.items()}
+        return MetricRecord(values)  # type: ignore[arg-type]
 
     return evaluate
 
@@ -350,6 +401,31 @@ def _strategy(cfg: FedpipeConfig, rounds: Rounds):  # type: ignore[no-untyped-de
         with_adapter_dp(strategy, cfg.privacy, sampled_devices=sampled),
         rounds,
         stateful=fed.strategy.strip().lower() in STATEFUL,
+    )
+
+
+def stage_control(cfg: FedpipeConfig, run: RunSettings) -> StageControl:
+    """Round control of the run's StageServer, or of its replicas when there are several."""
+    chain, key = cfg.server.client_identity()
+    addresses = stage_addresses(run.stage_address)
+    if len(addresses) > 1:
+        return ReplicaControl(
+            addresses,
+            run.secret,
+            run_id=run.run_id,
+            lora_scale=cfg.model.lora_alpha / cfg.model.lora_r,
+            wait_s=cfg.server.replica_start_s,
+            root_certificates=cfg.server.root_certificates(),
+            certificate_chain=chain,
+            private_key=key,
+        )
+    return StageControlClient(
+        run.stage_address,
+        run.secret,
+        run_id=run.run_id,
+        root_certificates=cfg.server.root_certificates(),
+        certificate_chain=chain,
+        private_key=key,
     )
 
 
@@ -417,15 +493,7 @@ def run_rounds(
 def server_main(grid: Grid, context: Context) -> None:
     cfg, run = server_run_settings(context.run_config)  # the only reader of the secret
     folder = RunFolder.open(Path(run.dir).parent, Path(run.dir).name, resume=run.resume)
-    chain, key = cfg.server.client_identity()
-    control = StageControlClient(
-        run.stage_address,
-        run.secret,
-        run_id=run.run_id,
-        root_certificates=cfg.server.root_certificates(),
-        certificate_chain=chain,
-        private_key=key,
-    )
+    control = stage_control(cfg, run)
     work = DeviceWork(
         cfg, device_id="evaluator", partition=-1, num_partitions=cfg.federated.num_devices
     )

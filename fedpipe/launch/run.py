@@ -1,6 +1,10 @@
 """Starting a run: ``simulate`` (every device on this machine, Flower's simulation engine) and
 ``deploy_run`` (devices on their own hosts, a deployment's SuperLink), each around a StageServer.
 
+With ``server.replicas`` > 1 a simulation starts that many StageServer replicas on a local Ray
+of their own (:class:`~fedpipe.server.replicas.ReplicaSet`; Flower's simulation engine starts
+another, in its SuperLink's process) and stops them after the run.
+
 Deployment: ``fedpipe server --superlink`` on the GPU host (StageServer + Flower SuperLink),
 ``fedpipe client`` on each device (a SuperNode), then ``fedpipe run`` on the server host
 launches the app on that SuperLink; the ServerApp reads the secret file and writes the run
@@ -16,7 +20,9 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +43,7 @@ from fedpipe.runs.report import LiveReport
 from fedpipe.runs.resume import resume_settings
 from fedpipe.runs.summary import finish_run, judge
 from fedpipe.server.build import build_stage_server
+from fedpipe.server.replicas import ReplicaInfo, ReplicaSet
 
 __all__ = ["CLIENT_APP", "SERVER_APP", "deploy_run", "nest", "simulate", "write_app"]
 
@@ -56,12 +63,16 @@ def nest(flat: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def write_app(directory: Path, config: FedpipeConfig) -> Path:
-    """The Flower app project for fedpipe's apps, with every setting as a run-config key."""
+def write_app(directory: Path, config: FedpipeConfig, *, client_app: str = CLIENT_APP) -> Path:
+    """The Flower app project for fedpipe's apps, with every setting as a run-config key.
+
+    ``client_app`` (``"package.module:attribute"``) names the ClientApp the devices run:
+    fedpipe's own by default.
+    """
     return write_flower_app(
         directory,
         server_app=SERVER_APP,
-        client_app=CLIENT_APP,
+        client_app=client_app,
         config=nest({**config.to_flat(), **RUN_DEFAULTS}),
     )
 
@@ -90,9 +101,9 @@ def simulate(
     runs_dir: Path = Path("runs"),
     resume: bool = False,
     timeout_s: float = 3600.0,
-    faults: dict[str, int | float] | None = None,
     progress: bool = True,
     explicit: set[str] | None = None,
+    client_app: str = CLIENT_APP,
 ) -> dict[str, Any]:
     """Run ``config`` on Flower's simulation engine; returns the run's summary.
 
@@ -103,6 +114,11 @@ def simulate(
     say whether the run did all it should (see :func:`fedpipe.runs.summary.judge`); a
     timeout is one of them. When Ray timed out starting the engine, it is started once more
     (said in one line on stderr, and in the summary's ``flower_run.retried_after``).
+
+    ``client_app`` (``"package.module:attribute"``) chooses the ClientApp the simulated
+    devices run, e.g. fedpipe's own (``fedpipe.fl.client_app:client_app``) called inside a
+    ClientApp with your own Flower mods. The simulation's processes import it, so its
+    module must be importable there (installed, or on ``PYTHONPATH``).
     """
     folder = RunFolder.open(runs_dir, name, resume=resume)
     config = _settle_settings(folder, config, resume=resume, explicit=explicit)
@@ -111,25 +127,50 @@ def simulate(
     # folder of this run's own, and goes with it.
     secrets_dir = Path(tempfile.mkdtemp(prefix="fedpipe-secret-"))  # 0700
     secret_file = create_secret_file(secrets_dir / "secret")
-    server = build_stage_server(config, secret=read_secret_file(secret_file), port=0).start()
     started = time.time()
     try:
-        app = write_app(folder.path / "app", config)
-        run_config: dict[str, Any] = {
-            "run.dir": str(folder.path.resolve()),
-            "run.resume": resume,
-            "run.stage-address": server.address,
-            "run.secret-file": str(secret_file.resolve()),
-            "run.id": _run_instance(name),
-        }
-        for key, value in (faults or {}).items():
-            run_config[f"faults.{key}"] = value
-        attempt = _SimulationAttempt(folder, app, config, nest(run_config), progress=progress)
-        result, retried = _simulate_with_one_retry(attempt, timeout_s)
+        with _stage_servers(config, read_secret_file(secret_file)) as (address, replicas):
+            _note_replicas(folder, replicas)
+            app = write_app(folder.path / "app", config, client_app=client_app)
+            run_config: dict[str, Any] = {
+                "run.dir": str(folder.path.resolve()),
+                "run.resume": resume,
+                "run.stage-address": address,
+                "run.secret-file": str(secret_file.resolve()),
+                "run.id": _run_instance(name),
+            }
+            attempt = _SimulationAttempt(folder, app, config, nest(run_config), progress=progress)
+            result, retried = _simulate_with_one_retry(attempt, timeout_s)
+    finally:
+        shutil.rmtree(secrets_dir, ignore_errors=True)
+    return _finish(folder, config, result, started, timeout_s, retried=retried, replicas=replicas)
+
+
+@contextmanager
+def _stage_servers(config: FedpipeConfig, secret: str) -> Iterator[tuple[str, list[ReplicaInfo]]]:
+    """The run's StageServer on a free port, or its replicas (``server.replicas`` > 1) on a
+    local Ray of their own: yields the run's ``run.stage-address`` and the replicas."""
+    if config.server.replicas > 1:
+        replicas = ReplicaSet(config, secret=secret).start()
+        try:
+            yield replicas.stage_address, replicas.replicas
+        finally:
+            replicas.stop()
+        return
+    server = build_stage_server(config, secret=secret, port=0).start()
+    try:
+        yield server.address, []
     finally:
         server.stop(grace=1.0)
-        shutil.rmtree(secrets_dir, ignore_errors=True)
-    return _finish(folder, config, result, started, timeout_s, retried=retried)
+
+
+def _note_replicas(folder: RunFolder, replicas: list[ReplicaInfo]) -> None:
+    """Each replica in one line on stderr, and in the run folder's ``replicas.json``."""
+    if not replicas:
+        return
+    for info in replicas:
+        print(f"fedpipe: {info.line()}", file=sys.stderr, flush=True)
+    (folder.path / "replicas.json").write_text(json.dumps([asdict(r) for r in replicas], indent=2))
 
 
 @dataclass(frozen=True)
@@ -264,12 +305,17 @@ def _finish(
     timeout_s: float,
     *,
     retried: FlwrRunResult | None = None,
+    replicas: list[ReplicaInfo] | None = None,
 ) -> dict[str, Any]:
     """The summary with the run's verdict (``ok``, ``problems``), written and returned.
 
-    ``retried``: a first start of the simulation engine whose Ray start timed out.
+    ``retried``: a first start of the simulation engine whose Ray start timed out;
+    ``replicas``: the StageServer replicas the run had (where they served, what they asked
+    Ray for).
     """
     summary = finish_run(folder, config=config.to_flat())
+    if replicas:
+        summary["replicas"] = [asdict(r) for r in replicas]
     summary["total_wall_s"] = time.time() - started
     summary["flower_run"] = {
         "run_id": result.run_id,

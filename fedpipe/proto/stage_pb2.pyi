@@ -298,3 +298,29 @@ class RoundStatusReply(_message.Message):
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     sessions: _containers.RepeatedCompositeFieldContainer[SessionStatus]
     def __init__(self, sessions: _Optional[_Iterable[_Union[SessionStatus, _Mapping]]] = ...) -> None: ...
+
+class CollectRoundRequest(_message.Message):
+    __slots__ = ("round", "finished")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    finished: _containers.RepeatedCompositeFieldContainer[DeviceWeight]
+    def __init__(self, round: _Optional[int] = ..., finished: _Optional[_Iterable[_Union[DeviceWeight, _Mapping]]] = ...) -> None: ...
+
+class CollectedPart(_message.Message):
+    __slots__ = ("held", "discarded", "dropped", "dropped_reason", "microbatches", "round_s", "chunk")
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    DISCARDED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_REASON_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
+    ROUND_S_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    held: _containers.RepeatedCompositeFieldContainer[DeviceWeight]
+    discarded: int
+    dropped: _containers.RepeatedScalarFieldContainer[str]
+    dropped_reason: _containers.RepeatedScalarFieldContainer[str]
+    microbatches: int
+    round_s: float
+    chunk: AdapterChunk
+    def __init__(self, held: _Optional[_Iterable[_Union[DeviceWeight, _Mapping]]] = ..., discarded: _Optional[int] = ..., dropped: _Optional[_Iterable[str]] = ..., dropped_reason: _Optional[_Iterable[str]] = ..., microbatches: _Optional[int] = ..., round_s: _Optional[float] = ..., chunk: _Optional[_Union[AdapterChunk, _Mapping]] = ...) -> None: ...

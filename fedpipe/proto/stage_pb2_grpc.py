@@ -226,6 +226,11 @@ class StageControlStub:
                 request_serializer=fedpipe_dot_proto_dot_stage__pb2.HelloRequest.SerializeToString,
                 response_deserializer=fedpipe_dot_proto_dot_stage__pb2.HelloReply.FromString,
                 _registered_method=True)
+        self.CollectRound = channel.unary_stream(
+                '/fedpipe.proto.StageControl/CollectRound',
+                request_serializer=fedpipe_dot_proto_dot_stage__pb2.CollectRoundRequest.SerializeToString,
+                response_deserializer=fedpipe_dot_proto_dot_stage__pb2.CollectedPart.FromString,
+                _registered_method=True)
 
 
 class StageControlServicer:
@@ -269,6 +274,12 @@ class StageControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CollectRound(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -301,6 +312,11 @@ def add_StageControlServicer_to_server(servicer, server):
                     servicer.Hello,
                     request_deserializer=fedpipe_dot_proto_dot_stage__pb2.HelloRequest.FromString,
                     response_serializer=fedpipe_dot_proto_dot_stage__pb2.HelloReply.SerializeToString,
+            ),
+            'CollectRound': grpc.unary_stream_rpc_method_handler(
+                    servicer.CollectRound,
+                    request_deserializer=fedpipe_dot_proto_dot_stage__pb2.CollectRoundRequest.FromString,
+                    response_serializer=fedpipe_dot_proto_dot_stage__pb2.CollectedPart.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -466,6 +482,33 @@ class StageControl:
             '/fedpipe.proto.StageControl/Hello',
             fedpipe_dot_proto_dot_stage__pb2.HelloRequest.SerializeToString,
             fedpipe_dot_proto_dot_stage__pb2.HelloReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CollectRound(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/fedpipe.proto.StageControl/CollectRound',
+            fedpipe_dot_proto_dot_stage__pb2.CollectRoundRequest.SerializeToString,
+            fedpipe_dot_proto_dot_stage__pb2.CollectedPart.FromString,
             options,
             channel_credentials,
             insecure,

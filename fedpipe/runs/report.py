@@ -39,6 +39,9 @@ def _round_line(rec: dict[str, Any], total: int) -> str:
         f"{trained}/{trained + failed} devices trained" + (f", {failed} failed" if failed else "")
     )
     parts.append(f"up {_mb(rec.get('bytes_up', 0))}, down {_mb(rec.get('bytes_down', 0))}")
+    if rec.get("sessions_per_replica"):  # StageServer replicas
+        per = "/".join(str(n) for n in rec["sessions_per_replica"])
+        parts.append(f"sessions per replica {per}")
     parts.append(f"{rec.get('wall_s', 0.0):.1f} s")
     return ", ".join(parts)
 

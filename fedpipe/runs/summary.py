@@ -10,11 +10,15 @@ Records (one JSON object per line, ``event`` says which):
   ``cut``: the head+tail blocks it ran);
 - ``failure``: one failed device (``device``, ``round``, ``reason``);
 - ``eval``: the round's record (held-out loss, device counts, ``wall_s`` of the round itself,
-  ``elapsed_s`` since the start);
+  ``elapsed_s`` since the start; with StageServer replicas, ``sessions_per_replica`` and
+  ``replica_mb_per_s``: each replica's sessions and training microbatches per second);
 - ``waiting``: whom a round waits for (while replies are out: the late devices, and ``why``
   for each); ``stop``: the run was stopped early, and why;
 - ``progress``: while a round's replies are out, each device's ``steps_done`` (the
   StageServer's count) of the round's ``steps`` and its ``state`` (:mod:`fedpipe.fl.progress`).
+
+- ``routes``: with StageServer replicas, which replica each device (Flower node id) was told
+  to use in the round.
 
 ``waiting`` and ``progress`` are for the live console only: the summary leaves them out (the
 ``train``, ``failure`` and ``eval`` records hold each round's outcome).
@@ -43,6 +47,8 @@ _EVAL_KEYS = (
     "merged",
     "discarded",
     "devices_sampled",
+    "sessions_per_replica",  # with StageServer replicas: per replica, from its own counts
+    "replica_mb_per_s",
 )
 
 

@@ -8,7 +8,10 @@ runs/`` then shows the run live. Steps are rounds. Tags:
   ``round/bytes_up``, ``round/bytes_down``: one point per round;
 - ``device/<name>/step_time_s``, ``.../bytes_up``, ``.../bytes_down``, ``.../train_loss``: per
   device (``<name>`` is ``p<partition>-<profile>``);
-- ``failures/total``: failed devices so far (with the reasons as text under ``failures``).
+- ``failures/total``: failed devices so far (with the reasons as text under ``failures``);
+- with StageServer replicas, ``replica/<k>/mb_per_s`` and ``replica/<k>/sessions``: each
+  replica's training microbatches per second in the round and the sessions it held (its own
+  counts).
 """
 
 from __future__ import annotations
@@ -69,6 +72,12 @@ class Board:
             for key, tag in _ROUND_TAGS.items():
                 if isinstance(record.get(key), int | float):
                     self.writer.add_scalar(tag, float(record[key]), step)
+            for key, name in (
+                ("replica_mb_per_s", "mb_per_s"),
+                ("sessions_per_replica", "sessions"),
+            ):
+                for k, value in enumerate(record.get(key) or ()):
+                    self.writer.add_scalar(f"replica/{k}/{name}", float(value), step)
         elif event == "train":
             device = device_tag(record.get("partition", "?"), record.get("profile"))
             for key, tag in _DEVICE_TAGS.items():

@@ -4,6 +4,9 @@ At the end of a round the ServerApp names the devices whose Flower reply arrived
 its aggregation weight. Their sessions of that round that completed a step are merged (by the
 bank's aggregation rule, ``federated.aggregation``); an adapter holding NaN or Inf never is,
 and its device is reported with the reason. Every other session of the round is discarded.
+
+A replica (one of several StageServers serving a run) does not merge: it hands the same
+adapters over (CollectRound, :func:`finished_adapters`) and the ServerApp merges every replica's.
 """
 
 from __future__ import annotations
@@ -17,7 +20,14 @@ import torch
 from fedpipe.errors import InvalidRequestError
 from fedpipe.server.sessions import SessionInfo
 
-__all__ = ["KEEP_COMMITS", "CommitResult", "check_weights", "choose_merge", "non_finite"]
+__all__ = [
+    "KEEP_COMMITS",
+    "CommitResult",
+    "check_weights",
+    "choose_merge",
+    "finished_adapters",
+    "non_finite",
+]
 
 KEEP_COMMITS = 64  # committed rounds remembered so that a retried commit is answered the same
 
@@ -47,8 +57,23 @@ def choose_merge(
     """(session id -> weight, for the adapters to merge; device id -> why it is not merged).
 
     Candidates are the sessions of ``round_`` of finished devices that completed a step;
-    ``state_of(session_id)`` reads a session's adapter to check it is finite.
+    ``state_of(session_id)`` reads a session's adapter to check it is finite. Nothing is
+    merged when their weights sum to 0.
     """
+    merge, dropped = finished_adapters(sessions, round_, finished, state_of)
+    if not merge or sum(merge.values()) <= 0:
+        merge = {}
+    return merge, dropped
+
+
+def finished_adapters(
+    sessions: Iterable[SessionInfo],
+    round_: int,
+    finished: dict[str, float],
+    state_of: Callable[[str], dict[str, torch.Tensor]],
+) -> tuple[dict[str, float], dict[str, str]]:
+    """:func:`choose_merge`'s candidates, whatever their weights sum to (a replica's part:
+    the sum that counts is over every replica's)."""
     merge: dict[str, float] = {}
     dropped: dict[str, str] = {}
     for info in sessions:
@@ -59,8 +84,6 @@ def choose_merge(
             dropped[info.device_id] = reason
         else:
             merge[info.session_id] = finished[info.device_id]
-    if not merge or sum(merge.values()) <= 0:
-        merge = {}
     return merge, dropped
 
 

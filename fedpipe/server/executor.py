@@ -288,6 +288,8 @@ class StageExecutor:
     def _reply(self, fwd: _Forward, out: object) -> StageMsg:
         """The reply to one forward: OUTPUT (u), or the loss and INPUT_GRAD (two)."""
         info, msg, x = fwd.info, fwd.msg, fwd.group.hidden
+        if not msg.forward_only:
+            info.microbatches += 1
         if self.mode == "u":
             y, graph = out if isinstance(out, tuple) else (out, out)
             assert isinstance(y, torch.Tensor)

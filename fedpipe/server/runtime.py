@@ -44,6 +44,7 @@ from fedpipe.errors import (
     UnknownSessionError,
 )
 from fedpipe.lora import AdapterBank, BatchedAdapterBank
+from fedpipe.lora.aggregation import held_blocks
 from fedpipe.lora.robust import AggregationRule
 from fedpipe.messages import END, Kind, StageMsg
 from fedpipe.server.batch_policy import BatchChoice, BatchPolicy, Lane, choose_batch
@@ -53,6 +54,7 @@ from fedpipe.server.commit import (
     CommitResult,
     check_weights,
     choose_merge,
+    finished_adapters,
     non_finite,
 )
 from fedpipe.server.device_copies import DeviceCopies
@@ -71,6 +73,7 @@ from fedpipe.server.sessions import (
 )
 from fedpipe.server.streams import StreamHandle, message_bytes
 from fedpipe.trace import Tracer
+from fedpipe.wire.backend import CollectedRound
 
 __all__ = ["StageRuntime"]
 
@@ -131,8 +134,6 @@ class StageRuntime:
             input_grad_first=input_grad_first,
         )
         self.max_seq_len = seq_bound(max_positions, self.limits.max_seq_len)
-        # Called on the worker before each message is computed, batched or not (tests).
-        self.on_compute: Callable[[str, StageMsg], None] | None = None
         # What devices make the server hold, all together (fedpipe.server.budget).
         self.budget = ByteBudget(self.limits.memory_budget_bytes)
         self._sessions: dict[str, SessionInfo] = {}
@@ -140,6 +141,7 @@ class StageRuntime:
         self._ending: dict[StreamHandle, float] = {}  # ended by the server, not yet gone: by when
         self._drop_listeners: list[Callable[[SessionInfo], None]] = []
         self._commits: dict[int, CommitResult] = {}
+        self._collected: dict[int, CollectedRound] = {}  # the last collected rounds (retries)
         self._opening = 0  # sessions being opened: their adapter is being added
         self._lock = threading.RLock()  # sessions, streams, counters; never held by compute
         self._bank_lock = threading.RLock()  # the bank; taken after _lock, never before
@@ -497,6 +499,48 @@ class StageRuntime:
             self._drop(info, reason=dropped.get(info.device_id, f"round {round_} committed"))
         return CommitResult(len(merge), len(stale), dropped)
 
+    def collect_round(self, round_: int, finished: dict[str, float]) -> CollectedRound:
+        """Hand over the finished devices' adapters of ``round_`` and drop every session of it.
+
+        What :meth:`commit_round` would merge, left to a merge across replicas: each finished
+        device's adapter (the blocks its cut ran) and weight; NaN or Inf adapters are left out
+        with the reason. The global adapter does not change here. A retried collect of the
+        last rounds gets the first answer.
+        """
+        check_weights(finished)
+        with self._lock:
+            if round_ in self._collected:
+                log.info("round %d was collected already; the retry gets its answer", round_)
+                return self._collected[round_]
+            with self._bank_lock:
+                result = self._collect(round_, finished)
+            self._collected[round_] = result
+            while len(self._collected) > 2:
+                del self._collected[min(self._collected)]
+            return result
+
+    def _collect(self, round_: int, finished: dict[str, float]) -> CollectedRound:
+        chosen, dropped = finished_adapters(
+            self._sessions.values(), round_, finished, self.bank.state_dict
+        )
+        for device_id, reason in dropped.items():
+            log.warning("[%s] round %d: adapter not collected: %s", device_id, round_, reason)
+        infos = [self._sessions[s] for s in chosen]
+        states = [_held_copy(self.bank.state_dict(i.session_id), i.blocks) for i in infos]
+        round_sessions = [s for s in self._sessions.values() if s.round <= round_]
+        microbatches = sum(s.microbatches for s in round_sessions if s.round == round_)
+        for info in round_sessions:
+            reason = "collected" if info.session_id in chosen else f"round {round_} committed"
+            self._drop(info, reason=dropped.get(info.device_id, reason))
+        return CollectedRound(
+            devices=[i.device_id for i in infos],
+            weights=[chosen[i.session_id] for i in infos],
+            states=states,
+            discarded=len(round_sessions) - len(infos),
+            dropped=dropped,
+            microbatches=microbatches,
+        )
+
     def set_aggregation(self, mode: str, rule: AggregationRule | None = None) -> None:
         """How commits aggregate from now on (federated.aggregation), by which rule."""
         with self._bank_lock:
@@ -517,6 +561,7 @@ class StageRuntime:
             else:
                 self.bank.set_global_state(state)
             self._commits.clear()
+            self._collected.clear()
 
     # -- the worker -------------------------------------------------------------------------
     def stop(self) -> None:
@@ -571,8 +616,6 @@ class StageRuntime:
                 handle._end(END)
             else:
                 assert isinstance(item, StageMsg)
-                if self.on_compute is not None:
-                    self.on_compute(session_id, item)
                 work.append((info, item, handle))
         self._compute(work)
         if plan.lane is not Lane.CONTROL:
@@ -695,6 +738,13 @@ class StageRuntime:
         """Forget a failed step's graphs and gradients; the session may retry the same step."""
         with self._bank_lock:
             self.executor.reset(info)
+
+
+def _held_copy(
+    state: dict[str, torch.Tensor], blocks: tuple[int, ...] | None
+) -> dict[str, torch.Tensor]:
+    """A copy of the part of a session's adapter in ``blocks`` (what its cut trained)."""
+    return {k: v.detach().clone() for k, v in held_blocks(state, blocks).items()}
 
 
 def _idle_error(

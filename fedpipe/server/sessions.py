@@ -72,6 +72,7 @@ class SessionInfo:
     codecs: tuple[str, str] = ("fp32", "")  # the transport's (downlink, gradient) codecs
     step: int = 0
     steps_done: int = 0
+    microbatches: int = 0  # training forwards computed (a replica's throughput, per round)
     # microbatch -> (input, output with its graph | the batched bank's Tape): the executor's
     cache: dict[int, tuple[torch.Tensor, object]] = field(default_factory=dict)
     last_seen: float = field(default_factory=time.monotonic)

@@ -8,6 +8,7 @@ caches between their sessions. The gRPC server itself is :class:`fedpipe.wire.ho
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 import threading
@@ -26,6 +27,7 @@ from fedpipe.server.sessions import SessionInfo
 from fedpipe.server.streams import StreamHandle
 from fedpipe.split.agreement import SplitInfo, check_agreement
 from fedpipe.wire.backend import (
+    CollectedRound,
     OpenedSession,
     SessionProgress,
     SessionRequest,
@@ -253,6 +255,24 @@ class StageServer:
             result.dropped or "none",
         )
         return result
+
+    def collect_round(
+        self, round_: int, weights: dict[str, float], *, signed_run: str | None = None
+    ) -> CollectedRound:
+        """A replica's part of the commit: the finished devices' adapters, the round's
+        sessions discarded (the ServerApp merges across replicas and loads the result back)."""
+        self.rounds.require_run("CollectRound", round_)
+        self._check_run("CollectRound", signed_run)
+        begun = self.rounds.view().begun
+        got = self.runtime.collect_round(round_, weights)
+        log.info(
+            "round %d collected: %d adapters handed over, %d discarded, dropped %s",
+            round_,
+            len(got.devices),
+            got.discarded,
+            got.dropped or "none",
+        )
+        return dataclasses.replace(got, round_s=max(time.time() - begun, 0.0))
 
     def global_adapter(self, *, signed_run: str | None = None) -> dict[str, torch.Tensor]:
         self.rounds.require_run("GetAdapter")

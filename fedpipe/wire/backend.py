@@ -22,6 +22,7 @@ from fedpipe.messages import StageMsg
 from fedpipe.split.agreement import SplitInfo, SplitLike
 
 __all__ = [
+    "CollectedRound",
     "CommitSummary",
     "OpenedSession",
     "SessionProgress",
@@ -93,6 +94,25 @@ class SessionProgress:
     closed: bool = False
 
 
+@dataclass(frozen=True)
+class CollectedRound:
+    """A replica's part of a round's commit (CollectRound), merged by the ServerApp.
+
+    ``states[i]``: the adapter of ``devices[i]`` (the blocks its cut ran), to be merged with
+    weight ``weights[i]``; ``dropped``: finished devices left out, and why; ``microbatches``
+    and ``round_s``: the training forwards the replica computed in the round and the seconds
+    since it began it (its own counts).
+    """
+
+    devices: list[str]
+    weights: list[float]
+    states: list[dict[str, torch.Tensor]]
+    discarded: int
+    dropped: dict[str, str] = field(default_factory=dict)
+    microbatches: int = 0
+    round_s: float = 0.0
+
+
 class CommitSummary(Protocol):
     """What a CommitRound did (``fedpipe.server.commit.CommitResult``)."""
 
@@ -161,6 +181,9 @@ class StageBackend(Protocol):
     def commit_round(
         self, round_: int, weights: dict[str, float], *, signed_run: str | None = None
     ) -> CommitSummary: ...
+    def collect_round(
+        self, round_: int, weights: dict[str, float], *, signed_run: str | None = None
+    ) -> CollectedRound: ...
     def global_adapter(self, *, signed_run: str | None = None) -> dict[str, torch.Tensor]: ...
     def load_adapter(self, state: dict[str, torch.Tensor] | None) -> None: ...
     def round_status(self, round_: int) -> list[SessionProgress]: ...

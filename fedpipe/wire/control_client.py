@@ -21,9 +21,13 @@ from google.protobuf.message import Message as ProtoMessage
 from fedpipe.auth.calls import sign_call
 from fedpipe.proto import stage_pb2 as pb
 from fedpipe.proto import stage_pb2_grpc as pb_grpc
-from fedpipe.wire.backend import SessionProgress
+from fedpipe.wire.backend import CollectedRound, SessionProgress
 from fedpipe.wire.channels import channel_options, secure_channel_credentials
-from fedpipe.wire.control_servicer import adapter_chunks, adapter_from_chunks
+from fedpipe.wire.control_servicer import (
+    adapter_chunks,
+    adapter_from_chunks,
+    collected_states,
+)
 from fedpipe.wire.status import retry_call
 
 __all__ = ["Committed", "StageControlClient"]
@@ -56,7 +60,10 @@ class StageControlClient:
         certificate_chain: bytes | None = None,
         private_key: bytes | None = None,
     ) -> None:
-        options = channel_options(_MESSAGE_BYTES)
+        # Its own connection, not one shared with other channels to the same address: a new
+        # client for a server that restarted connects at once instead of inheriting the old
+        # connection's reconnect backoff (the ServerApp makes one for a lost replica).
+        options = [*channel_options(_MESSAGE_BYTES), ("grpc.use_local_subchannel_pool", 1)]
         if root_certificates is not None:
             creds = secure_channel_credentials(root_certificates, certificate_chain, private_key)
             self.channel = grpc.secure_channel(address, creds, options=options)
@@ -119,6 +126,41 @@ class StageControlClient:
         reply = self._call("CommitRound", request, 60)
         dropped = dict(zip(reply.dropped, reply.dropped_reason, strict=False))
         return Committed(reply.merged, reply.discarded, dropped)
+
+    def collect_round(self, round_: int, finished: dict[str, float]) -> CollectedRound:
+        """A replica's part of the commit of ``round_``: the finished devices' adapters (and
+        which were left out, and why); the replica discards the round's sessions. Retried as
+        a whole, the stream read to its end each try (the replica answers a retry the same)."""
+        request = pb.CollectRoundRequest(
+            round=round_,
+            finished=[pb.DeviceWeight(device_id=d, weight=w) for d, w in finished.items()],
+        )
+        body = request.SerializeToString(deterministic=True)
+
+        def once() -> CollectedRound:
+            try:
+                parts: Iterator[pb.CollectedPart] = self.stub.CollectRound(
+                    request, timeout=600, metadata=self._metadata("CollectRound", body)
+                )
+                first = next(parts)
+                payload = adapter_from_chunks(
+                    first.chunk, (p.chunk for p in parts), max_bytes=_ADAPTER_BYTES
+                )
+            except grpc.RpcError as exc:
+                self._forget_server(exc)
+                raise
+            held = list(first.held)
+            return CollectedRound(
+                devices=[h.device_id for h in held],
+                weights=[h.weight for h in held],
+                states=collected_states(payload or {}, len(held)),
+                discarded=first.discarded,
+                dropped=dict(zip(first.dropped, first.dropped_reason, strict=False)),
+                microbatches=first.microbatches,
+                round_s=first.round_s,
+            )
+
+        return retry_call(once)
 
     def get_adapter(self) -> dict[str, torch.Tensor]:
         """The server's global adapter (and folded base deltas), of any size."""

@@ -1,5 +1,5 @@
 """The round-control servicer: BeginRound, CommitRound, GetAdapter, LoadAdapter, RoundStatus,
-Hello.
+Hello, and CollectRound (a replica's part of a commit merged across replicas).
 
 Only the ServerApp calls it. Each call's MAC is checked over the request as re-serialised here
 (:mod:`fedpipe.auth.calls`): it names this server and the run it is made in. The global adapter
@@ -26,7 +26,15 @@ from fedpipe.proto import stage_pb2_grpc as pb_grpc
 from fedpipe.wire.backend import SessionProgress, StageBackend
 from fedpipe.wire.status import status_for
 
-__all__ = ["CHUNK_BYTES", "ControlAuth", "ControlServicer", "adapter_chunks", "adapter_from_chunks"]
+__all__ = [
+    "CHUNK_BYTES",
+    "ControlAuth",
+    "ControlServicer",
+    "adapter_chunks",
+    "adapter_from_chunks",
+    "collected_payload",
+    "collected_states",
+]
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +76,22 @@ def adapter_from_chunks(
     if hashlib.sha256(data).digest() != header.sha256:
         raise ValueError("the adapter's pieces do not match its header's SHA-256")
     return st_load(bytes(data))
+
+
+def collected_payload(states: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Several adapters as one state: the ``i``-th one's tensors under ``"<i>/<name>"``."""
+    return {f"{i}/{name}": value for i, state in enumerate(states) for name, value in state.items()}
+
+
+def collected_states(payload: dict[str, torch.Tensor], count: int) -> list[dict[str, torch.Tensor]]:
+    """:func:`collected_payload` undone: ``count`` adapters (raises ValueError on a stray key)."""
+    states: list[dict[str, torch.Tensor]] = [{} for _ in range(count)]
+    for key, value in payload.items():
+        index, sep, name = key.partition("/")
+        if not sep or not index.isdigit() or int(index) >= count:
+            raise ValueError(f"a collected adapter's key {key!r} names no held device")
+        states[int(index)][name] = value
+    return states
 
 
 class ControlServicer(pb_grpc.StageControlServicer):
@@ -149,6 +173,29 @@ class ControlServicer(pb_grpc.StageControlServicer):
         except Exception as exc:
             context.abort(status_for(exc), str(exc))
         return pb.RoundStatusReply(sessions=[_session_to_proto(s) for s in sessions])
+
+    def CollectRound(self, request: pb.CollectRoundRequest, context: grpc.ServicerContext):  # noqa: N802
+        signed = self._check("CollectRound", request, context)
+        weights = {f.device_id: f.weight for f in request.finished}
+        try:
+            got = self.backend.collect_round(request.round, weights, signed_run=signed)
+        except Exception as exc:
+            context.abort(status_for(exc), str(exc))
+        pieces = adapter_chunks(collected_payload(got.states))
+        yield pb.CollectedPart(
+            held=[
+                pb.DeviceWeight(device_id=d, weight=w)
+                for d, w in zip(got.devices, got.weights, strict=True)
+            ],
+            discarded=got.discarded,
+            dropped=list(got.dropped),
+            dropped_reason=list(got.dropped.values()),
+            microbatches=got.microbatches,
+            round_s=got.round_s,
+            chunk=next(pieces),
+        )
+        for piece in pieces:
+            yield pb.CollectedPart(chunk=piece)
 
     def Hello(self, request: pb.HelloRequest, context: grpc.ServicerContext):  # noqa: N802
         return pb.HelloReply(server_id=self.backend.server_id)

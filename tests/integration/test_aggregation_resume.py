@@ -8,6 +8,7 @@ test can fail).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ from fedpipe_bench.quality import QUICK_SIZE, run_rounds
 from fedpipe.config import FedpipeConfig
 from fedpipe.fl.device_work import DeviceWork, RunSettings, evaluate_split
 from fedpipe.runs.folder import RunFolder
-from fedpipe.server.build import build_stage_server
+from fedpipe.server.stage_server import StageServer
 from fedpipe.wire.control_client import StageControlClient
 
 
@@ -46,10 +47,11 @@ def _held_out(cfg: FedpipeConfig, port: int, device: dict, state: dict | None) -
 
 
 @pytest.mark.parametrize("mode", ["exact", "stack"])
-def test_resume_carries_the_folded_base(tmp_path: Path, mode: str) -> None:
+def test_resume_carries_the_folded_base(
+    tmp_path: Path, mode: str, serve: Callable[..., StageServer]
+) -> None:
     cfg = _config(mode)
-    first = build_stage_server(cfg, port=0).start()
-    second = build_stage_server(cfg, port=0).start()
+    first, second = serve(cfg), serve(cfg)
     control = StageControlClient(f"127.0.0.1:{first.port}", "")
     try:
         control.reset_adapter()
@@ -67,5 +69,3 @@ def test_resume_carries_the_folded_base(tmp_path: Path, mode: str) -> None:
         assert abs(_held_out(cfg, second.port, saved.device, without) - resumed) > 1e-6
     finally:
         control.close()
-        first.stop(grace=None)
-        second.stop(grace=None)

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from waits import wait_for
+from harness.stage import hold_compute
+from harness.waits import wait_for
 
 from fedpipe.config import FedpipeConfig, ServerConfig
 from fedpipe.errors import InvalidRequestError
@@ -45,7 +46,8 @@ class Run:
         self.runtime, _ = build_runtime(config, folder=folder)
         self.runtime.tracer = Tracer()
         self.gate = threading.Event()
-        self.runtime.on_compute = lambda session_id, msg: self.gate.wait(TIMEOUT)
+        self._held = hold_compute(self.runtime, self.gate, timeout=TIMEOUT)
+        self._held.__enter__()  # the worker waits for the gate before each compute call
         self.ids = {n: self.runtime.open_session(f"dev-{n}", 1, lr=5e-3) for n in SHAPES}
         self.streams: dict[str, StreamHandle] = {
             n: self.runtime.attach(sid) for n, sid in self.ids.items()
@@ -89,7 +91,7 @@ class Run:
         self.held(grads[0], grads[1:] + [(n, StageMsg(Kind.STEP_END, step)) for n in good])
 
     def stop(self) -> None:
-        self.gate.set()
+        self._held.__exit__(None, None, None)  # opens the gate
         self.runtime.stop()
 
 

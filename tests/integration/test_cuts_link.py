@@ -16,6 +16,7 @@ from typing import Any
 import grpc
 import pytest
 import torch
+from harness.stage import stage_server
 
 from fedpipe.config import FedpipeConfig, ModelConfig, PipelineConfig, TrainConfig
 from fedpipe.edge.trainer import DeviceTrainer
@@ -31,7 +32,6 @@ from fedpipe.models import load_causal_lm, model_family, resolve_model
 from fedpipe.proto import stage_pb2 as pb
 from fedpipe.proto import stage_pb2_grpc as pb_grpc
 from fedpipe.server.build import build_runtime
-from fedpipe.server.stage_server import StageServer
 from fedpipe.wire.link_client import StageClient
 from fedpipe.wire.serde import split_to_proto
 
@@ -106,15 +106,15 @@ def _serve(split: str) -> Any:
         return opt
 
     runtime.optimizer_factory = factory
-    server = StageServer(runtime, info, port=0).start()
-    full = load_causal_lm(folder)
-    reference = apply_lora(full, lora_settings(config), model_family(full.config))
-    gen = torch.Generator().manual_seed(7)
-    adapter = {
-        k: torch.randn(v.shape, generator=gen) * 0.1 for k, v in lora_state_dict(reference).items()
-    }
-    runtime.bank.set_global_state({k: adapter[k] for k in runtime.bank.global_state()})
-    try:
+    with stage_server(runtime=runtime, split=info) as server:
+        full = load_causal_lm(folder)
+        reference = apply_lora(full, lora_settings(config), model_family(full.config))
+        gen = torch.Generator().manual_seed(7)
+        adapter = {
+            k: torch.randn(v.shape, generator=gen) * 0.1
+            for k, v in lora_state_dict(reference).items()
+        }
+        runtime.bank.set_global_state({k: adapter[k] for k in runtime.bank.global_state()})
         yield {
             "folder": folder,
             "server": server,
@@ -124,8 +124,6 @@ def _serve(split: str) -> Any:
             "adapter": adapter,
             "split": split,
         }
-    finally:
-        server.stop(grace=None)
 
 
 def _reference(served: Any, batches: list[dict[str, torch.Tensor]]) -> tuple[list, dict]:  # type: ignore[type-arg]

@@ -4,11 +4,11 @@ does, over real loopback gRPC, and a round reports its stash bound and peak resi
 from __future__ import annotations
 
 import torch
+from harness.stage import stage_server
 
 from fedpipe.config import FedpipeConfig, ModelConfig, PipelineConfig, TrainConfig
 from fedpipe.edge.trainer import DeviceTrainer
 from fedpipe.server.build import build_runtime
-from fedpipe.server.stage_server import StageServer
 from fedpipe.wire.link_client import StageClient
 
 BATCH, SEQ, MICRO = 4, 16, 4
@@ -24,11 +24,10 @@ def _config(recompute: bool) -> FedpipeConfig:
 
 def test_recompute_trains_the_same_adapters_and_reports_memory() -> None:
     runtime, info = build_runtime(_config(False))
-    server = StageServer(runtime, info, port=0).start()
     gen = torch.Generator().manual_seed(0)
     ids = [torch.randint(0, 100, (BATCH, SEQ), generator=gen) for _ in range(2)]
     batches = [{"input_ids": x, "labels": x.clone()} for x in ids]
-    try:
+    with stage_server(runtime=runtime, split=info) as server:
         adapters, metrics = {}, {}
         for round_, recompute in ((1, False), (2, True)):
             runtime.load_global_state(None)  # both start from the same server adapter
@@ -46,5 +45,3 @@ def test_recompute_trains_the_same_adapters_and_reports_memory() -> None:
         for m in metrics.values():
             assert m["stash-peak"] == MICRO  # gpipe: every forward before any backward
             assert m["peak-rss-mb"] > 0
-    finally:
-        server.stop(grace=None)

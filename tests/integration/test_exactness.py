@@ -8,8 +8,12 @@ the U-shaped and the two-part split. Lossy codecs stay within a stated error of 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import ExitStack
+
 import pytest
 import torch
+from harness.stage import stage_server
 
 from fedpipe.config import FedpipeConfig, ModelConfig, PipelineConfig, TrainConfig
 from fedpipe.edge.runtime import DeviceRuntime
@@ -24,7 +28,6 @@ from fedpipe.lora import (
 )
 from fedpipe.models import load_causal_lm, model_family, resolve_model
 from fedpipe.server.build import build_runtime
-from fedpipe.server.stage_server import StageServer
 from fedpipe.wire.link_client import StageClient
 
 LR = 1e-2
@@ -85,7 +88,7 @@ def _random_adapter(keys: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 class Setup:
     """A StageServer on port 0 and the unsplit reference, sharing one random adapter."""
 
-    def __init__(self, model: str, split: str) -> None:
+    def __init__(self, model: str, split: str, stack: ExitStack) -> None:
         self.model, self.split = model, split
         self.folder = resolve_model(model)
         config = _config(model, split)
@@ -98,7 +101,7 @@ class Setup:
             return opt
 
         self.runtime.optimizer_factory = factory
-        self.server = StageServer(self.runtime, info, port=0).start()
+        self.server = stack.enter_context(stage_server(runtime=self.runtime, split=info))
         full = load_causal_lm(self.folder)
         self.reference = apply_lora(full, lora_settings(config), model_family(full.config))
         self.adapter = _random_adapter(lora_state_dict(self.reference))
@@ -124,20 +127,23 @@ class Setup:
         return losses, grads, {k: v.detach().clone() for k, v in lora_state_dict(model).items()}
 
 
-SETUPS: dict[tuple[str, str], Setup] = {}
+class Setups(dict[tuple[str, str], Setup]):
+    """The setups built so far; their servers stop with ``stack``."""
+
+    def __init__(self, stack: ExitStack) -> None:
+        super().__init__()
+        self.stack = stack
 
 
 @pytest.fixture(scope="module")
-def setups():
-    yield SETUPS
-    for setup in SETUPS.values():
-        setup.server.stop(grace=None)
-    SETUPS.clear()
+def setups() -> Iterator[Setups]:
+    with ExitStack() as stack:
+        yield Setups(stack)
 
 
-def _setup(setups, model: str, split: str) -> Setup:  # type: ignore[no-untyped-def]
+def _setup(setups: Setups, model: str, split: str) -> Setup:
     if (model, split) not in setups:
-        setups[(model, split)] = Setup(model, split)
+        setups[(model, split)] = Setup(model, split, setups.stack)
     return setups[(model, split)]
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from harness.stage import stage_server
 
 from fedpipe.config import FedpipeConfig, ModelConfig, PipelineConfig, TrainConfig
 from fedpipe.edge.runtime import StepResult
@@ -20,7 +21,6 @@ from fedpipe.edge.trainer import DeviceTrainer
 from fedpipe.errors import StageLinkError
 from fedpipe.messages import Kind, StageMsg
 from fedpipe.models import resolve_model
-from fedpipe.server.build import build_stage_server
 from fedpipe.server.stage_server import StageServer
 from fedpipe.wire.link_client import StageClient, StageSession
 
@@ -64,11 +64,8 @@ def folder() -> Path:
 
 @pytest.fixture(scope="module")
 def server(folder: Path) -> Iterator[StageServer]:
-    stage_server = build_stage_server(CONFIG, port=0, folder=folder)
-    try:
-        yield stage_server.start()
-    finally:
-        stage_server.stop(grace=None)
+    with stage_server(CONFIG, folder=folder) as served:
+        yield served
 
 
 def _batch() -> dict[str, torch.Tensor]:

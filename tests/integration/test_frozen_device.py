@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from harness.stage import stage_server
 
 from fedpipe.config import FedpipeConfig, ModelConfig, PipelineConfig, TrainConfig
 from fedpipe.edge.trainer import DeviceTrainer
 from fedpipe.server.build import build_runtime
-from fedpipe.server.stage_server import StageServer
 from fedpipe.wire.link_client import StageClient
 
 BATCH, SEQ, STEPS, MICRO = 4, 16, 2, 2
@@ -44,8 +44,7 @@ def _weights(trainer: DeviceTrainer) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("split", ["u", "two"])
 def test_frozen_device_trains_nothing_and_gets_no_input_gradient(split: str) -> None:
     runtime, info = build_runtime(_config(split, True))
-    server = StageServer(runtime, info, port=0).start()
-    try:
+    with stage_server(runtime=runtime, split=info) as server:
         down, moved = {}, {}
         for round_, trains in ((1, True), (2, False)):
             trainer = DeviceTrainer(_config(split, trains), device_id=f"d{round_}")
@@ -64,5 +63,3 @@ def test_frozen_device_trains_nothing_and_gets_no_input_gradient(split: str) -> 
         assert down[True] - down[False] >= grad_bytes
         headers = 200 * STEPS * (MICRO + 1)  # a generous bound on the frames without tensors
         assert down[False] <= down[True] - grad_bytes + headers
-    finally:
-        server.stop(grace=None)

@@ -18,20 +18,20 @@ import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 
 import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from waits import wait_for
+from harness.stage import hold_compute, stage_server
+from harness.waits import wait_for
 
 from fedpipe.config import FedpipeConfig, ModelConfig, PipelineConfig, ServerConfig, TrainConfig
 from fedpipe.edge.trainer import split_terms
-from fedpipe.messages import StageMsg
 from fedpipe.models import resolve_model
 from fedpipe.proto import stage_pb2 as pb
 from fedpipe.proto import stage_pb2_grpc as pb_grpc
-from fedpipe.server.build import build_stage_server
 from fedpipe.server.stage_server import StageServer
 from fedpipe.wire.channels import SESSION_HEADER
 from fedpipe.wire.control_servicer import adapter_chunks, adapter_from_chunks
@@ -62,11 +62,8 @@ def folder():  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="module")
 def server(folder) -> Iterator[StageServer]:  # type: ignore[no-untyped-def]
-    stage_server = build_stage_server(_config(), port=0, folder=folder).start()
-    try:
-        yield stage_server
-    finally:
-        stage_server.stop(grace=None)
+    with stage_server(_config(), folder=folder) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +72,9 @@ def stub(server: StageServer) -> Iterator[pb_grpc.StageLinkStub]:
         yield pb_grpc.StageLinkStub(chan)
 
 
-def _serve(folder, split: str = "u", **server: object) -> StageServer:  # type: ignore[no-untyped-def]
-    return build_stage_server(_config(split, **server), port=0, folder=folder).start()
+def _serving(folder, split: str = "u", **server: object) -> AbstractContextManager[StageServer]:  # type: ignore[no-untyped-def]
+    """A StageServer of its own with these ``server.*`` limits, stopped when the block ends."""
+    return stage_server(_config(split, **server), folder=folder)
 
 
 def _split(mode: str = "u") -> pb.SplitSpec:
@@ -275,9 +273,8 @@ def test_malformed_messages_are_invalid_argument(
 
 
 def test_labels_outside_the_vocabulary_are_invalid_argument(folder) -> None:  # type: ignore[no-untyped-def]
-    two = _serve(folder, split="two")
-    vocab = two.split.vocab_size
-    try:
+    with _serving(folder, split="two") as two:
+        vocab = two.split.vocab_size
         with grpc.insecure_channel(two.address) as chan:
             stub = pb_grpc.StageLinkStub(chan)
             for bad in (vocab, -1, -101):
@@ -301,8 +298,6 @@ def test_labels_outside_the_vocabulary_are_invalid_argument(folder) -> None:  # 
                 assert stream.next().kind == pb.INPUT_GRAD
             finally:
                 stream.close()
-    finally:
-        two.stop(grace=None)
 
 
 def test_overflowing_gradient_is_refused_and_leaves_nothing(
@@ -327,12 +322,8 @@ def test_overflowing_gradient_is_refused_and_leaves_nothing(
 
 
 def test_commit_never_merges_a_non_finite_adapter(folder, caplog: pytest.LogCaptureFixture) -> None:  # type: ignore[no-untyped-def]
-    server = _serve(folder)
-    try:
-        with grpc.insecure_channel(server.address) as chan:
-            _commit_with_a_poisoned_adapter(server, chan, caplog)
-    finally:
-        server.stop(grace=None)
+    with _serving(folder) as server, grpc.insecure_channel(server.address) as chan:
+        _commit_with_a_poisoned_adapter(server, chan, caplog)
 
 
 def _commit_with_a_poisoned_adapter(
@@ -452,10 +443,11 @@ def test_session_ids_are_distinct_192_bit_values_without_structure(
 
 
 def test_queued_work_past_the_bound_is_resource_exhausted(folder) -> None:  # type: ignore[no-untyped-def]
-    small = _serve(folder, max_pending=4)
     gate = threading.Event()
-    small.runtime.on_compute = lambda session_id, msg: gate.wait(RPC_TIMEOUT)  # worker held
-    try:
+    with (
+        _serving(folder, max_pending=4) as small,
+        hold_compute(small.runtime, gate, timeout=RPC_TIMEOUT),  # the worker held
+    ):
         with grpc.insecure_channel(small.address) as chan:
             stub = pb_grpc.StageLinkStub(chan)
             flooder = _open(stub, "flooder")
@@ -475,22 +467,15 @@ def test_queued_work_past_the_bound_is_resource_exhausted(folder) -> None:  # ty
                     _step(stream, seed=3)
                 finally:
                     stream.close()
-    finally:
-        gate.set()
-        small.stop(grace=None)
 
 
 def test_worker_serves_sessions_round_robin(folder) -> None:  # type: ignore[no-untyped-def]
-    fair = _serve(folder, max_pending=64)
-    order: list[str] = []
+    calls: list[list[str]] = []  # per compute call, the session of each message in it
     gate = threading.Event()
-
-    def hold_then_record(session_id: str, msg: StageMsg) -> None:
-        gate.wait(RPC_TIMEOUT)
-        order.append(session_id)
-
-    fair.runtime.on_compute = hold_then_record
-    try:
+    with (
+        _serving(folder, max_pending=64) as fair,
+        hold_compute(fair.runtime, gate, timeout=RPC_TIMEOUT, calls=calls),
+    ):
         with grpc.insecure_channel(fair.address) as chan:
             stub = pb_grpc.StageLinkStub(chan)
             flooder, normal = _open(stub, "flood"), _open(stub, "normal")
@@ -513,15 +498,16 @@ def test_worker_serves_sessions_round_robin(folder) -> None:  # type: ignore[no-
             assert [flood.next().microbatch for _ in range(30)] == list(range(30))
             flood.close()
             calm.close()
-    finally:
-        gate.set()
-        fair.stop(grace=None)
-    # The sessions take turns of at most two queued messages each. The flood's turn in progress
-    # when the normal session's work arrived ends first (at most 3 items: the held one may have
-    # started a new turn), then N N F F N: the normal work is done within the first 8 computed.
+    # The held call took the first of the flood: what had arrived, at most a quantum (1 or 2,
+    # with the load on the machine). After it the sessions take turns of at most two queued
+    # messages each, the flood first (it was in the ring before the normal session):
+    # F F N N, then F F N. The normal work is done within the held call + 7 computed.
     # First-come, first-served would compute it after all 30 of the flood (positions 30-32).
+    order = [session for call in calls for session in call]
+    held = len(calls[0])
+    assert calls[0] == [flooder] * held and 1 <= held <= fair.runtime.policy.quantum, calls
     positions = [i for i, session in enumerate(order) if session == normal]
-    assert positions[-1] <= 7, order
+    assert positions[-1] <= held + 6, order
     runs = "".join("N" if s == normal else "F" for s in order[: positions[-1] + 1])
     assert "FFF" not in runs.lstrip("F") and "NNN" not in runs, runs
     assert order.count(flooder) == 30 and order.count(normal) == 3
@@ -533,10 +519,12 @@ def test_idle_streams_past_the_cap_are_refused_and_health_answers(folder) -> Non
     Without the cap, a few hundred idle streams took every gRPC thread and health checks hung.
     """
     cap, total = 8, 40
-    busy = _serve(folder, max_sessions=total + 1, max_streams=cap)
     streams: list[_Stream] = []
-    try:
-        with grpc.insecure_channel(busy.address) as chan:
+    with (
+        _serving(folder, max_sessions=total + 1, max_streams=cap) as busy,
+        grpc.insecure_channel(busy.address) as chan,
+    ):
+        try:
             stub = pb_grpc.StageLinkStub(chan)
             sessions = [_open(stub, f"idle-{i}") for i in range(total)]
             streams = [_Stream(stub, s) for s in sessions[:cap]]
@@ -557,17 +545,15 @@ def test_idle_streams_past_the_cap_are_refused_and_health_answers(folder) -> Non
                 _step(stream, seed=4)
             finally:
                 stream.close()
-    finally:
-        for stream in streams:
-            stream.close()
-        busy.stop(grace=None)
+        finally:
+            for stream in streams:
+                stream.close()
 
 
 def test_idle_stream_and_session_expire_with_a_log_line(
     folder, caplog: pytest.LogCaptureFixture
 ) -> None:  # type: ignore[no-untyped-def]
-    idle = _serve(folder, stream_idle_s=0.3, session_idle_s=1.0)
-    try:
+    with _serving(folder, stream_idle_s=0.3, session_idle_s=1.0) as idle:
         with grpc.insecure_channel(idle.address) as chan, caplog.at_level(logging.INFO):
             stub = pb_grpc.StageLinkStub(chan)
             session_id = _open(stub, "sleeper")
@@ -583,8 +569,6 @@ def test_idle_stream_and_session_expire_with_a_log_line(
             assert "s (server.session_idle_s = 1)" in caplog.text
             error = _stream_error(stub, session_id, _msg(pb.STEP_END))
             assert error.code() == S.NOT_FOUND
-    finally:
-        idle.stop(grace=None)
 
 
 _KILLED_DEVICE = textwrap.dedent(
@@ -609,29 +593,27 @@ _KILLED_DEVICE = textwrap.dedent(
 
 def test_device_killed_mid_step_frees_its_session(folder) -> None:  # type: ignore[no-untyped-def]
     deadline = 2.0
-    victim_server = _serve(folder, session_idle_s=deadline)
-    env = dict(os.environ)
-    device = subprocess.Popen(
-        [sys.executable, "-c", _KILLED_DEVICE, victim_server.address],
-        stdout=subprocess.PIPE,
-        env=env,
-        text=True,
-    )
-    try:
-        assert device.stdout is not None
-        assert device.stdout.readline().strip() == "mid-step"
-        (info,) = victim_server.runtime.sessions()
-        assert sorted(info.cache) == [0]
-        device.send_signal(signal.SIGKILL)
-        device.wait(timeout=10)
-        wait_for(lambda: not info.cache, "the killed device's step to be undone")
-        wait_for(lambda: not victim_server.runtime.sessions(), "its session", deadline + 5)
-        assert info.session_id not in victim_server.runtime.bank.names()
-    finally:
-        if device.poll() is None:
-            os.kill(device.pid, signal.SIGKILL)
+    with _serving(folder, session_idle_s=deadline) as victim_server:
+        device = subprocess.Popen(
+            [sys.executable, "-c", _KILLED_DEVICE, victim_server.address],
+            stdout=subprocess.PIPE,
+            env=dict(os.environ),
+            text=True,
+        )
+        try:
+            assert device.stdout is not None
+            assert device.stdout.readline().strip() == "mid-step"
+            (info,) = victim_server.runtime.sessions()
+            assert sorted(info.cache) == [0]
+            device.send_signal(signal.SIGKILL)
             device.wait(timeout=10)
-        victim_server.stop(grace=None)
+            wait_for(lambda: not info.cache, "the killed device's step to be undone")
+            wait_for(lambda: not victim_server.runtime.sessions(), "its session", deadline + 5)
+            assert info.session_id not in victim_server.runtime.bank.names()
+        finally:
+            if device.poll() is None:
+                os.kill(device.pid, signal.SIGKILL)
+                device.wait(timeout=10)
 
 
 # -- 4. control calls ----------------------------------------------------------------------------

@@ -24,7 +24,7 @@ import psutil
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from waits import wait_for
+from harness.waits import wait_for
 
 from fedpipe.config import FedpipeConfig, PipelineConfig, ServerConfig, TrainConfig
 from fedpipe.edge.trainer import split_terms

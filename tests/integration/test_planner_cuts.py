@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from harness.stage import stage_server
 
 from fedpipe.config import FedpipeConfig, ModelConfig, PipelineConfig, TrainConfig
 from fedpipe.edge.trainer import DeviceTrainer, initial_device_adapters
 from fedpipe.link import DeviceProfile, LinkProfile
 from fedpipe.models import resolve_model
-from fedpipe.server.build import build_stage_server
 from fedpipe.wire.link_client import StageClient
 
 BATCH, SEQ = 4, 16
@@ -42,9 +42,8 @@ def _batches(seed: int) -> list[dict[str, torch.Tensor]]:
 
 def test_a_slow_device_moves_to_the_cut_with_fewer_device_blocks() -> None:
     folder = resolve_model("tiny-llama")
-    server = build_stage_server(CONFIG, port=0, folder=folder).start()
     slow = DeviceProfile("slow", LinkProfile("near", 1000.0, 1000.0, rtt_s=0.001), 10.0)
-    try:
+    with stage_server(CONFIG, folder=folder) as server:
         trainer = DeviceTrainer(CONFIG, device_id="slow", folder=folder, profile=slow)
         state = initial_device_adapters(CONFIG, folder)
         trainer.load_adapters(state)
@@ -60,8 +59,6 @@ def test_a_slow_device_moves_to_the_cut_with_fewer_device_blocks() -> None:
         assert all(math.isfinite(s.loss) for s in second.steps)
         assert second.plan["cut"] == "u:1+1"
         assert set(trainer.adapters()) < set(state)  # its blocks' adapters, of the union
-    finally:
-        server.stop(grace=None)
 
 
 def test_the_chosen_cut_outlives_the_process_that_chose_it(
@@ -70,10 +67,9 @@ def test_the_chosen_cut_outlives_the_process_that_chose_it(
     """A deployed device runs each round in a new process: the cut its planner chose in round
     0 must still apply in round 1's process, not only in the process that chose it."""
     folder = resolve_model("tiny-llama")
-    server = build_stage_server(CONFIG, port=0, folder=folder).start()
     slow = DeviceProfile("slow", LinkProfile("near", 1000.0, 1000.0, rtt_s=0.001), 10.0)
     path = tmp_path / "slow.cut.json"
-    try:
+    with stage_server(CONFIG, folder=folder) as server:
         first = DeviceTrainer(CONFIG, device_id="slow", folder=folder, profile=slow)
         first.cut_path = path
         state = initial_device_adapters(CONFIG, folder)
@@ -92,8 +88,6 @@ def test_the_chosen_cut_outlives_the_process_that_chose_it(
         with StageClient(server.address) as client:
             report = second.train_round(client, _batches(1), round_=1)
         assert report.plan["cut"] == "u:1+1"
-    finally:
-        server.stop(grace=None)
     # A record for other offered cuts, or one that does not parse, is not taken up.
     for text in ('{"model": "tiny-llama", "cuts": [[2, 2]], "cut": [2, 2]}', "{not json"):
         path.write_text(text)

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 import torch
+from harness.stage import stage_server
 
 from fedpipe.config import FedpipeConfig, PipelineConfig, TrainConfig
 from fedpipe.edge.planner.measure import probe_link, time_codecs, time_device_ops
@@ -19,7 +20,6 @@ from fedpipe.edge.trainer import DeviceTrainer
 from fedpipe.link import DeviceProfile, LinkProfile
 from fedpipe.messages import Kind, StageMsg
 from fedpipe.models import resolve_model
-from fedpipe.server.build import build_stage_server
 from fedpipe.server.sessions import RuntimeLimits
 from fedpipe.server.stage_server import StageServer
 from fedpipe.wire.link_client import StageClient
@@ -38,11 +38,8 @@ def folder():  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="module")
 def server(folder) -> Iterator[StageServer]:  # type: ignore[no-untyped-def]
-    stage_server = build_stage_server(CONFIG, port=0, folder=folder)
-    try:
-        yield stage_server.start()
-    finally:
-        stage_server.stop(grace=None)
+    with stage_server(CONFIG, folder=folder) as served:
+        yield served
 
 
 def _batch() -> dict[str, torch.Tensor]:
@@ -192,12 +189,9 @@ def test_auto_in_the_two_part_split_with_lossy_codecs_allowed(folder) -> None:  
     cfg = AUTO.with_overrides(
         {"model.split": "two", "model.tail_layers": 0, "pipeline.plan_codecs": "bf16,int8"}
     )
-    stage_server = build_stage_server(cfg, port=0, folder=folder).start()
-    try:
+    with stage_server(cfg, folder=folder) as served:
         trainer = DeviceTrainer(cfg, device_id="two", folder=folder)
-        reports = [_round(trainer, stage_server.address, seed, seed) for seed in (0, 1)]
-    finally:
-        stage_server.stop(grace=None)
+        reports = [_round(trainer, served.address, seed, seed) for seed in (0, 1)]
     first, second = (r.plan for r in reports)
     assert first["cut"] == "two:1+0" and first["codec"] == "fp32", "the session opened fp32"
     if "next" in first:  # a lossy pair was better: the second session opened with it

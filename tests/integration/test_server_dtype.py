@@ -11,11 +11,11 @@ import dataclasses
 
 import pytest
 import torch
+from harness.stage import stage_server
 
 from fedpipe.config import FedpipeConfig, ModelConfig, PipelineConfig, ServerConfig, TrainConfig
 from fedpipe.edge.trainer import DeviceTrainer
 from fedpipe.server.build import build_runtime, cpu_has_native_bf16, pick_device
-from fedpipe.server.stage_server import StageServer
 from fedpipe.wire.link_client import StageClient
 
 # The first step's loss of a bf16 server against an fp32 one (relative), for tiny-llama with the
@@ -40,8 +40,7 @@ def _losses(dtype: str, batch: dict[str, torch.Tensor]) -> list[float]:
     config = _config(dtype)
     runtime, info = build_runtime(config)
     assert runtime.dtype == getattr(torch, dtype)
-    server = StageServer(runtime, info, port=0).start()
-    try:
+    with stage_server(runtime=runtime, split=info) as server:
         trainer = DeviceTrainer(config, device_id=f"dev-{dtype}")
         optimizer = torch.optim.AdamW(trainer.parameters(), lr=config.train.lr)
         with StageClient(server.address) as client:
@@ -50,8 +49,6 @@ def _losses(dtype: str, batch: dict[str, torch.Tensor]) -> list[float]:
                 losses = [pipeline.train_step(batch, step=s).loss for s in range(STEPS)]
                 pipeline.finish()
         return losses
-    finally:
-        server.stop(grace=None)
 
 
 def test_bf16_server_loss_stays_within_bound_and_adapters_learn() -> None:

@@ -17,7 +17,8 @@ import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from waits import wait_for
+from harness.stage import stage_server
+from harness.waits import wait_for
 
 from fedpipe.auth.tokens import issue_token
 from fedpipe.config import FedpipeConfig, PipelineConfig, ServerConfig, TrainConfig
@@ -26,7 +27,6 @@ from fedpipe.messages import Kind, StageMsg
 from fedpipe.models import resolve_model
 from fedpipe.proto import stage_pb2 as pb
 from fedpipe.proto import stage_pb2_grpc as pb_grpc
-from fedpipe.server.build import build_stage_server
 from fedpipe.server.runtime import StageRuntime
 from fedpipe.server.stage_server import StageServer
 from fedpipe.wire.channels import SESSION_HEADER
@@ -51,11 +51,8 @@ def folder():  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="module")
 def server(folder) -> Iterator[StageServer]:  # type: ignore[no-untyped-def]
-    stage_server = build_stage_server(CONFIG, port=0, folder=folder)
-    try:
-        yield stage_server.start()
-    finally:
-        stage_server.stop(grace=None)
+    with stage_server(CONFIG, folder=folder) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")
@@ -247,8 +244,7 @@ def test_oversized_message_is_resource_exhausted(folder) -> None:  # type: ignor
     config = FedpipeConfig(
         pipeline=CONFIG.pipeline, train=CONFIG.train, server=ServerConfig(max_message_mb=0.5)
     )
-    small = build_stage_server(config, port=0, folder=folder).start()
-    try:
+    with stage_server(config, folder=folder) as small:
         with grpc.insecure_channel(small.address) as chan:
             stub = pb_grpc.StageLinkStub(chan)  # the client's own limit is gRPC's default
             session_id = _open(stub, "big")
@@ -257,8 +253,6 @@ def test_oversized_message_is_resource_exhausted(folder) -> None:  # type: ignor
             assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert small.runtime.session(session_id).cache == {}
         assert len(_train(small.address, folder, "big", _batches(2, n=1))) == 1
-    finally:
-        small.stop(grace=None)
 
 
 # -- devices that vanish, devices that share ----------------------------------------------------
@@ -322,15 +316,12 @@ def test_concurrent_sessions_and_commit_round(server: StageServer, folder) -> No
 
 # -- session tokens ------------------------------------------------------------------------------
 def test_tokens_gate_sessions_to_the_current_round(folder) -> None:  # type: ignore[no-untyped-def]
-    secure = build_stage_server(CONFIG, secret=SECRET, port=0, folder=folder).start()
-    try:
+    with stage_server(CONFIG, secret=SECRET, folder=folder) as secure:
         with grpc.insecure_channel(secure.address) as chan:
             _check_tokens(pb_grpc.StageLinkStub(chan), secure.address)
         token = issue_token(SECRET, run_id="run", round=1, device_id="t3")
         losses = _train(secure.address, folder, "t3", _batches(4, n=1), round_=1, token=token)
         assert len(losses) == 1
-    finally:
-        secure.stop(grace=None)
 
 
 def _refused(stub: pb_grpc.StageLinkStub, device_id: str, message: str, **kw) -> None:  # type: ignore[no-untyped-def]
@@ -376,15 +367,10 @@ def _check_tokens(stub: pb_grpc.StageLinkStub, address: str) -> None:
 def test_control_reset_restores_the_initial_server_adapter() -> None:
     """A new run on a long-lived StageServer starts from the initial adapter, not the last run's."""
     from fedpipe.config import load_config
-    from fedpipe.server.build import build_stage_server
     from fedpipe.wire.control_client import StageControlClient
 
     secret = "a-control-secret-for-tests"
-    server = build_stage_server(
-        load_config(None, {"model.name": "tiny-llama"}), secret=secret, port=0
-    )
-    server.start()
-    try:
+    with stage_server(load_config(None, {"model.name": "tiny-llama"}), secret=secret) as server:
         control = StageControlClient(server.address, secret)
         control.reset_adapter()  # a fresh StageServer serves adapters once a run set one
         initial = control.get_adapter()
@@ -394,5 +380,3 @@ def test_control_reset_restores_the_initial_server_adapter() -> None:
         control.reset_adapter()
         assert all(torch.equal(control.get_adapter()[k], initial[k]) for k in initial)
         control.close()
-    finally:
-        server.stop(grace=None)

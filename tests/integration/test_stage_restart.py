@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -20,7 +20,7 @@ import pytest
 from fedpipe.config import FedpipeConfig
 from fedpipe.edge.trainer import split_terms
 from fedpipe.models import resolve_model
-from fedpipe.server.build import build_stage_server
+from fedpipe.server.stage_server import StageServer
 from fedpipe.wire.control_client import StageControlClient
 from fedpipe.wire.link_client import StageClient
 
@@ -68,9 +68,9 @@ def retries() -> Iterator[_Retries]:
 
 
 def test_device_reconnects_to_a_restarted_stage_server(
-    folder: Path, split, retries: _Retries
+    folder: Path, split, retries: _Retries, serve: Callable[..., StageServer]
 ) -> None:
-    first = build_stage_server(CONFIG, port=0, folder=folder).start()
+    first = serve(CONFIG, folder=folder)
     port = first.port
     with StageClient(first.address, reconnect_s=120) as client:
         client.open_session(device_id="d0", split=split, timeout_s=10).close()
@@ -88,17 +88,14 @@ def test_device_reconnects_to_a_restarted_stage_server(
 
         device = threading.Thread(target=reopen)
         device.start()
-        second = None
         try:
             assert retries.seen.wait(60), "the device never retried"  # it found nothing there
-            second = build_stage_server(CONFIG, port=port, folder=folder).start()  # same port
+            second = serve(CONFIG, port=port, folder=folder)  # the same port
             device.join(120)
             assert not device.is_alive() and not failed, failed
             assert opened and second.runtime.session(opened[0]).device_id == "d0"
         finally:
             device.join(1)
-            if second is not None:
-                second.stop(grace=None)
     assert "(try 1)" in retries.messages[0]
 
 
@@ -109,8 +106,10 @@ def test_device_gives_up_after_its_reconnect_budget(split, retries: _Retries) ->
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
-def test_restarted_stage_server_refuses_to_carry_on_a_run(folder: Path) -> None:
-    server = build_stage_server(CONFIG, secret=SECRET, port=0, folder=folder).start()
+def test_restarted_stage_server_refuses_to_carry_on_a_run(
+    folder: Path, serve: Callable[..., StageServer]
+) -> None:
+    server = serve(CONFIG, secret=SECRET, folder=folder)
     control = StageControlClient(server.address, SECRET)
     try:
         for call in (
@@ -133,4 +132,3 @@ def test_restarted_stage_server_refuses_to_carry_on_a_run(folder: Path) -> None:
         assert set(control.get_adapter()) == set(state)
     finally:
         control.close()
-        server.stop(grace=None)

@@ -9,19 +9,17 @@ another CA, is refused at the handshake. A plaintext StageServer says so when it
 from __future__ import annotations
 
 import logging
-import subprocess
-import sys
 from pathlib import Path
 
 import grpc
 import pytest
 import torch
+from harness.certs import certificates, fedpipe_certs
+from harness.stage import stage_server
 
-from fedpipe.auth.certs import make_test_certificates
 from fedpipe.auth.tokens import issue_token
 from fedpipe.config import FedpipeConfig, load_config
 from fedpipe.edge.trainer import DeviceTrainer
-from fedpipe.server.build import build_stage_server
 from fedpipe.wire.control_client import StageControlClient
 from fedpipe.wire.link_client import StageClient
 
@@ -38,14 +36,7 @@ SMALL = {
 def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The files `fedpipe certs` writes, made by running the command."""
     out = tmp_path_factory.mktemp("certs")
-    done = subprocess.run(  # noqa: S603 - fixed argv
-        [sys.executable, "-m", "fedpipe.cli", "certs", "--out", str(out), "--host", "stage.lan"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, done.stderr
-    assert "server.tls_cert" in done.stdout
+    assert "server.tls_cert" in fedpipe_certs(out, "--host", "stage.lan")
     assert (out / "server.key").stat().st_mode & 0o077 == 0  # keys readable by the owner only
     return out
 
@@ -72,8 +63,7 @@ def test_stage_link_over_tls(certs: Path) -> None:
             "server.tls_ca": str(certs / "ca.pem"),
         },
     )
-    server = build_stage_server(config, port=0).start()
-    try:
+    with stage_server(config) as server:
         trainer = DeviceTrainer(config, device_id="tls-device")
         with _client(server.address, certs, None) as client:
             report = trainer.train_round(client, [_batch()])
@@ -82,8 +72,6 @@ def test_stage_link_over_tls(certs: Path) -> None:
             with pytest.raises(grpc.RpcError) as info:
                 plaintext.open_session(device_id="plain", timeout_s=5)
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-    finally:
-        server.stop(grace=None)
 
 
 def test_mutual_tls_admits_only_clients_with_a_certificate_from_the_ca(
@@ -101,8 +89,7 @@ def test_mutual_tls_admits_only_clients_with_a_certificate_from_the_ca(
             "server.tls_client_key": str(certs / "serverapp.key"),
         },
     )
-    server = build_stage_server(config, secret=SECRET, port=0).start()
-    try:
+    with stage_server(config, secret=SECRET) as server:
         assert server.tls == "mtls"
         chain, key = config.server.client_identity()
         control = StageControlClient(
@@ -122,15 +109,13 @@ def test_mutual_tls_admits_only_clients_with_a_certificate_from_the_ca(
         assert control.commit_round(0, {"device-0": 1.0})[:2] == (1, 0)
         control.close()
 
-        other = make_test_certificates(tmp_path / "other", clients=["device-1"])
+        other = certificates(tmp_path / "other", clients=["device-1"])
         for name, folder in ((None, certs), ("device-1", other.ca.parent)):
             with _client(server.address, folder, name) as stranger:
                 stranger.reconnect_s = 0  # a refused handshake is UNAVAILABLE: do not wait
                 with pytest.raises(grpc.RpcError) as info:
                     stranger.open_session(device_id="device-1", timeout_s=5)
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE, name
-    finally:
-        server.stop(grace=None)
 
 
 def test_plaintext_stage_link_warns_at_start(caplog: pytest.LogCaptureFixture) -> None:
@@ -140,8 +125,8 @@ def test_plaintext_stage_link_warns_at_start(caplog: pytest.LogCaptureFixture) -
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="fedpipe.server.stage_server"):
             open_ = {"server.host": host, "server.allow_unauthenticated": True}  # no secret here
-            server = build_stage_server(config.with_overrides(open_), port=0).start()
-            server.stop(grace=None)
+            with stage_server(config.with_overrides(open_)) as server:
+                pass
         assert server.tls == "plaintext"
         warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
         assert any("is plaintext" in w and "fedpipe certs" in w for w in warnings) is warned

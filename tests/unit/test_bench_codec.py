@@ -32,7 +32,7 @@ def test_codec_rows_on_a_real_head_output() -> None:
     assert rows["int8"]["wire_mb"] < rows["bf16"]["wire_mb"] < rows["fp32"]["wire_mb"]
 
 
-@pytest.mark.slow  # tokenises the whole corpus to find it too short
+# tokenises the whole corpus to find it too short
 def test_a_batch_larger_than_the_corpus_gives_a_clear_error() -> None:
     with pytest.raises(ValueError, match="lower --batch or --seq-len"):
         _bench().head_output("tiny-llama", 1, 10**6, 512)

@@ -3,11 +3,6 @@ contract of a real (small) run."""
 
 from __future__ import annotations
 
-import json
-import re
-import subprocess
-import sys
-
 import pytest
 from fedpipe_bench.pipeline import (
     NOISE_THRESHOLD,
@@ -17,7 +12,6 @@ from fedpipe_bench.pipeline import (
     solo_components,
 )
 
-from fedpipe.edge.planner.bound import Components, pipeline_bound
 from fedpipe.link import LinkProfile
 from fedpipe.messages import Kind, StageMsg
 
@@ -99,70 +93,3 @@ def test_noise_report_flags_a_wide_spread() -> None:
     assert short["noisy"] is False and short["solo_spread"]["c_opt"] > NOISE_THRESHOLD
     drifting = noise_report({"c_f": steady}, [1.0, 1.5])  # steps, not components, moved
     assert drifting["noisy"] is True and drifting["solo_step_spread"] == pytest.approx(0.5)
-
-
-CONTRACT_KEYS = {
-    "link",
-    "microbatches",
-    "t_seq_s",
-    "t_pipe_s",
-    "t_bound_s",
-    "speedup",
-    "efficiency",
-    "ceiling",
-    "components_solo",
-    "components_inrun",
-    "t_bound_inrun_s",
-    "t_seq_whole_s",
-    "schedules",
-    "noisy",
-}
-
-
-def _bench(*extra: str) -> tuple[dict, str]:
-    args = [
-        *("bench", "pipeline", "--model", "tiny-llama", "--json"),
-        *("--links", "100mbit-5ms", "--schedules", "sequential,greedy"),
-        *("--steps", "2", "--warmup", "1", "--batch-size", "4", "--seq-len", "16"),
-        *("--microbatches", "2", *extra),
-    ]
-    done = subprocess.run(
-        [sys.executable, "-m", "fedpipe.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    return json.loads(done.stdout), done.stderr
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    ("split", "layers", "transfers"),
-    [("u", ("1", "1"), 4), ("two", ("1", "0"), 2)],
-)
-def test_bench_json_holds_the_contract_in_both_split_modes(
-    split: str, layers: tuple[str, str], transfers: int
-) -> None:
-    report, stderr = _bench(
-        *("--set", f"model.split={split}", "--set", f"model.head_layers={layers[0]}"),
-        *("--set", f"model.tail_layers={layers[1]}"),
-    )
-    (entry,) = report["links"]
-    assert CONTRACT_KEYS <= set(entry), CONTRACT_KEYS - set(entry)
-    assert set(entry["schedules"]) == {"sequential", "greedy", "sequential-whole"}
-    assert entry["speedup"] == pytest.approx(
-        min(entry["t_seq_s"], entry["t_seq_whole_s"]) / entry["t_pipe_s"], rel=1e-2
-    )
-    solo = entry["components_solo"]
-    assert solo["split"] == split and solo["c_f"] > 0 and solo["s_b"] > 0
-    assert (solo["c_t"] > 0) == (split == "u")  # the two-part device has no tail
-    rebuilt = Components(**solo)  # the bound is what bench.bound makes of the solo components
-    assert len(rebuilt.transfers) == transfers
-    assert pipeline_bound(rebuilt, 2)[0] == pytest.approx(entry["t_bound_s"], abs=2e-4)
-    # Progress goes to stderr in round-robin order: every run's step k before any step k+1.
-    ran = re.findall(r"step (\d+)\s+(\S+):", stderr)
-    runs = ["solo", "sequential", "greedy", "sequential-whole"]
-    assert [(int(s), n) for s, n in ran] == round_robin(runs, 3)
-    assert report["noisy"] == entry["noisy"]

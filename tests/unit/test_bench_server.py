@@ -144,7 +144,7 @@ class _BatchedExecutor:
 
 
 def test_probe_counts_the_messages_of_one_batched_call() -> None:
-    runtime = SimpleNamespace(on_compute=None, executor=_BatchedExecutor())
+    runtime = SimpleNamespace(executor=_BatchedExecutor())
     probe = ComputeProbe(runtime).install()
     x = torch.zeros(2, 4, 8)
     work = [(None, StageMsg(Kind.ACTIVATION, 0, mb, tensor=x)) for mb in range(3)]

@@ -3,58 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import json
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from harness.cli import error_line as _error_line
 
 from fedpipe import __version__
 from fedpipe.cli.main import EXIT_SETTINGS, _interrupted, describe_error, main
 from fedpipe.cli.parser import build_parser
 from fedpipe.launch.processes import ProcessStartError
-
-COMMANDS = [
-    ["simulate"],
-    ["server"],
-    ["client"],
-    ["run"],
-    ["register-node"],
-    ["bench", "pipeline"],
-    ["bench", "memory"],
-    ["bench", "server"],
-    ["bench", "plan"],
-]
-
-
-def _error_line(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
-    """Run ``fedpipe argv`` in-process; it must exit 2 with exactly one line on stderr."""
-    rc = main(argv)
-    err = capsys.readouterr().err.strip().splitlines()
-    assert rc == EXIT_SETTINGS, err
-    assert len(err) == 1, err
-    assert err[0].startswith("fedpipe: error: ")
-    return err[0]
-
-
-def test_help_of_every_command_imports_no_torch() -> None:
-    script = f"""
-import contextlib, io, sys
-from fedpipe.cli.main import main
-for argv in [[], *{COMMANDS!r}]:
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
-        main([*argv, "--help"])
-    assert "usage: fedpipe" in out.getvalue(), argv
-heavy = [m for m in ("torch", "transformers", "flwr", "grpc") if m in sys.modules]
-print(heavy)
-"""
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
-    )
-    assert done.stdout.strip() == "[]", done.stdout + done.stderr
 
 
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:
@@ -199,21 +156,6 @@ def test_bench_pipeline_picks_a_split_that_fits_the_model(
     assert "--schedules" in line
 
 
-def test_busy_port_and_node_auth_without_tls(capsys: pytest.CaptureFixture[str]) -> None:
-    with socket.socket() as busy:
-        busy.bind(("127.0.0.1", 0))
-        busy.listen()
-        port = busy.getsockname()[1]
-        line = _error_line(capsys, ["server", "--stage-server", f"127.0.0.1:{port}"])
-        assert f"127.0.0.1:{port} is not free" in line
-        line = _error_line(
-            capsys, ["server", "--stage-server", "127.0.0.1:0", "--superlink", f"127.0.0.1:{port}"]
-        )
-        assert line.startswith("fedpipe: error: --superlink:")
-    line = _error_line(capsys, ["server", "--superlink", "--node-auth"])
-    assert "--node-auth needs TLS" in line
-
-
 def test_cuda_asked_for_without_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
     import torch
 
@@ -229,31 +171,6 @@ def test_client_settings(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> 
     assert "outside 0..1" in line
     line = _error_line(capsys, ["client", "--auth-key", str(tmp_path / "key")])
     assert "--auth-key" in line
-
-
-def test_run_without_a_stage_server(capsys: pytest.CaptureFixture[str]) -> None:
-    with socket.socket() as sock:  # a port nobody listens on
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    line = _error_line(capsys, ["run", "--stage-server", f"127.0.0.1:{port}"])
-    assert f"no StageServer answers at 127.0.0.1:{port}" in line
-
-
-def test_a_wrong_secret_is_refused_before_the_run(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path
-) -> None:
-    from fedpipe.config import load_config
-    from fedpipe.server.build import build_stage_server
-
-    server = build_stage_server(load_config(), secret="r" * 32, port=0).start()
-    try:
-        wrong = tmp_path / "secret"
-        wrong.write_text("w" * 32)
-        argv = ["run", "--stage-server", server.address, "--secret-file", str(wrong)]
-        line = _error_line(capsys, argv)
-    finally:
-        server.stop(grace=0)
-    assert "refused the secret" in line and "same --secret-file" in line
 
 
 def test_errors_of_running_commands_are_one_line() -> None:
@@ -276,9 +193,3 @@ def test_interrupted_run_says_where_and_how_to_resume(tmp_path: Path) -> None:
     line = _interrupted(args, argv)
     assert "after round 2" in line
     assert line.endswith(f"fedpipe simulate --runs-dir {tmp_path} --rounds 5 --name r1 --resume")
-
-
-def test_bench_memory_default_model_and_split_work(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["bench", "memory", "--model", "tiny-gpt2"]) == 0
-    report = json.loads(capsys.readouterr().out)
-    assert report["model"] == "tiny-gpt2"

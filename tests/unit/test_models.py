@@ -99,37 +99,6 @@ def test_family_gpt2_and_unsupported() -> None:
         model_family(SimpleNamespace(model_type="bert"))
 
 
-@pytest.mark.slow
-def test_default_smollm2_split_matches_whole_model() -> None:
-    from fedpipe.split import build_device_stages, build_stage, split_layout
-
-    folder = resolve_model("default")
-    assert resolve_model("default") == folder  # cached
-    tok = load_tokenizer(folder)
-    ids = torch.tensor([tok("The capital of France is Paris. It is a big city.").input_ids])
-    with torch.no_grad():
-        reference = load_causal_lm(folder)(ids, labels=ids).loss
-        plan = split_layout(load_config(folder), head_layers=2, tail_layers=2)
-        head, tail = build_device_stages(folder, plan)
-        assert tail is not None
-        loss_sum, count = tail(build_stage(folder, plan, "middle")(head(ids)), ids)
-    assert count == ids.shape[1] - 1
-    torch.testing.assert_close(loss_sum / count, reference, rtol=1e-5, atol=1e-5)
-    assert reference.item() < 6.0  # a trained model, not random weights
-
-
-@pytest.mark.slow
-def test_device_memory_report_for_smollm2() -> None:
-    from fedpipe.split import device_memory_report, split_layout
-
-    folder = resolve_model("default")
-    report = device_memory_report(folder, split_layout(load_config(folder)))
-    assert 0.1 < report["param_fraction"] < 0.5
-    assert report["device_param_bytes"] < report["model_param_bytes"]
-    assert 0 < report["device_rss_bytes"] < report["model_rss_bytes"]
-    assert report["model_rss_bytes"] > 0.8 * report["model_param_bytes"]
-
-
 # -- models users bring: sharded folders, broken files --------------------------------------------
 @pytest.fixture(scope="module")
 def sharded(cache: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 from pathlib import Path
 
 import pytest
@@ -197,14 +196,6 @@ def test_plots_with_no_data(tmp_path: Path) -> None:
     assert _is_png(plots.plot_losses([], tmp_path / "a.png"))
     assert _is_png(plots.plot_timeline([], tmp_path / "b.png"))
     assert _is_png(plots.plot_step_times({}, tmp_path / "c.png"))
-
-
-def test_plots_module_imports_no_matplotlib() -> None:
-    import subprocess
-
-    code = "import fedpipe.runs.plots, sys; print('matplotlib' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
 
 
 def test_checkpoint_files_and_folders_are_fsynced_before_the_rename(

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -51,22 +48,6 @@ def test_decoded_tensors_do_not_share_memory_with_each_other() -> None:
     first.tensor.add_(1)
     assert torch.equal(second.tensor, torch.ones(2, 3, 4))
     assert torch.equal(msg_from_proto(raw).tensor, torch.ones(2, 3, 4))
-
-
-def test_transport_bench_prints_the_ratio_as_json() -> None:
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks/transport_bench.py"), "--json"]
-        + ["--messages", "1", "--trials", "1"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
-    result = json.loads(out.stdout)
-    assert result["message_mb"] == pytest.approx(9.44, abs=0.01)
-    assert result["stage_mb_per_s"] > 0 and result["plain_grpc_mb_per_s"] > 0
-    expected = result["stage_mb_per_s"] / result["plain_grpc_mb_per_s"]
-    assert result["ratio"] == pytest.approx(expected, rel=1e-2)
 
 
 def _msg(codec_labels: bool = True) -> StageMsg:

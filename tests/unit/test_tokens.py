@@ -153,6 +153,7 @@ def test_signed_call_is_accepted_once() -> None:
         (METHOD, b"reqUest", SECRET),  # the request altered
         ("/fedpipe.proto.StageControl/LoadAdapter", b"request", SECRET),  # another method
     ],
+    ids=["another-secret", "altered-request", "another-method"],  # the same on every worker
 )
 def test_wrong_key_body_or_method_is_refused(method: str, body: bytes, key: str) -> None:
     metadata = sign_call(key, METHOD, b"request", now=NOW)
