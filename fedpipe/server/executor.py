@@ -169,16 +169,14 @@ class StageExecutor:
         return done
 
     def _weights_of(self, session_id: str) -> None:
-        """The weight gradients of backwards that served ``session_id``, oldest first."""
-        if not any(session_id in later.sessions for later in self._later):
-            return
-        keep: deque[_Later] = deque()
-        for later in self._later:
-            if session_id in later.sessions:
-                self._add_weights(later)
-            else:
-                keep.append(later)
-        self._later = keep
+        """The weight gradients of backwards that served ``session_id``: every pending one up
+        to its last, oldest first (an adapter's gradient then sums in its backwards' order
+        whichever session's step comes first)."""
+        last = max(
+            (i for i, later in enumerate(self._later) if session_id in later.sessions), default=-1
+        )
+        for _ in range(last + 1):
+            self._add_weights(self._later.popleft())
 
     def _add_weights(self, later: _Later) -> None:
         assert isinstance(self.bank, BatchedAdapterBank)
