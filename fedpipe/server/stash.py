@@ -40,7 +40,9 @@ from fedpipe.lora.batched_blocks import Tape
 
 __all__ = ["HostCopies", "SavedTensors", "Stash", "StashMeter"]
 
-DEVICE, HOST = "device", "host"  # where a counted storage lives
+# Where a counted storage lives: waiting on the stage's device, waiting in host memory, or
+# back on the device for the backward that runs now.
+DEVICE, HOST, FETCHED = "device", "host", "fetched"
 
 
 class StashMeter:
@@ -48,14 +50,16 @@ class StashMeter:
 
     Off by default (``enabled``): a bench turns it on. A storage is counted once however many
     stashes hold it (the tapes of one batched call share theirs), for as long as any does.
+    On the device means waiting there (``DEVICE``) or brought back for a backward that runs
+    (``FETCHED``); the device's peak is of the two together.
     """
 
     def __init__(self) -> None:
         self.enabled = False
         self._lock = threading.Lock()
         self._held: dict[tuple[str, int], list[int]] = {}  # (where, data_ptr) -> [nbytes, refs]
-        self.bytes = {DEVICE: 0, HOST: 0}
-        self.peak = {DEVICE: 0, HOST: 0}
+        self.bytes = {DEVICE: 0, HOST: 0, FETCHED: 0}
+        self.peak = {DEVICE: 0, HOST: 0, FETCHED: 0, "on_device": 0}
 
     def hold(self, owner: object, where: str, tensors: Iterable[Tensor]) -> None:
         """Count the storages of ``tensors`` (in ``where``) until ``owner`` is collected."""
@@ -69,7 +73,7 @@ class StashMeter:
                 held[1] += 1
                 if held[1] == 1:
                     self.bytes[where] += held[0]
-                    self.peak[where] = max(self.peak[where], self.bytes[where])
+                    self._peaks()
         weakref.finalize(owner, self._release, keys)
 
     def _release(self, keys: list[tuple[str, int]]) -> None:
@@ -81,17 +85,30 @@ class StashMeter:
                     self.bytes[key[0]] -= held[0]
                     del self._held[key]
 
+    def _peaks(self) -> None:
+        for where, now in self.bytes.items():
+            self.peak[where] = max(self.peak[where], now)
+        self.peak["on_device"] = max(
+            self.peak["on_device"], self.bytes[DEVICE] + self.bytes[FETCHED]
+        )
+
     def snapshot(self, *, reset: bool = False) -> dict[str, int]:
-        """Bytes now and peaks since the last reset (``reset``: the peaks restart from now)."""
+        """Bytes now and peaks since the last reset (``reset``: the peaks restart from now).
+
+        ``peak_stash_bytes``: on the stage's device, waiting or brought back for a backward;
+        ``peak_waiting_bytes``: waiting there only; ``peak_offloaded_bytes``: in host memory.
+        """
         with self._lock:
             out = {
-                "stash_bytes": self.bytes[DEVICE],
+                "stash_bytes": self.bytes[DEVICE] + self.bytes[FETCHED],
                 "offloaded_bytes": self.bytes[HOST],
-                "peak_stash_bytes": self.peak[DEVICE],
+                "peak_stash_bytes": self.peak["on_device"],
+                "peak_waiting_bytes": self.peak[DEVICE],
                 "peak_offloaded_bytes": self.peak[HOST],
             }
             if reset:
                 self.peak = dict(self.bytes)
+                self.peak["on_device"] = self.bytes[DEVICE] + self.bytes[FETCHED]
             return out
 
 
@@ -225,7 +242,7 @@ class SavedTensors:
         if keys:
             copies = self._stash.copies.to_device([self._host[k] for k in keys])
             self._device = dict(zip(keys, copies, strict=True))
-            self._stash.meter.hold(owner, DEVICE, copies)
+            self._stash.meter.hold(owner, FETCHED, copies)
         try:
             yield
         finally:
@@ -300,5 +317,5 @@ class Stash:
         copies = self.copies.to_device([_whole(t) for t in hosts.values()])
         fetched = [tape.map(_moved(dict(zip(hosts, copies, strict=True)))) for tape in tapes]
         for tape in fetched:
-            self.meter.hold(tape, DEVICE, tape.tensors())
+            self.meter.hold(tape, FETCHED, tape.tensors())
         return fetched
