@@ -44,6 +44,12 @@ def register(bsub: Any) -> None:
     q.add_argument("--gradient-codec", choices=codecs, help="codec of gradients (default: --codec)")
     q.add_argument("--steps", type=int, default=4, help="measured steps per schedule (median)")
     q.add_argument("--warmup", type=int, default=1, help="unmeasured steps first")
+    q.add_argument(
+        "--input-grad-first",
+        action="store_true",
+        help="one more run (1F1B) on a server with server.input_grad_first = true: the device's "
+        "wait for its input gradient and the step time side by side",
+    )
     qb = add_command(bsub, "quality", f"{_HERE}:cmd_bench_quality", "held-out loss vs centralized")
     qb.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     qb.add_argument("--quick", action="store_true", help="a tiny random model (CI, seconds)")
@@ -158,7 +164,12 @@ def cmd_bench_pipeline(args: argparse.Namespace) -> int:
     if unknown:
         raise ValueError(f"--schedules: unknown {unknown}; choose from {list(BENCH_SCHEDULES)}")
     report = run_pipeline_bench(
-        config, links=links, schedules=schedules, steps=args.steps, warmup=args.warmup
+        config,
+        links=links,
+        schedules=schedules,
+        steps=args.steps,
+        warmup=args.warmup,
+        input_grad_first=args.input_grad_first,
     )
     if args.json:
         print(json.dumps(report, indent=2))
