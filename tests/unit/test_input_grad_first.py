@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedpipe.lora import BatchedAdapterBank, LoraSettings
+from fedpipe.lora import BatchedAdapterBank, Group, LoraSettings
 from fedpipe.messages import Kind, StageMsg
 from fedpipe.models import load_config, resolve_model
 from fedpipe.server.executor import StageExecutor
@@ -130,3 +130,46 @@ def test_idle_time_computes_what_backwards_left(folder: Path) -> None:
     assert side.ex.compute_weight_grads() == 3  # three backwards, oldest first
     assert not side.ex.weights_pending
     assert all(g is not None for g in side.grads_of("a") + side.grads_of("b"))
+
+
+ALL_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+GROUP_SHAPES = [("a", 1, 7), ("b", 3, 12), ("a", 2, 12)]  # (adapter, rows, tokens)
+
+
+def _bank_backward(folder: Path, grouped: str, *, deferred: bool) -> list[torch.Tensor]:
+    """Input gradients and adapter gradients of one batched backward over three tapes."""
+    settings = LoraSettings(r=8, alpha=16, seed=3, targets=ALL_LINEARS)
+    stage = build_stage(folder, split_layout(load_config(folder), mode="u"), "middle")
+    bank = BatchedAdapterBank(stage, settings, family="llama")
+    bank._runner.grouped = grouped  # type: ignore[assignment]
+    gen = torch.Generator().manual_seed(1)
+    for name in "ab":
+        init = {
+            k: torch.randn(v.shape, generator=gen) * 0.1 for k, v in bank.global_state().items()
+        }
+        bank.add(name, init=init)
+    xs = [torch.randn(b, t, 64, generator=gen) for _, b, t in GROUP_SHAPES]
+    groups = [Group(name, x) for (name, _, _), x in zip(GROUP_SHAPES, xs, strict=True)]
+    taped = bank.run_taped(groups)
+    items = [(tape, torch.randn(y.shape, generator=gen)) for y, tape in taped]
+    if deferred:
+        dxs, weights = bank.backward_inputs(items)
+        assert all(p.grad is None for n in "ab" for p in bank.parameters(n))
+        bank.add_weight_grads(weights)
+    else:
+        dxs = bank.backward(items)
+    grads = [p.grad for n in "ab" for p in bank.parameters(n)]
+    assert all(g is not None for g in grads)
+    return [*(dx for dx in dxs if dx is not None), *(g for g in grads if g is not None)]
+
+
+@pytest.mark.parametrize("grouped", ["off", "force"])
+def test_the_banks_deferred_weight_gradients_equal_its_backward_to_the_bit(
+    folder: Path, grouped: str
+) -> None:
+    """The per-session loop and the grouped kernel (forced: the CPU runs grouped_mm in bf16)."""
+    want = _bank_backward(folder, grouped, deferred=False)
+    got = _bank_backward(folder, grouped, deferred=True)
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
