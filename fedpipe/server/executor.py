@@ -29,18 +29,17 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections import deque
 from collections.abc import Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from fedpipe.errors import InvalidRequestError, SessionStateError, StageCapacityError
 from fedpipe.lora import AdapterBank, BatchedAdapterBank, Group
-from fedpipe.lora.batched_backward import WeightGrads
 from fedpipe.lora.batched_blocks import Tape
 from fedpipe.messages import Kind, StageMsg
+from fedpipe.server.deferred_weights import DeferredWeights
 from fedpipe.server.device_copies import DeviceCopies
 from fedpipe.server.sessions import SessionInfo
 from fedpipe.server.stash import SavedTensors, Stash
@@ -72,14 +71,6 @@ class _Backward:
     grad: torch.Tensor
 
 
-@dataclass
-class _Later:
-    """Weight gradients one batched backward recorded, for the sessions it served."""
-
-    weights: WeightGrads
-    sessions: set[str] = field(default_factory=set)
-
-
 class StageExecutor:
     """Forward, backward and optimizer steps of device sessions on one adapter bank."""
 
@@ -106,8 +97,8 @@ class StageExecutor:
         # Waiting microbatches' saved tensors: on the device, or in host memory (offload).
         self.stash = Stash(device, offload=offload and mode == "u")
         self.input_grad_first = input_grad_first
-        self._later: deque[_Later] = deque()  # weight gradients still to compute, oldest first
-        self._failed: dict[str, Exception] = {}  # session -> why its weight gradients failed
+        # Weight gradients batched backwards left for later (input_grad_first).
+        self.deferred = DeferredWeights(BatchedAdapterBank.add_weight_grads)
         # (session, microbatch) -> its peft graph's saved tensors, while the graph lives
         self._saved: weakref.WeakValueDictionary[tuple[str, int], SavedTensors] = (
             weakref.WeakValueDictionary()
@@ -140,21 +131,21 @@ class StageExecutor:
 
     def reset(self, info: SessionInfo) -> None:
         """Forget the session's unfinished step: cached graphs and accumulated gradients."""
-        self._weights_of(info.session_id)  # none of them may land after the reset
-        self._failed.pop(info.session_id, None)
+        self.deferred.compute_for(info.session_id)  # none of them may land after the reset
+        self.deferred.failure(info.session_id)
         info.cache.clear()
         info.optimizer.zero_grad(set_to_none=True)
 
     def forget(self, info: SessionInfo) -> None:
         """Let go of what the session holds here (it is being dropped)."""
         info.cache.clear()
-        self._failed.pop(info.session_id, None)
+        self.deferred.failure(info.session_id)
 
     # -- weight gradients after the input gradients (B/W split) -------------------------------
     @property
     def weights_pending(self) -> bool:
         """Whether backwards left weight gradients to compute."""
-        return bool(self._later)
+        return self.deferred.pending
 
     def compute_weight_grads(self) -> int:
         """Every weight gradient backwards left, oldest first; returns how many backwards'.
@@ -162,29 +153,7 @@ class StageExecutor:
         A computation that fails adds nothing; the step of each session it served then fails
         at its ``STEP_END``.
         """
-        done = 0
-        while self._later:
-            self._add_weights(self._later.popleft())
-            done += 1
-        return done
-
-    def _weights_of(self, session_id: str) -> None:
-        """The weight gradients of backwards that served ``session_id``: every pending one up
-        to its last, oldest first (an adapter's gradient then sums in its backwards' order
-        whichever session's step comes first)."""
-        last = max(
-            (i for i, later in enumerate(self._later) if session_id in later.sessions), default=-1
-        )
-        for _ in range(last + 1):
-            self._add_weights(self._later.popleft())
-
-    def _add_weights(self, later: _Later) -> None:
-        assert isinstance(self.bank, BatchedAdapterBank)
-        try:
-            self.bank.add_weight_grads(later.weights)
-        except Exception as exc:
-            for session_id in later.sessions:
-                self._failed.setdefault(session_id, exc)
+        return self.deferred.compute_all()
 
     # -- one message at a time: backward, step -----------------------------------------------
     def _one(self, info: SessionInfo, msg: StageMsg) -> Result:
@@ -396,7 +365,7 @@ class StageExecutor:
             pairs = [(tape, b.grad) for tape, b in zip(tapes, items, strict=True)]
             if self.input_grad_first:
                 dxs, weights = self.bank.backward_inputs(pairs)
-                self._later.append(_Later(weights, {b.info.session_id for b in items}))
+                self.deferred.put(weights, {b.info.session_id for b in items})
             else:
                 dxs = self.bank.backward(pairs)
             del tapes, pairs  # a recorded weight gradient keeps what it needs
@@ -444,8 +413,8 @@ class StageExecutor:
             raise SessionStateError(
                 f"STEP_END for step {msg.step} while microbatches {pending} await gradients"
             )
-        self._weights_of(info.session_id)  # the step waits for its weight gradients
-        failed = self._failed.pop(info.session_id, None)
+        self.deferred.compute_for(info.session_id)  # the step waits for its weight gradients
+        failed = self.deferred.failure(info.session_id)
         if failed is not None:
             raise SessionStateError(
                 f"STEP_END for step {msg.step}: its weight gradients failed "

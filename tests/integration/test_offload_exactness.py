@@ -95,15 +95,6 @@ def _run(folder: Path, config: FedpipeConfig) -> Result:
         return opts[-1]
 
     runtime.optimizer_factory = factory
-    after_reply = 0
-    real_add = executor._add_weights
-
-    def counted(later):  # type: ignore[no-untyped-def]
-        nonlocal after_reply
-        after_reply += 1
-        real_add(later)
-
-    executor._add_weights = counted  # type: ignore[method-assign]
     trainer = DeviceTrainer(config, device_id="dev-offload", folder=folder)
     params = lora_parameters(trainer.head) | (lora_parameters(trainer.tail) if trainer.tail else {})
     opt = torch.optim.AdamW(list(params.values()), lr=LR, weight_decay=0.0)
@@ -124,7 +115,7 @@ def _run(folder: Path, config: FedpipeConfig) -> Result:
         server_opt.grads,
         weights,
         executor.stash.meter.snapshot(),
-        after_reply,
+        executor.deferred.computed,
     )
 
 
