@@ -132,12 +132,12 @@ def grouped_lora_backward(
             f"{len(pairs)} adapters for {len(sizes)} groups of {sum(sizes)} rows, dy has "
             f"{dy.shape[0]} and the low-rank activations {lows.shape[0]}"
         )
-    if offs is None:
-        offs = group_offsets(sizes, dy.device)
     got = grouped_lora_input_grad(dy, sizes, pairs, scale, need_dx=need_dx, force=force, offs=offs)
     if got is None:
         return None
     d, d_low, d_x = got
+    if offs is None:
+        offs = group_offsets(sizes, dy.device)
     grad_a, grad_b = grouped_lora_weight_grads(d, d_low, lows, x, offs)
     return grad_a, grad_b, d_x
 
