@@ -40,6 +40,7 @@ LONGEST_FIRST = (
     "test_simulation_retry.py",
     "test_deployment_failures.py",
     "test_simulation.py",
+    "test_replica_runs.py",
     "test_simulation_exact.py",
     "test_simulation_large_adapter.py",
     "test_cli_errors.py",

@@ -216,6 +216,7 @@ def _check_devices_kept_out(roots: list[Path], secret_file: Path) -> None:
                 assert secret not in path.read_bytes(), f"the secret is in {path}"
 
 
+@pytest.mark.timeout(1500)  # three deployment runs in a row, and a restart
 def test_stage_server_killed_mid_round_and_the_run_resumed(tmp_path: Path) -> None:
     """SIGKILL the StageServer in round 2; the run stops; a new one + `run --resume` finish it
     with exactly the losses and checkpoints of an uninterrupted run of the same settings (run
