@@ -5,9 +5,9 @@ on port 0 (tiny-llama, U-shaped split), once per setting: the losses, the server
 (as its optimizer applies them) and both sides' weights after the steps equal the default
 run's to the bit, on peft's bank and on the batched bank. Each call computes one message
 (``batch_tokens = 1``) so that every run makes the same calls. The runs also show that the
-setting did its work: with offload the stash lived in host memory (the stage's device held
-none of it between forward and backward), and with the input gradient first the weight
-gradients were computed after their backward's reply.
+setting did its work: with offload the stash waited in host memory (on the stage's device
+only the received inputs waited), and with the input gradient first every backward's weight
+gradients were computed after its reply.
 """
 
 from __future__ import annotations
