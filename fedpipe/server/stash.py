@@ -11,7 +11,8 @@ it waits in host memory instead:
   saves goes to the host at once, except the stage's own weights and the received input, which
   stay where they are; the backward brings them back (all started before it runs).
 - **batched bank**: after the forward call, its tapes go to the host (:meth:`Stash.put_tapes`);
-  before the backward, :meth:`Stash.fetch_tapes` brings back the ones it needs.
+  the backward brings them back a block at a time as its walk reads them, the next block's
+  copies started while a block computes (:meth:`Stash.fetch_tapes`).
 
 A copy moves a tensor's whole storage and rebuilds the tensor as a view at its own offset and
 strides, each storage once, so tensors that shared a storage still do (the joined rows of one
@@ -29,14 +30,14 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from fedpipe.lora.batched_blocks import Tape
+from fedpipe.lora.batched_blocks import BlockTape, Tape
 
 __all__ = ["HostCopies", "SavedTensors", "Stash", "StashMeter"]
 
@@ -141,19 +142,39 @@ class HostCopies:
 
         On a CPU the host copies themselves: they are in the stage's memory already.
         """
+        copies, ready = self.start_to_device(hosts)
+        ready()
+        return copies
+
+    def start_to_device(self, hosts: Sequence[Tensor]) -> tuple[list[Tensor], Callable[[], None]]:
+        """Device copies of ``hosts``, started on the side stream, and what makes the compute
+        stream wait for them: call it before the compute stream reads them (not before, so
+        that the copies overlap the compute queued until then)."""
         if self._side is None:
-            return list(hosts)
+            return list(hosts), _nothing
         with torch.cuda.stream(self._side):
             copies = [torch.empty_like(h, device=self.device) for h in hosts]
             for copy, host in zip(copies, hosts, strict=True):
                 copy.copy_(host, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self._side)
-        compute = torch.cuda.current_stream(self.device)
-        compute.wait_event(done)
-        for copy in copies:
-            copy.record_stream(compute)  # allocated on the side stream, read by compute
-        return copies
+
+        waited: list[bool] = []
+
+        def ready() -> None:
+            if waited:
+                return
+            waited.append(True)
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_event(done)
+            for copy in copies:
+                copy.record_stream(compute)  # allocated on the side stream, read by compute
+
+        return copies, ready
+
+
+def _nothing() -> None:
+    """What a CPU's copies wait for."""
 
 
 def _whole(t: Tensor) -> Tensor:
@@ -307,15 +328,76 @@ class Stash:
         return moved
 
     def fetch_tapes(self, tapes: Sequence[Tape]) -> list[Tape]:
-        """The tapes as the backward reads them: back on the device (every copy at once)."""
+        """The tapes as one backward reads them: each block's records back on the device when
+        the walk first reads them, the next block's copies started then (:class:`_Blocks`)."""
         if not self.offload:
             return list(tapes)
+        blocks = _Blocks(self, tapes)
+        return [
+            Tape(tape.shape, tape.adapter, tape.need_input_grad, _FetchedBlocks(blocks, i, tape))
+            for i, tape in enumerate(tapes)
+        ]
+
+
+class _Blocks:
+    """The block records of one backward's tapes, brought back a block at a time.
+
+    The backward walks the blocks from the last down. A block's records of every tape come
+    back together, each storage once (tapes of one forward call share theirs); reading block
+    ``i`` starts the copies of the next block down and lets go of the blocks above, so the
+    device holds about two blocks of the call's records, not all of them.
+    """
+
+    def __init__(self, stash: Stash, tapes: Sequence[Tape]) -> None:
+        self._stash = stash
+        self._tapes = list(tapes)
+        order = sorted({i for tape in tapes for i in tape.blocks}, reverse=True)
+        self._below = dict(zip(order, order[1:], strict=False))
+        # block index -> (its records per tape, what makes the compute stream wait for them)
+        self._fetched: dict[int, tuple[list[BlockTape | None], Callable[[], None]]] = {}
+
+    def record(self, position: int, index: int) -> BlockTape:
+        """Tape ``position``'s record of block ``index``, on the device."""
+        if index not in self._fetched:
+            self._fetched[index] = self._fetch(index)
+        for above in [i for i in self._fetched if i > index]:
+            del self._fetched[above]
+        below = self._below.get(index)
+        if below is not None and below not in self._fetched:
+            self._fetched[below] = self._fetch(below)  # copies while this block computes
+        records, ready = self._fetched[index]
+        ready()
+        record = records[position]
+        assert record is not None, f"tape {position} has no block {index}"
+        return record
+
+    def _fetch(self, index: int) -> tuple[list[BlockTape | None], Callable[[], None]]:
         hosts: dict[int, Tensor] = {}
-        for tape in tapes:
-            for t in tape.tensors():
-                hosts.setdefault(_ptr(t), t)
-        copies = self.copies.to_device([_whole(t) for t in hosts.values()])
-        fetched = [tape.map(_moved(dict(zip(hosts, copies, strict=True)))) for tape in tapes]
-        for tape in fetched:
-            self.meter.hold(tape, FETCHED, tape.tensors())
-        return fetched
+        for tape in self._tapes:
+            if index in tape.blocks:
+                for t in tape.blocks[index].tensors():
+                    hosts.setdefault(_ptr(t), t)
+        copies, ready = self._stash.copies.start_to_device([_whole(t) for t in hosts.values()])
+        moved = _moved(dict(zip(hosts, copies, strict=True)))
+        records = [
+            tape.blocks[index].map(moved) if index in tape.blocks else None for tape in self._tapes
+        ]
+        for record in records:
+            if record is not None:
+                self._stash.meter.hold(record, FETCHED, record.tensors())
+        return records, ready
+
+
+class _FetchedBlocks(dict[int, BlockTape]):
+    """A tape's blocks as the backward reads them: ``blocks[i]`` is block ``i``'s record back
+    on the device (:class:`_Blocks`); which blocks there are, as in host memory."""
+
+    def __init__(self, blocks: _Blocks, position: int, tape: Tape) -> None:
+        super().__init__(tape.blocks)  # the keys (and the host records, for nothing else)
+        self._blocks = blocks
+        self._position = position
+
+    def __getitem__(self, index: int) -> BlockTape:
+        if index not in self:
+            raise KeyError(index)
+        return self._blocks.record(self._position, index)

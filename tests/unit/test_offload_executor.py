@@ -13,11 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedpipe.lora import AdapterBank, BatchedAdapterBank, LoraSettings
+from fedpipe.lora import AdapterBank, BatchedAdapterBank, Group, LoraSettings
 from fedpipe.messages import Kind, StageMsg
 from fedpipe.models import load_config, resolve_model
 from fedpipe.server.executor import StageExecutor
 from fedpipe.server.sessions import SessionInfo
+from fedpipe.server.stash import FETCHED, Stash
 from fedpipe.split import build_stage, split_layout
 
 torch.set_num_threads(1)
@@ -107,3 +108,37 @@ def test_offload_replies_and_updates_are_bit_identical(folder: Path, batched: bo
     assert snap["peak_offloaded_bytes"] > 0
     assert snap["peak_waiting_bytes"] < snap["peak_offloaded_bytes"] / 2
     assert snap["stash_bytes"] == snap["offloaded_bytes"] == 0  # all let go after the steps
+
+
+def test_a_backward_brings_the_tapes_back_a_block_at_a_time(folder: Path) -> None:
+    """Three middle blocks, two sessions' tapes of one call: the backward's gradients equal
+    those from the tapes that never left, and at most two blocks' records (the one computing,
+    the next one's copies) are back on the device at once."""
+    plan = split_layout(load_config(folder), head_layers=1, tail_layers=0, mode="u")
+    stage = build_stage(folder, plan, "middle")
+    bank = BatchedAdapterBank(stage, SETTINGS, family="llama")
+    gen = torch.Generator().manual_seed(5)
+    for name in "ab":
+        bank.add(
+            name,
+            init={
+                k: torch.randn(v.shape, generator=gen) * 0.1 for k, v in bank.global_state().items()
+            },
+        )
+    xs = [torch.randn(2, 9, 64, generator=gen), torch.randn(1, 5, 64, generator=gen)]
+    taped = bank.run_taped([Group("a", xs[0]), Group("b", xs[1])])
+    dys = [torch.randn(y.shape, generator=gen) for y, _ in taped]
+    params = [p for n in "ab" for p in bank.parameters(n)]
+    want = bank.backward([(tape, dy) for (_, tape), dy in zip(taped, dys, strict=True)])
+    want_grads = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    stash = Stash(torch.device("cpu"), offload=True)
+    stash.meter.enabled = True
+    host = stash.put_tapes([tape for _, tape in taped], xs)
+    offloaded = stash.meter.snapshot()["offloaded_bytes"]
+    got = bank.backward(list(zip(stash.fetch_tapes(host), dys, strict=True)))
+    for g, w in zip([*got, *(p.grad for p in params)], [*want, *want_grads], strict=True):
+        assert g is not None and w is not None and torch.equal(g, w)
+    fetched = stash.meter.peak[FETCHED]
+    assert 0 < fetched <= offloaded * 2 / 3 * 1.01, (fetched, offloaded)
