@@ -134,30 +134,52 @@ def _pipeline(r: dict[str, Any]) -> list[Table]:
         (caption, headers, rows),
         ("Step time of every schedule, seconds", ["link", *schedules], per),
     ]
+    if any("step_end_share" in e for e in r.get("links", [])):
+        tables.append(_step_end_shares(r["links"], schedules))
     first = [e for e in r.get("links", []) if e.get("input_grad_first")]
     if first:
-        tables.append(
-            (
-                "server.input_grad_first: the device's median wait per microbatch from sending "
-                "OUTPUT_GRAD to receiving INPUT_GRAD, and the median step, off / on",
-                ["link", "schedule", "wait s (off / on)", "wait on/off", "step s (off / on)"]
-                + ["step on/off"],
-                [
-                    [
-                        e.get("link"),
-                        get(e, "input_grad_first", "schedule"),
-                        f"{num(get(e, 'input_grad_first', 'wait_s', 'off'), 4)} / "
-                        f"{num(get(e, 'input_grad_first', 'wait_s', 'on'), 4)}",
-                        num(get(e, "input_grad_first", "wait_on_over_off")),
-                        f"{num(get(e, 'input_grad_first', 'step_s', 'off'))} / "
-                        f"{num(get(e, 'input_grad_first', 'step_s', 'on'))}",
-                        num(get(e, "input_grad_first", "step_on_over_off")),
-                    ]
-                    for e in first
-                ],
-            )
-        )
+        tables.append(_input_grad_first(first))
     return tables
+
+
+def _input_grad_first(links: list[dict[str, Any]]) -> Table:
+    """server.input_grad_first beside the default: the device's wait and the step, off / on."""
+    caption = (
+        "server.input_grad_first: the device's median wait per microbatch from sending "
+        "OUTPUT_GRAD to receiving INPUT_GRAD, and the median step, off / on"
+    )
+    headers = ["link", "schedule", "wait s (off / on)", "wait on/off", "step s (off / on)"]
+    headers += ["step on/off"]
+    rows = [
+        [
+            e.get("link"),
+            get(e, "input_grad_first", "schedule"),
+            f"{num(get(e, 'input_grad_first', 'wait_s', 'off'), 4)} / "
+            f"{num(get(e, 'input_grad_first', 'wait_s', 'on'), 4)}",
+            num(get(e, "input_grad_first", "wait_on_over_off")),
+            f"{num(get(e, 'input_grad_first', 'step_s', 'off'))} / "
+            f"{num(get(e, 'input_grad_first', 'step_s', 'on'))}",
+            num(get(e, "input_grad_first", "step_on_over_off")),
+        ]
+        for e in links
+    ]
+    return caption, headers, rows
+
+
+def _step_end_shares(links: list[dict[str, Any]], schedules: list[str]) -> Table:
+    """Each link's step end (last backward to the optimizer applied) over its median step."""
+    headers = ["link", "share (best)", "device s", "server s", *schedules]
+    rows = [
+        [
+            e.get("link"),
+            f"{num(e.get('step_end_share'), 4)} ({e.get('best_schedule')})",
+            num(get(e, "step_end_s", "device_s"), 4),
+            num(get(e, "step_end_s", "server_s"), 4),
+            *(num(get(e, "step_end_by_schedule", s), 4) for s in schedules),
+        ]
+        for e in links
+    ]
+    return ("Step end as a share of a step (median steps)", headers, rows)
 
 
 def _server(r: dict[str, Any]) -> list[Table]:
@@ -410,7 +432,21 @@ def _quality(r: dict[str, Any]) -> list[Table]:
         ]
         for run in r.get("runs", [])
     ]
+    if any("adapter_bytes_up_per_round" in run for run in r.get("runs", [])):
+        headers += ["adapter codec (up / down)", "adapter bytes up/round", "down/round"]
+        for row, run in zip(rows, r["runs"], strict=True):
+            codecs = f"{run.get('adapter_codec', '–')} / {run.get('adapter_downlink_codec', '–')}"
+            row += [
+                codecs,
+                num(_whole(run.get("adapter_bytes_up_per_round"))),
+                num(_whole(run.get("adapter_bytes_down_per_round"))),
+            ]
     return [(caption, headers, rows)]
+
+
+def _whole(value: Any) -> Any:
+    """A mean count of bytes as a whole number (``None`` as it is)."""
+    return round(value) if isinstance(value, float) else value
 
 
 def _batch(r: dict[str, Any]) -> list[Table]:

@@ -1,8 +1,12 @@
 """The quality bench's devices: this process's DeviceWorks, answering the ServerApp's messages.
 
 Each node answers a train message as fedpipe's ClientApp does (:mod:`fedpipe.fl.client_app`):
-the ClientApp's mod first (Flower's client-side clipping, when ``privacy.adapter_dp = client``
-puts a clipping norm in the round's config), then the round's global adapters loaded, the
+the ClientApp's mods first, outermost first (the adapter codec's, when
+``federated.adapter_codec`` or ``adapter_downlink_codec`` is not fp32: the global adapters
+decoded and the device's update encoded, its residuals kept in the node's ``context.state``
+across rounds as Flower keeps it; then Flower's client-side clipping, when
+``privacy.adapter_dp = client`` puts a clipping norm in the round's config), then the round's
+global adapters loaded, the
 local steps over the stage link with the round's token (and FedProx's ``proximal-mu`` under
 ``fedprox``), and a reply holding the device's adapters, its ``RoundReport`` as metrics, its
 plan and cut. A node's device id is its node id, as a Flower node's is, so the ServerApp's
@@ -17,11 +21,11 @@ from dataclasses import dataclass
 from functools import partial
 from typing import cast
 
-import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 
 from fedpipe.config import FedpipeConfig, format_cut
 from fedpipe.edge.trainer import RoundReport
+from fedpipe.fl.adapter_codec import adapter_codec_mod, adapter_nbytes
 from fedpipe.fl.adapter_dp import adapter_clipping_mod
 from fedpipe.fl.device_work import DeviceWork
 from fedpipe_bench.local_grid import Node
@@ -33,7 +37,8 @@ FIRST_NODE = 1001  # device i is node FIRST_NODE + i (Flower's SuperLink is node
 
 @dataclass
 class Traffic:
-    """What a federated run moved: stage-link bytes, Flower-side adapter bytes, tokens."""
+    """What a federated run moved: stage-link bytes, Flower-side adapter bytes (as they travel:
+    encoded, with an adapter codec), tokens."""
 
     up: int = 0
     down: int = 0
@@ -55,14 +60,27 @@ class LocalDevices:
         }
         self.reports: dict[int, list[RoundReport]] = {}  # by round, in the order they trained
         self.traffic = Traffic()
+        # Flower's per-node state across a run's rounds (the adapter codec's residuals)
+        self.contexts = {
+            node: Context(run_id=0, node_id=node, node_config={}, state=RecordDict(), run_config={})
+            for node in self.works
+        }
 
     def nodes(self) -> dict[int, Node]:
         """Node id -> the function that answers its messages (for :class:`LocalGrid`)."""
         return {node: partial(self._answer, node) for node in self.works}
 
     def _answer(self, node: int, msg: Message) -> Message:
-        context = Context(run_id=0, node_id=node, node_config={}, state=RecordDict(), run_config={})
-        return adapter_clipping_mod(msg, context, lambda m, _: self._train(node, m))
+        down = adapter_nbytes(cast(ArrayRecord, msg.content["arrays"]))
+        reply = adapter_codec_mod(
+            msg,
+            self.contexts[node],
+            lambda m, c: adapter_clipping_mod(m, c, lambda m2, _: self._train(node, m2)),
+        )
+        if not reply.has_error():
+            self.traffic.adapters_down += down
+            self.traffic.adapters_up += adapter_nbytes(cast(ArrayRecord, reply.content["arrays"]))
+        return reply
 
     def _train(self, node: int, msg: Message) -> Message:
         work = self.works[node]
@@ -78,7 +96,7 @@ class LocalDevices:
             proximal_mu=float(cast(float, config.get("proximal-mu", 0.0))) if fedprox else 0.0,
         )
         adapters = work.trainer.adapters()
-        self._count(round_, report, down=arrays, up=adapters)
+        self._count(round_, report)
         metrics = MetricRecord({**report.metrics(), "partition-id": work.partition})
         content = RecordDict({"arrays": ArrayRecord(adapters), "metrics": metrics})
         if report.plan:
@@ -86,22 +104,9 @@ class LocalDevices:
         content["device"] = ConfigRecord({"cut": format_cut(work.trainer.cut)})
         return Message(content=content, reply_to=msg)
 
-    def _count(
-        self,
-        round_: int,
-        report: RoundReport,
-        *,
-        down: dict[str, torch.Tensor],
-        up: dict[str, torch.Tensor],
-    ) -> None:
-        """A device's round: its stage-link bytes and tokens, and the adapters each way."""
+    def _count(self, round_: int, report: RoundReport) -> None:
+        """A device's round: its stage-link bytes and tokens."""
         self.reports.setdefault(round_, []).append(report)
         self.traffic.up += report.bytes_up
         self.traffic.down += report.bytes_down
         self.traffic.tokens += sum(s.tokens for s in report.steps)
-        self.traffic.adapters_up += _nbytes(up)
-        self.traffic.adapters_down += _nbytes(down)
-
-
-def _nbytes(state: dict[str, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in state.values())

@@ -22,6 +22,14 @@ step by step (``round_robin``), so that drift on a shared machine hits every sch
 - the pipelined schedules; the best gives ``t_pipe_s``. Its trace gives the in-run components
   and ``t_bound_inrun_s`` (a finding: contention inflates them; not the bound).
 
+Each traced step also gives its end (``step_end_share``): on the device, the time from the
+end of the step's last backward (its last head backward, or its last tail where the head
+trains nothing) to the end of the optimizer step; on the server, its optimizer step (the
+``STEP_DONE`` reply's compute). Their medians over the best schedule's steps, summed, as a share
+of its median step: the most a step could gain from stepping each adapter as soon as its
+gradient is final (Optimizer Fusion), since what the server's step costs is at most hidden
+behind the device's next forward.
+
 Every run's trace also gives the device's wait per microbatch for its input gradient: from
 sending OUTPUT_GRAD (the uplink's ``g`` event starts) to receiving INPUT_GRAD (the downlink's
 ``i`` event ends), median per run (``input_grad_wait_s``). With ``input_grad_first`` a second
@@ -65,11 +73,18 @@ from fedpipe.edge.trainer import DeviceTrainer
 from fedpipe.launch.processes import with_parent_death_signal
 from fedpipe.link import LinkProfile, parse_link
 from fedpipe.messages import Kind, StageMsg
-from fedpipe.trace import Tracer
+from fedpipe.trace import Event, Tracer
 from fedpipe.wire.link_client import StageClient, StageSession
 from fedpipe.wire.tensors import encoded_nbytes
 
-__all__ = ["BENCH_SCHEDULES", "NOISE_THRESHOLD", "round_robin", "run_pipeline_bench"]
+__all__ = [
+    "BENCH_SCHEDULES",
+    "NOISE_THRESHOLD",
+    "device_step_end",
+    "round_robin",
+    "run_pipeline_bench",
+    "step_end",
+]
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +180,7 @@ class _Run:
     runtime: DeviceRuntime
     tracer: Tracer
     walls: list[float]
+    step_ends: list[float]  # per traced step: the device's last backward to its optimizer's end
 
 
 def _open_run(
@@ -207,7 +223,7 @@ def _open_run(
         max_in_flight=None if phased else cfg.pipeline.max_in_flight or None,
         tracer=tracer,
     )
-    return _Run(name, link, microbatches, session, runtime, tracer, [])
+    return _Run(name, link, microbatches, session, runtime, tracer, [], [])
 
 
 class PhasedChannel:
@@ -353,6 +369,38 @@ def noise_report(samples: dict[str, list[float]], solo_walls: Sequence[float]) -
     }
 
 
+def device_step_end(events: Sequence[Event]) -> float:
+    """Seconds from the end of a step's last backward to the end of its optimizer step.
+
+    ``events``: the step's own trace. The last backward is the latest device event (a head
+    backward ``B``, or a tail ``T``, which holds the tail's backward) that ended before the
+    optimizer step (``O``) began; 0 when the step has no optimizer event.
+    """
+    device = [e for e in events if e.lane == "device"]
+    steps = [e for e in device if e.name == "O"]
+    if not steps:
+        return 0.0
+    opt = steps[-1]
+    backwards = [e.end for e in device if e.name[:1] in "BT" and e.end <= opt.start]
+    return opt.end - max(backwards, default=opt.start)
+
+
+def step_end(
+    run_walls: Sequence[float], device_ends: Sequence[float], server_opts: Sequence[float]
+) -> dict[str, float]:
+    """The step's end as the bench reports it: device and server seconds, and their share."""
+    device, server, wall = _median(device_ends), _median(server_opts), _median(run_walls)
+    return {
+        "device_s": round(device, 5),
+        "server_s": round(server, 5),
+        "share": round((device + server) / wall, 5) if wall > 0 else 0.0,
+    }
+
+
+def _step_end_of(run: _Run) -> dict[str, float]:
+    return step_end(run.walls, run.step_ends, run.tracer.durations("So", "server"))
+
+
 def _transfer_bytes(config: FedpipeConfig, hidden: int, microbatches: int) -> dict[str, int]:
     """Encoded payload bytes of each transfer kind of one microbatch (labels not counted)."""
     p = config.pipeline
@@ -377,9 +425,11 @@ def _walk_runs(
             run.tracer.clear()
             run.session.link.up.clear_records()
             run.session.link.down.clear_records()
+        first = len(run.tracer.events)
         result = run.runtime.train_step(batches[step], step=step)
         if step >= warmup:
             run.walls.append(result.wall_s)
+            run.step_ends.append(device_step_end(run.tracer.events[first:]))
         print(f"  {link:>18} step {step} {name:>16}: {result.wall_s:.3f} s", file=sys.stderr)
 
 
@@ -422,9 +472,19 @@ def _bench_link(
         inrun = _inrun_components(by_name[best], split)
         solo_run = by_name[SOLO]
         samples = _compute_samples(solo_run.tracer)
+        ends = {
+            run.name: _step_end_of(run)
+            for run in runs
+            if run.name != SOLO and not run.name.endswith(IGF)
+        }
     solo = solo_components(samples, link, _transfer_bytes(cfg, trainer.split.hidden_size, m), split)
     first = times.pop(compared + IGF, None)
     entry = _entry(link, m, times, best, solo, inrun, noise_report(samples, solo_run.walls))
+    entry |= {
+        "step_end_share": ends[best]["share"],
+        "step_end_s": {k: v for k, v in ends[best].items() if k != "share"},
+        "step_end_by_schedule": {name: end["share"] for name, end in ends.items()},
+    }
     entry["input_grad_wait_s"] = {
         k: round(v, 4) for k, v in waits.items() if k != SOLO and not k.endswith(IGF)
     }

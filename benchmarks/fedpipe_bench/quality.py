@@ -59,6 +59,7 @@ from fedpipe_bench.local_devices import LocalDevices, Traffic
 from fedpipe_bench.local_grid import LocalGrid
 
 __all__ = [
+    "ADAPTER_CODEC",
     "COMPRESSION",
     "DEFAULT_SIZE",
     "QUICK_SIZE",
@@ -151,8 +152,26 @@ _DELTA = {
     "pipeline.delta": True,
     "pipeline.delta_codec": "int2",
 }
+# Adapters through Flower in a stage-link codec (fedpipe.fl.adapter_codec): each device's
+# update, with error feedback kept on the device between rounds; `-both` compresses the global
+# adapters sent to the devices too. Measured beside `lossless`: adapter bytes and held-out loss.
+ADAPTER_CODEC: list[dict[str, Any]] = [
+    {"name": "adapter-int8", "federated.adapter_codec": "int8"},
+    {"name": "adapter-int4", "federated.adapter_codec": "int4"},
+    {
+        "name": "adapter-int8-both",
+        "federated.adapter_codec": "int8",
+        "federated.adapter_downlink_codec": "int8",
+    },
+    {
+        "name": "adapter-int4-both",
+        "federated.adapter_codec": "int4",
+        "federated.adapter_downlink_codec": "int4",
+    },
+]
 # Known but not run by default (--runs noniid-stack).
 EXTRA_RUNS: list[dict[str, Any]] = [
+    *ADAPTER_CODEC,
     {"name": "noniid-stack", **_NONIID, "federated.aggregation": "stack"},
     {"name": "int8-delta", **_DELTA},
     {"name": "int8-delta-session", **_DELTA, "pipeline.delta_resume": False},
@@ -402,6 +421,12 @@ def run_rounds(
     loss, _ = evaluate_split(evaluator, final, run, fed.rounds)
     steps = fed.rounds * cfg.train.local_steps
     row = _row("", loss, devices.traffic, wall, steps)
+    row |= {  # Flower's adapter bytes of a round, all its devices together
+        "adapter_codec": fed.adapter_codec,
+        "adapter_downlink_codec": fed.adapter_downlink_codec,
+        "adapter_bytes_up_per_round": round(devices.traffic.adapters_up / fed.rounds),
+        "adapter_bytes_down_per_round": round(devices.traffic.adapters_down / fed.rounds),
+    }
     per_round = [_round_row(r, devices.reports[r]) for r in sorted(devices.reports)]
     return row | {
         "aggregation": fed.aggregation,

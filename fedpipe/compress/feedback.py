@@ -16,24 +16,30 @@ different samples, so keeping roles apart keeps each residual next to gradients 
 shape and scale; across steps the batches differ but the rows' roles (position in the
 pipeline) are the same, which is all EF needs. A residual whose shape no longer matches (the
 last microbatch of a smaller batch) is dropped rather than added.
+
+A role may be any hashable name: a device's adapter updates, sent once a round through Flower
+(:mod:`fedpipe.fl.adapter_codec`), carry each adapter tensor's residual under its key into the
+device's next round, the residuals kept between rounds with :meth:`ErrorFeedback.residuals`.
 """
 
 from __future__ import annotations
+
+from collections.abc import Hashable, Mapping
 
 import torch
 
 __all__ = ["ErrorFeedback", "Role"]
 
-Role = tuple[int, int]  # (message kind, microbatch index)
+Role = tuple[int, int]  # (message kind, microbatch index): the stage link's gradients
 
 
 class ErrorFeedback:
     """The residual of each role's last quantised gradient, on the gradient's device."""
 
-    def __init__(self) -> None:
-        self._residual: dict[Role, torch.Tensor] = {}
+    def __init__(self, residuals: Mapping[Hashable, torch.Tensor] | None = None) -> None:
+        self._residual: dict[Hashable, torch.Tensor] = dict(residuals or {})
 
-    def compensate(self, role: Role, grad: torch.Tensor) -> torch.Tensor:
+    def compensate(self, role: Hashable, grad: torch.Tensor) -> torch.Tensor:
         """``grad`` plus the residual left by the last send of ``role`` (fp32, a new tensor)."""
         grad = grad.detach().to(torch.float32)
         residual = self._residual.pop(role, None)
@@ -41,13 +47,17 @@ class ErrorFeedback:
             return grad
         return grad + residual.to(grad.device)
 
-    def remember(self, role: Role, sent: torch.Tensor, decoded: torch.Tensor) -> None:
+    def remember(self, role: Hashable, sent: torch.Tensor, decoded: torch.Tensor) -> None:
         """Keep ``sent - decoded``: what the receiver of ``sent`` will not see."""
         self._residual[role] = sent - decoded.to(sent.device)
 
-    def residual(self, role: Role) -> torch.Tensor | None:
+    def residual(self, role: Hashable) -> torch.Tensor | None:
         """The residual ``role`` carries into its next send (None if it has none)."""
         return self._residual.get(role)
+
+    def residuals(self) -> dict[Hashable, torch.Tensor]:
+        """Every role's residual (to keep them past this object: ``ErrorFeedback(them)``)."""
+        return dict(self._residual)
 
     @property
     def nbytes(self) -> int:

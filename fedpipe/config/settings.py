@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, get_type_hints
 
-from fedpipe.config.codecs import check_codec, codec_bits, codec_help
+from fedpipe.config.codecs import check_codec, codec_bits, codec_help, codec_token_groups
 from fedpipe.config.profile_spec import parse_device_profiles
 
 __all__ = [
@@ -419,6 +419,14 @@ class FederatedConfig:
     # How LoRA adapters are aggregated on both sides: separate | exact | ffa | stack
     # (fedpipe.lora.aggregation); exact and stack need a FedAvg-style strategy.
     aggregation: str = "separate"
+    # Device adapters through Flower (fedpipe.fl.adapter_codec): fp32 sends them as they are;
+    # another stage-link codec (int8, int4, ...) sends each device's update (its adapters minus
+    # the round's global ones) in that codec, keeping what the codec dropped on the device for
+    # its next round (error feedback).
+    adapter_codec: str = "fp32"
+    # The global adapters sent to the devices: fp32 as they are; in another codec, each device
+    # trains from what it decoded and sends its update, added to the exact global adapters.
+    adapter_downlink_codec: str = "fp32"
     # Round policy: wait up to connect_wait_s for num_devices to connect, then start with
     # those connected if there are at least min_devices; wait at most round_deadline_s for
     # replies, and (straggler_s > 0) at most straggler_s after the first device replied; say
@@ -489,6 +497,13 @@ class FederatedConfig:
             f"federated.aggregation = {self.aggregation!r} averages the devices' models itself; "
             f"it needs federated.strategy fedavg or fedprox, got {self.strategy!r}",
         )
+        for name in ("adapter_codec", "adapter_downlink_codec"):
+            value = getattr(self, name)
+            _check(
+                _is_codec(value) and not codec_token_groups(value),
+                f"federated.{name} {value!r} unknown; choose one of {codec_help()}, "
+                "without t (an adapter has no tokens to group along)",
+            )
         parse_cuts(self.device_cuts, "federated.device_cuts")
         try:  # names and inline specs, checked here so a typo fails before any process starts
             parse_device_profiles(self.profiles)

@@ -17,6 +17,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 
 from fedpipe.config import format_cut
+from fedpipe.fl.adapter_codec import adapter_codec_mod
 from fedpipe.fl.adapter_dp import adapter_clipping_mod
 from fedpipe.fl.device_work import DeviceWork, RunSettings, run_settings
 
@@ -24,7 +25,9 @@ __all__ = ["client_app"]
 
 log = logging.getLogger(__name__)
 
-client_app = ClientApp(mods=[adapter_clipping_mod])  # clips adapters only if the round asks
+# Outermost first: adapters decoded (and the update encoded) only if the round names a codec,
+# clipped only if the round asks.
+client_app = ClientApp(mods=[adapter_codec_mod, adapter_clipping_mod])
 
 
 _TrainFn = Callable[[Message, Context], Message]

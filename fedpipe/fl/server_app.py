@@ -38,6 +38,7 @@ from flwr.serverapp.strategy import Result
 from fedpipe.auth.tokens import issue_token
 from fedpipe.config import FederatedConfig, FedpipeConfig, format_cut
 from fedpipe.edge.trainer import initial_device_adapters
+from fedpipe.fl.adapter_codec import AdapterCodecs, decode_reply, encode_adapters
 from fedpipe.fl.adapter_dp import with_adapter_dp
 from fedpipe.fl.aggregate import (
     ExactState,
@@ -102,6 +103,8 @@ class Rounds:
         self.exact = ExactState(mode=self.policy.aggregation)  # `exact`, `stack` across rounds
         self.rule = aggregation_rule(self.policy)  # both sides combine adapters by it
         self.reply_rules: ReplyRules | None = None  # what replies may carry (run_rounds)
+        self.codecs = AdapterCodecs.of(self.policy)  # adapters through Flower (adapter_codec)
+        self._down: tuple[ArrayRecord, ArrayRecord] | None = None  # a round's global, encoded
 
     def begin(self, server_round: int, grid: RoundGrid) -> None:
         """Before a round: wait (no longer than stated) for the devices to connect."""
@@ -128,6 +131,7 @@ class Rounds:
             node = str(msg.metadata.dst_node_id)
             config = ConfigRecord(dict(cast(ConfigRecord, msg.content["config"])))
             config["fedpipe-round"] = round_
+            config.update(self.codecs.to_config())
             # All a device needs for the stage link comes here (its CA is its own file).
             config["stage-address"] = self.stage_address
             run_id = self.run_id
@@ -146,7 +150,12 @@ class Rounds:
                 if self.secret
                 else ""
             )
-            content = RecordDict({"arrays": msg.content["arrays"], "config": config})
+            content = RecordDict(
+                {
+                    "arrays": self._downlink(cast(ArrayRecord, msg.content["arrays"])),
+                    "config": config,
+                }
+            )
             out.append(
                 Message(
                     content=content,
@@ -187,6 +196,16 @@ class Rounds:
         _log_privacy(round_, ok)
         self._apply_stop_policy(round_, len(ok), failed)
 
+    def _downlink(self, arrays: ArrayRecord) -> ArrayRecord:
+        """The round's global adapters as the devices receive them: as they are (an fp32
+        downlink), else encoded with the downlink codec, once for all the round's messages."""
+        if self.codecs.down == "fp32":
+            return arrays
+        if self._down is None or self._down[0] is not arrays:
+            encoded = encode_adapters(arrays.to_torch_state_dict(), self.codecs.down)
+            self._down = (arrays, encoded)
+        return self._down[1]
+
     def collect(self, server_round: int, replies: list[Message]) -> list[Message]:
         """Replicas: each hands over its part of the round before anything is aggregated; a
         device whose replica was lost fails the round (named, with why), and its reply is left
@@ -214,8 +233,10 @@ class Rounds:
         kept = []
         for reply in replies:
             why = ""
-            if not reply.has_error():
-                why = check_reply(reply, self.reply_rules) if self.reply_rules else _finite(reply)
+            if not reply.has_error():  # an encoded update first becomes whole adapters
+                why = decode_reply(reply, self.exact.device_global, self.codecs) or (
+                    check_reply(reply, self.reply_rules) if self.reply_rules else _finite(reply)
+                )
             if why:
                 self._fail(reply.metadata.src_node_id, why)
             else:

@@ -47,6 +47,7 @@ from collections.abc import Sequence
 
 import torch
 from google.protobuf.internal import api_implementation
+from google.protobuf.message import DecodeError
 
 from fedpipe.compress import lowbit
 from fedpipe.config.codecs import (
@@ -75,7 +76,9 @@ __all__ = [
     "payload_nbytes",
     "labels_from_proto",
     "labels_to_proto",
+    "tensor_from_bytes",
     "tensor_from_proto",
+    "tensor_to_bytes",
     "tensor_to_proto",
     "tensor_to_wire",
     "wire_buffer",
@@ -204,6 +207,35 @@ def tensor_to_proto(t: torch.Tensor, codec: str, *, out: pb.Tensor | None = None
     msg = pb.Tensor() if out is None else out
     msg.data = _to_bytes(tensor_to_wire(t, codec, msg))
     return msg
+
+
+def tensor_to_bytes(t: torch.Tensor, codec: str) -> bytes:
+    """``t`` encoded with ``codec`` as one serialised ``fedpipe.proto.Tensor`` (for a carrier
+    other than the stage link, such as Flower's messages); :func:`tensor_from_bytes` reads it."""
+    return tensor_to_proto(t, codec).SerializeToString()
+
+
+def tensor_from_bytes(
+    data: bytes, *, codec: str, expect_shape: Sequence[int], name: str = "tensor"
+) -> torch.Tensor:
+    """The fp32 tensor :func:`tensor_to_bytes` encoded, if it is in ``codec`` and of
+    ``expect_shape``.
+
+    Raises ``TensorFormatError`` for bytes that are no tensor message, another codec (its base:
+    a low-bit message's group size and outliers are its own, and checked), another shape, or
+    anything :func:`tensor_from_proto` refuses.
+    """
+    msg = pb.Tensor()
+    try:
+        msg.ParseFromString(data)
+    except DecodeError as exc:
+        raise TensorFormatError(f"{name}: not an encoded tensor ({exc})") from None
+    got, want = _FROM_PROTO.get(msg.codec, _codec_label(msg.codec)), codec_base(codec)
+    if got != want:
+        raise TensorFormatError(f"{name}: encoded as {got}, expected {want}")
+    return tensor_from_proto(
+        msg, expect_shape=expect_shape, max_elements=math.prod(expect_shape), name=name
+    )
 
 
 def tensor_to_wire(

@@ -26,11 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-import pytest
 
 from fedpipe.fl.replicas import ReplicaControl
-
-pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCAL_STEPS = 20  # the demo's 6, stretched: round 2 lasts long enough to kill a replica in it
