@@ -44,6 +44,12 @@ def register(bsub: Any) -> None:
     q.add_argument("--gradient-codec", choices=codecs, help="codec of gradients (default: --codec)")
     q.add_argument("--steps", type=int, default=4, help="measured steps per schedule (median)")
     q.add_argument("--warmup", type=int, default=1, help="unmeasured steps first")
+    q.add_argument(
+        "--input-grad-first",
+        action="store_true",
+        help="one more run (1F1B) on a server with server.input_grad_first = true: the device's "
+        "wait for its input gradient and the step time side by side",
+    )
     qb = add_command(bsub, "quality", f"{_HERE}:cmd_bench_quality", "held-out loss vs centralized")
     qb.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     qb.add_argument("--quick", action="store_true", help="a tiny random model (CI, seconds)")
@@ -116,6 +122,11 @@ def _add_bench_server(bsub: Any) -> None:
     s.add_argument("--microbatches", type=int, default=2, help="microbatches per device step")
     s.add_argument("--microbatch-size", type=int, default=2, help="sequences per microbatch")
     s.add_argument("--seq-len", type=int, help="tokens per sequence (default: 128; 16 --quick)")
+    s.add_argument(
+        "--offload",
+        action="store_true",
+        help='a third column: batched with server.offload = "auto" (stash in host memory)',
+    )
 
 
 def _split_given(args: argparse.Namespace) -> bool:
@@ -153,7 +164,12 @@ def cmd_bench_pipeline(args: argparse.Namespace) -> int:
     if unknown:
         raise ValueError(f"--schedules: unknown {unknown}; choose from {list(BENCH_SCHEDULES)}")
     report = run_pipeline_bench(
-        config, links=links, schedules=schedules, steps=args.steps, warmup=args.warmup
+        config,
+        links=links,
+        schedules=schedules,
+        steps=args.steps,
+        warmup=args.warmup,
+        input_grad_first=args.input_grad_first,
     )
     if args.json:
         print(json.dumps(report, indent=2))
@@ -197,6 +213,7 @@ def cmd_bench_server(args: argparse.Namespace) -> int:
         microbatches=args.microbatches,
         microbatch_size=args.microbatch_size,
         seq_len=args.seq_len,
+        offload=args.offload,
     )
     report = run_server_bench(settings)
     if args.json:
@@ -256,15 +273,16 @@ def _print_server_table(report: dict[str, Any]) -> None:
     )
     print(
         f"{'N':>4} {'column':>9} {'mb/s':>8} {'tokens/s':>9} {'p50 s':>7} {'p95 s':>7} "
-        f"{'busy':>5} {'batch':>5} {'model mb/s':>10}"
+        f"{'busy':>5} {'batch':>5} {'model mb/s':>10} {'stash peak B':>12} {'offloaded B':>11}"
     )
     for row in report["rows"]:
-        for column in ("unbatched", "batched"):
+        for column in [c for c in ("unbatched", "batched", "offload") if c in row]:
             f = row[column]
             print(
                 f"{row['devices']:>4} {column:>9} {f['mb_per_s']:>8.2f} {f['tokens_per_s']:>9.0f} "
                 f"{f['step_p50_s']:>7.3f} {f['step_p95_s']:>7.3f} {f['busy']:>5.2f} "
-                f"{f['mean_batch']:>5.2f} {row['predicted_mb_per_s']:>10.2f}"
+                f"{f['mean_batch']:>5.2f} {row['predicted_mb_per_s']:>10.2f} "
+                f"{f.get('peak_stash_bytes')!s:>12} {f.get('peak_offloaded_bytes')!s:>11}"
             )
 
 
