@@ -1,6 +1,7 @@
 """The server stage on one GPU: tokens/s at 1, 8 and 32 devices, batched and unbatched.
 
     python benchmarks/gpu_check.py [--devices 1,8,32] [--steps 3] [--budget-s 240]
+                                   [--offload] [--memory-gb 16]
 
 (with fedpipe installed, or from the repo root with ``PYTHONPATH=.``). Prints one JSON object:
 ``results`` holds, per model, number of devices and column (``batched``, ``unbatched``, and
@@ -11,6 +12,14 @@ instead of one ``grouped_mm`` per linear, so the grouped kernel's share of the g
 calls / wall; the GPU time comes from CUDA events recorded at each call's start and end, so
 launch gaps inside a call count as busy and the idle fraction is the host time between calls).
 Without CUDA it prints ``{"skipped": "no CUDA device"}`` and exits 0. Under 5 minutes on one GPU.
+
+``--offload`` adds a column ``batched-offload``: the batched bank with ``server.offload =
+"auto"`` (the tapes of a waiting microbatch in pinned host memory, copied on a side stream).
+Both batched columns then also report ``peak_stash_mb`` (the stash on the GPU at its peak,
+:class:`~fedpipe.server.stash.StashMeter`), and ``offload`` holds, per model, the devices each
+serves at a fixed GPU memory (``--memory-gb``): the peak memory's line over N
+(``peak_gpu_mb = base + per_device * N``, fitted to the measured rows) solved for the budget,
+and the step time of offload over batched at every N (what the copies cost).
 
 Models: SmolLM2-135M (the bundled ``default``, split 2 + 2, 26 middle blocks) and a random
 Llama-family model of about 1B parameters (hidden 2048, 16 blocks, 32 heads, 8 KV heads; random
@@ -51,6 +60,7 @@ LLAMA_1B: dict[str, Any] = {
     "attn_implementation": "sdpa",
 }
 COLUMNS = ("unbatched", "batched", "batched-looped")
+OFFLOAD = "batched-offload"  # --offload: the batched bank with server.offload = "auto"
 
 log = logging.getLogger("gpu_check")
 
@@ -101,13 +111,20 @@ GPU_MODELS = ("SmolLM2-135M", "llama-1b-random")
 
 
 def _runtime(
-    build: Build, batched: bool, device: torch.device, grouped: str = "auto"
+    build: Build,
+    batched: bool,
+    device: torch.device,
+    grouped: str = "auto",
+    *,
+    offload: bool = False,
+    stash: bool = False,
 ) -> tuple[Any, Any]:
     """A StageRuntime over the built stage as ``fedpipe server`` builds it, and its probe.
 
     Batched: the batched adapter bank and the batching policy on; unbatched: peft's bank, one
     message per call (``server.batching = false``). ``grouped`` sets the batched bank's LoRA
-    terms (``auto``: ``grouped_mm`` where it applies; ``off``: a loop over sessions). All copy
+    terms (``auto``: ``grouped_mm`` where it applies; ``off``: a loop over sessions).
+    ``offload``: ``server.offload = "auto"``; ``stash``: the probe counts the stash. All copy
     through the runtime's
     :class:`~fedpipe.server.device_copies.DeviceCopies` (pinned buffers, side stream).
     """
@@ -136,8 +153,9 @@ def _runtime(
         limits=RuntimeLimits(max_sessions=80, max_microbatch_size=ROWS),
         max_positions=int(config.max_position_embeddings),
         policy=BatchPolicy(enabled=batched),
+        offload=offload,
     )
-    probe = ComputeProbe(runtime, cuda_events=device.type == "cuda").install()
+    probe = ComputeProbe(runtime, cuda_events=device.type == "cuda", stash=stash).install()
     return runtime, probe
 
 
@@ -220,12 +238,15 @@ def measure(runtime: Any, probe: Any, n: int, round_: int, steps: int) -> dict[s
     end = time.monotonic()
     wall = end - start
     gpu = probe.gpu_busy_s() if cuda else 0.0
-    server = window_stats(probe.snapshot()["calls"], start, end)
+    snapshot = probe.snapshot()
+    server = window_stats(snapshot["calls"], start, end)
     copies = {k: v - copies_before[k] for k, v in _copy_counts(runtime).items()}
     runtime.commit_round(round_, {})  # drops the sessions
     tokens = n * steps * MICROBATCHES * ROWS * TOKENS
     peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else 0.0
-    return {
+    stash = snapshot.get("stash")
+    extra = {} if stash is None else {"peak_stash_mb": round(stash["peak_stash_bytes"] / 2**20, 2)}
+    return extra | {
         "tokens_per_s": round(tokens / wall, 1),
         "step_s": round(wall / steps, 4),
         "peak_gpu_mb": round(peak, 1) if cuda else None,
@@ -243,12 +264,16 @@ def run(
     models: tuple[str, ...] = GPU_MODELS,
     device: torch.device | None = None,
     budget_s: float = 0.0,
+    offload: bool = False,
+    memory_gb: float = 16.0,
 ) -> dict[str, Any]:
     """Every model at every N, both columns interleaved per N; the JSON-ready report.
 
     ``budget_s`` > 0: a row not started by then is reported as skipped, so a slow GPU still
-    prints its report in time (the rows already measured are kept).
+    prints its report in time (the rows already measured are kept). ``offload``: the
+    ``batched-offload`` column and the ``offload`` figures at ``memory_gb`` (see the module).
     """
+    columns = (*COLUMNS, OFFLOAD) if offload else COLUMNS
     device = device or torch.device("cuda")
     began = time.monotonic()
     results: list[dict[str, Any]] = []
@@ -261,8 +286,10 @@ def run(
                     c != "unbatched",
                     device,
                     grouped="off" if c == "batched-looped" else "auto",
+                    offload=c == OFFLOAD,
+                    stash=offload and c in ("batched", OFFLOAD),
                 )
-                for c in COLUMNS
+                for c in columns
             }
         except Exception as exc:  # e.g. SmolLM2's wheel missing on this machine
             results.append({"model": name, "error": f"{type(exc).__name__}: {exc}"})
@@ -273,7 +300,7 @@ def run(
                 if budget_s and time.monotonic() - began > budget_s:
                     results.append({**row, "skipped": f"past the time budget ({budget_s:g} s)"})
                     continue
-                for column in COLUMNS:  # interleaved per N, so drift hits both
+                for column in columns:  # interleaved per N, so drift hits both
                     runtime, probe = built[column]
                     row[column] = measure(runtime, probe, n, next(rounds), steps)
                     print(f"{name} N={n} {column}: {row[column]}", file=sys.stderr)
@@ -284,7 +311,7 @@ def run(
             del built
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    return {
+    report: dict[str, Any] = {
         "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "none (cpu)",
         "dtype": "bfloat16" if device.type == "cuda" else "float32",
         "microbatch": [ROWS, TOKENS],
@@ -294,6 +321,49 @@ def run(
         "grouped_lora": _grouped_here(device),
         "results": results,
     }
+    if offload:
+        report["offload"] = offload_figures(results, models, memory_gb)
+    return report
+
+
+def devices_at_memory(rows: list[tuple[int, float]], memory_mb: float) -> dict[str, Any] | None:
+    """The devices one GPU serves within ``memory_mb``: ``peak = base + per_device * N`` fitted
+    (least squares) to the measured ``(N, peak_gpu_mb)``; None with fewer than two N."""
+    if len({n for n, _ in rows}) < 2:
+        return None
+    mean_n = sum(n for n, _ in rows) / len(rows)
+    mean_p = sum(p for _, p in rows) / len(rows)
+    slope = sum((n - mean_n) * (p - mean_p) for n, p in rows) / sum(
+        (n - mean_n) ** 2 for n, _ in rows
+    )
+    base = mean_p - slope * mean_n
+    devices = int((memory_mb - base) // slope) if slope > 0 else None
+    return {"base_mb": round(base, 1), "per_device_mb": round(slope, 2), "devices": devices}
+
+
+def offload_figures(
+    results: list[dict[str, Any]], models: tuple[str, ...], memory_gb: float
+) -> dict[str, Any]:
+    """Per model: devices served at ``memory_gb`` with and without offload, and the step time
+    offload costs at each N (its step_s over the batched column's)."""
+    out: dict[str, Any] = {"memory_gb": memory_gb}
+    for name in models:
+        rows = [r for r in results if r.get("model") == name and OFFLOAD in r]
+        if not rows:
+            continue
+        fits = {}
+        for column in ("batched", OFFLOAD):
+            peaks = [(r["devices"], r[column]["peak_gpu_mb"]) for r in rows]
+            known = [(n, p) for n, p in peaks if p is not None]
+            fits[column] = devices_at_memory(known, memory_gb * 1024)
+        out[name] = {
+            "devices_at_memory": fits,
+            "step_s_offload_over_batched": {
+                str(r["devices"]): round(r[OFFLOAD]["step_s"] / r["batched"]["step_s"], 3)
+                for r in rows
+            },
+        }
+    return out
 
 
 def _grouped_here(device: torch.device) -> str:
@@ -318,13 +388,25 @@ def main(argv: list[str] | None = None) -> int:
         default=240.0,
         help="start no new row after this many seconds (0: no limit); keeps it under 5 minutes",
     )
+    parser.add_argument(
+        "--offload",
+        action="store_true",
+        help='a batched-offload column (server.offload = "auto") and devices served at '
+        "--memory-gb with and without it",
+    )
+    parser.add_argument(
+        "--memory-gb", type=float, default=16.0, help="the fixed GPU memory of --offload"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     if not torch.cuda.is_available():
         print(json.dumps({"skipped": "no CUDA device"}))
         return 0
     devices = [int(n) for n in args.devices.split(",") if n.strip()]
-    print(json.dumps(run(devices, args.steps, budget_s=args.budget_s), indent=2))
+    report = run(
+        devices, args.steps, budget_s=args.budget_s, offload=args.offload, memory_gb=args.memory_gb
+    )
+    print(json.dumps(report, indent=2))
     return 0
 
 

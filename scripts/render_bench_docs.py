@@ -130,7 +130,7 @@ def _pipeline(r: dict[str, Any]) -> list[Table]:
     ]
     schedules = sorted({s for e in r.get("links", []) for s in e.get("schedules", {})})
     per = [[e.get("link"), *(num(get(e, "schedules", s)) for s in schedules)] for e in r["links"]]
-    tables = [
+    tables: list[Table] = [
         (caption, headers, rows),
         ("Step time of every schedule, seconds", ["link", *schedules], per),
     ]
@@ -139,6 +139,9 @@ def _pipeline(r: dict[str, Any]) -> list[Table]:
         tables.append(_frozen_head(frozen))
     if any("step_end_share" in e for e in r.get("links", [])):
         tables.append(_step_end_shares(r["links"], schedules))
+    first = [e for e in r.get("links", []) if e.get("input_grad_first")]
+    if first:
+        tables.append(_input_grad_first(first))
     return tables
 
 
@@ -159,6 +162,30 @@ def _frozen_head(entries: list[dict[str, Any]]) -> Table:
         for e in entries
     ]
     return ("The head frozen (--frozen-head), one more session in the same run", headers, rows)
+
+
+def _input_grad_first(links: list[dict[str, Any]]) -> Table:
+    """server.input_grad_first beside the default: the device's wait and the step, off / on."""
+    caption = (
+        "server.input_grad_first: the device's median wait per microbatch from sending "
+        "OUTPUT_GRAD to receiving INPUT_GRAD, and the median step, off / on"
+    )
+    headers = ["link", "schedule", "wait s (off / on)", "wait on/off", "step s (off / on)"]
+    headers += ["step on/off"]
+    rows = [
+        [
+            e.get("link"),
+            get(e, "input_grad_first", "schedule"),
+            f"{num(get(e, 'input_grad_first', 'wait_s', 'off'), 4)} / "
+            f"{num(get(e, 'input_grad_first', 'wait_s', 'on'), 4)}",
+            num(get(e, "input_grad_first", "wait_on_over_off")),
+            f"{num(get(e, 'input_grad_first', 'step_s', 'off'))} / "
+            f"{num(get(e, 'input_grad_first', 'step_s', 'on'))}",
+            num(get(e, "input_grad_first", "step_on_over_off")),
+        ]
+        for e in links
+    ]
+    return caption, headers, rows
 
 
 def _step_end_shares(links: list[dict[str, Any]], schedules: list[str]) -> Table:
@@ -204,7 +231,48 @@ def _server(r: dict[str, Any]) -> list[Table]:
                 num(row.get("predicted_mb_per_s"), 2),
             ]
         )
-    return [(caption, headers, rows)]
+    tables: list[Table] = [(caption, headers, rows)]
+    if r.get("offload"):
+        tables.append(_server_offload(r))
+    return tables
+
+
+def _server_offload(r: dict[str, Any]) -> Table:
+    """``--offload``: the stash per session on the stage's device and in host memory."""
+    headers = ["N", "column", "mb/s", "step p50 s", "stash on device at peak, per session"]
+    headers += ["waiting on device, per session", "offloaded, per session"]
+    rows = []
+    for row in r.get("rows", []):
+        for column in ("unbatched", "batched", "offload"):
+            f = row.get(column, {})
+            rows.append(
+                [
+                    row.get("devices"),
+                    column,
+                    num(f.get("mb_per_s"), 2),
+                    num(f.get("step_p50_s"), 2),
+                    mib(f.get("peak_stash_bytes_per_session")),
+                    mib(f.get("peak_waiting_bytes_per_session")),
+                    mib(f.get("peak_offloaded_bytes_per_session")),
+                ]
+            )
+        ratios = row.get("offload_over_batched", {})
+        rows.append(
+            [
+                row.get("devices"),
+                "offload / batched",
+                num(ratios.get("mb_per_s"), 2),
+                num(ratios.get("step_p50_s"), 2),
+                num(ratios.get("peak_stash_bytes"), 2),
+                num(ratios.get("peak_waiting_bytes"), 2),
+                "",
+            ]
+        )
+    caption = (
+        'server.offload = "auto" (column offload) beside batched: the stash of waiting '
+        "microbatches (tapes, saved tensors, received inputs) in MiB per session at its peak"
+    )
+    return caption, headers, rows
 
 
 def _scale(r: dict[str, Any]) -> list[Table]:

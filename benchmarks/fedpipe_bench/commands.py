@@ -50,6 +50,12 @@ def register(bsub: Any) -> None:
         help="one more session with the head frozen (pipeline.freeze's frozen head): its step "
         "time and bytes beside the same schedule trained",
     )
+    q.add_argument(
+        "--input-grad-first",
+        action="store_true",
+        help="one more run (1F1B) on a server with server.input_grad_first = true: the device's "
+        "wait for its input gradient and the step time side by side",
+    )
     qb = add_command(bsub, "quality", f"{_HERE}:cmd_bench_quality", "held-out loss vs centralized")
     qb.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     qb.add_argument("--quick", action="store_true", help="a tiny random model (CI, seconds)")
@@ -122,6 +128,11 @@ def _add_bench_server(bsub: Any) -> None:
     s.add_argument("--microbatches", type=int, default=2, help="microbatches per device step")
     s.add_argument("--microbatch-size", type=int, default=2, help="sequences per microbatch")
     s.add_argument("--seq-len", type=int, help="tokens per sequence (default: 128; 16 --quick)")
+    s.add_argument(
+        "--offload",
+        action="store_true",
+        help='a third column: batched with server.offload = "auto" (stash in host memory)',
+    )
 
 
 def _split_given(args: argparse.Namespace) -> bool:
@@ -165,6 +176,7 @@ def cmd_bench_pipeline(args: argparse.Namespace) -> int:
         steps=args.steps,
         warmup=args.warmup,
         frozen_head=args.frozen_head,
+        input_grad_first=args.input_grad_first,
     )
     if args.json:
         print(json.dumps(report, indent=2))
@@ -208,6 +220,7 @@ def cmd_bench_server(args: argparse.Namespace) -> int:
         microbatches=args.microbatches,
         microbatch_size=args.microbatch_size,
         seq_len=args.seq_len,
+        offload=args.offload,
     )
     report = run_server_bench(settings)
     if args.json:
@@ -267,15 +280,16 @@ def _print_server_table(report: dict[str, Any]) -> None:
     )
     print(
         f"{'N':>4} {'column':>9} {'mb/s':>8} {'tokens/s':>9} {'p50 s':>7} {'p95 s':>7} "
-        f"{'busy':>5} {'batch':>5} {'model mb/s':>10}"
+        f"{'busy':>5} {'batch':>5} {'model mb/s':>10} {'stash peak B':>12} {'offloaded B':>11}"
     )
     for row in report["rows"]:
-        for column in ("unbatched", "batched"):
+        for column in [c for c in ("unbatched", "batched", "offload") if c in row]:
             f = row[column]
             print(
                 f"{row['devices']:>4} {column:>9} {f['mb_per_s']:>8.2f} {f['tokens_per_s']:>9.0f} "
                 f"{f['step_p50_s']:>7.3f} {f['step_p95_s']:>7.3f} {f['busy']:>5.2f} "
-                f"{f['mean_batch']:>5.2f} {row['predicted_mb_per_s']:>10.2f}"
+                f"{f['mean_batch']:>5.2f} {row['predicted_mb_per_s']:>10.2f} "
+                f"{f.get('peak_stash_bytes')!s:>12} {f.get('peak_offloaded_bytes')!s:>11}"
             )
 
 

@@ -194,7 +194,7 @@ def _serve(spec_json: str, *, probe: bool = False) -> None:
         return
     from fedpipe_bench.server_probe import ComputeProbe
 
-    stats = ComputeProbe(server.runtime).install()
+    stats = ComputeProbe(server.runtime, stash=True).install()
     print(f"listening {server.address}", flush=True)
     for line in sys.stdin:
         if line.strip() == "stats":

@@ -30,6 +30,13 @@ of its median step: the most a step could gain from stepping each adapter as soo
 gradient is final (Optimizer Fusion), since what the server's step costs is at most hidden
 behind the device's next forward.
 
+Every run's trace also gives the device's wait per microbatch for its input gradient: from
+sending OUTPUT_GRAD (the uplink's ``g`` event starts) to receiving INPUT_GRAD (the downlink's
+``i`` event ends), median per run (``input_grad_wait_s``). With ``input_grad_first`` a second
+StageServer, with ``server.input_grad_first = true`` (its reply goes out before the adapters'
+weight gradients), serves one more run of the compared schedule (1F1B where measured) in the
+same round robin, and ``input_grad_first`` holds both runs' waits and step times side by side.
+
 ``speedup`` and ``ceiling`` are taken against the faster stop-and-wait. A wide spread of the
 solo timings sets ``noisy`` and warns on stderr.
 
@@ -45,6 +52,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -91,6 +99,7 @@ SOLO = "solo"
 WHOLE = "sequential-whole"
 FROZEN = "frozen-head"
 NOISE_THRESHOLD = 0.2
+IGF = "+input-grad-first"  # the suffix of the run on the input_grad_first server
 """Solo timings whose IQR/median (or per-step max/min - 1) exceeds this mark the run noisy."""
 
 
@@ -110,8 +119,9 @@ def _pin(cpus: list[int]) -> str:
 
 
 def _start_server(
-    config: FedpipeConfig, workdir: Path, cpus: list[int]
+    config: FedpipeConfig, workdir: Path, cpus: list[int], *extra: str
 ) -> tuple[subprocess.Popen[bytes], str]:
+    workdir.mkdir(exist_ok=True)
     port_file = workdir / "port"
     cmd = [
         sys.executable,
@@ -134,6 +144,7 @@ def _start_server(
         "0",
         "--port-file",
         str(port_file),
+        *(arg for setting in extra for arg in ("--set", setting)),
     ]
     if len(cpus) >= 2:
         cmd += ["--cpu", str(cpus[1])]
@@ -270,6 +281,23 @@ class PhasedChannel:
 
 def _median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else 0.0
+
+
+def input_grad_waits(tracer: Tracer) -> list[float]:
+    """The device's wait for each input gradient: from sending a microbatch's OUTPUT_GRAD (its
+    uplink event starts) to receiving its INPUT_GRAD (its downlink event ends), in order."""
+    sent: dict[str, list[float]] = {}
+    got: dict[str, list[float]] = {}
+    for e in tracer.events:
+        if e.lane == "uplink" and re.fullmatch(r"g\d+", e.name):
+            sent.setdefault(e.name[1:], []).append(e.start)
+        elif e.lane == "downlink" and re.fullmatch(r"i\d+", e.name):
+            got.setdefault(e.name[1:], []).append(e.end)
+    return [
+        end - start
+        for mb, starts in sent.items()
+        for start, end in zip(starts, got.get(mb, []), strict=False)
+    ]
 
 
 def _occupancy(tracer: Tracer, records: list[Any], lane: str) -> dict[str, float]:
@@ -416,6 +444,13 @@ def _walk_runs(
         print(f"  {link:>18} step {step} {name:>16}: {result.wall_s:.3f} s", file=sys.stderr)
 
 
+def compared_schedule(schedules: Sequence[str]) -> str:
+    """The schedule run on both servers with ``input_grad_first``: 1F1B where measured (a
+    backward leaves the server before the next forward arrives), else the first pipelined."""
+    pipelined = [s for s in schedules if s != "sequential"] or list(schedules)
+    return "1f1b" if "1f1b" in pipelined else pipelined[0]
+
+
 def _bench_link(
     trainer: DeviceTrainer,
     client: StageClient,
@@ -423,27 +458,30 @@ def _bench_link(
     schedules: Sequence[str],
     batches: list[dict[str, torch.Tensor]],
     warmup: int,
+    first_client: StageClient | None = None,
     frozen_head: bool = False,
 ) -> dict[str, Any]:
     cfg = trainer.config
     m, split = cfg.pipeline.microbatches, cfg.model.split
-    plan = [(SOLO, "gpipe", LinkProfile.unlimited(), m, False)]
-    plan += [(name, name, link, m, False) for name in schedules]
+    plan = [(SOLO, "gpipe", LinkProfile.unlimited(), m, client, False)]
+    plan += [(name, name, link, m, client, False) for name in schedules]
     if "sequential" in schedules:
-        plan.append((WHOLE, "sequential", link, 1, False))
+        plan.append((WHOLE, "sequential", link, 1, client, False))
+    compared = compared_schedule(schedules)
+    if first_client is not None:
+        plan.append((compared + IGF, compared, link, m, first_client, False))
     frozen_schedule = _frozen_schedule(cfg, schedules)
     if frozen_head:
-        plan.append((FROZEN, frozen_schedule, link, m, True))
+        plan.append((FROZEN, frozen_schedule, link, m, client, True))
     with contextlib.ExitStack() as stack:
         runs = [
-            _open_run(
-                trainer, client, stack, name=n, schedule=s, link=lk, microbatches=k, frozen_head=f
-            )
-            for n, s, lk, k, f in plan
+            _open_run(trainer, c, stack, name=n, schedule=s, link=lk, microbatches=k, frozen_head=f)
+            for n, s, lk, k, c, f in plan
         ]
         _walk_runs(runs, batches, warmup, link.name)
         by_name = {run.name: run for run in runs}
         times = {run.name: _median(run.walls) for run in runs}
+        waits = {run.name: _median(input_grad_waits(run.tracer)) for run in runs}
         pipelined = [s for s in schedules if s != "sequential"] or list(schedules)
         best = min(pipelined, key=times.__getitem__)
         inrun = _inrun_components(by_name[best], split)
@@ -455,15 +493,43 @@ def _bench_link(
             else None
         )
         # the schedules' step ends (a frozen head's step ends at its tail: not comparable)
-        ends = {run.name: _step_end_of(run) for run in runs if run.name not in (SOLO, FROZEN)}
+        ends = {
+            run.name: _step_end_of(run)
+            for run in runs
+            if run.name not in (SOLO, FROZEN) and not run.name.endswith(IGF)
+        }
     solo = solo_components(samples, link, _transfer_bytes(cfg, trainer.split.hidden_size, m), split)
+    first = times.pop(compared + IGF, None)
     entry = _entry(link, m, times, best, solo, inrun, noise_report(samples, solo_run.walls))
     if frozen is not None:
         entry["frozen_head"] = frozen
-    return entry | {
+    entry |= {
         "step_end_share": ends[best]["share"],
         "step_end_s": {k: v for k, v in ends[best].items() if k != "share"},
         "step_end_by_schedule": {name: end["share"] for name, end in ends.items()},
+    }
+    entry["input_grad_wait_s"] = {
+        k: round(v, 4) for k, v in waits.items() if k not in (SOLO, FROZEN) and not k.endswith(IGF)
+    }
+    if first is not None:
+        entry["input_grad_first"] = input_grad_first_entry(
+            compared, (waits[compared], times[compared]), (waits[compared + IGF], first)
+        )
+    return entry
+
+
+def input_grad_first_entry(
+    schedule: str, before: tuple[float, float], after: tuple[float, float]
+) -> dict[str, Any]:
+    """One link's figure of server.input_grad_first: the device's median wait per microbatch
+    for its input gradient and the median step time, without and with it, and their ratios."""
+    (wait_off, step_off), (wait_on, step_on) = before, after
+    return {
+        "schedule": schedule,
+        "wait_s": {"off": round(wait_off, 4), "on": round(wait_on, 4)},
+        "step_s": {"off": round(step_off, 4), "on": round(step_on, 4)},
+        "wait_on_over_off": round(wait_on / wait_off, 3) if wait_off > 0 else None,
+        "step_on_over_off": round(step_on / step_off, 3) if step_off > 0 else None,
     }
 
 
@@ -551,14 +617,25 @@ def run_pipeline_bench(
     schedules: Sequence[str] = BENCH_SCHEDULES,
     steps: int = 4,
     warmup: int = 1,
+    input_grad_first: bool = False,
     frozen_head: bool = False,
 ) -> dict[str, Any]:
-    """Measure every schedule at every link (and the head frozen, with ``frozen_head``);
-    returns the JSON-ready report."""
+    """Measure every schedule at every link; returns the JSON-ready report.
+
+    ``input_grad_first``: a second server with ``server.input_grad_first = true`` serves one
+    more run of the compared schedule (see :func:`compared_schedule`). ``frozen_head``: one
+    more run with the head frozen (see the module's docstring).
+    """
     profiles = [parse_link(name) for name in links]  # a typo fails now, not after the server
     cpus = sorted(os.sched_getaffinity(0))
-    with tempfile.TemporaryDirectory(prefix="fedpipe-bench-") as tmp:
-        server, address = _start_server(config, Path(tmp), cpus)
+    with tempfile.TemporaryDirectory(prefix="fedpipe-bench-") as tmp, contextlib.ExitStack() as on:
+        server, address = _start_server(config, Path(tmp) / "main", cpus)
+        servers = [server]
+        if input_grad_first:
+            first, first_address = _start_server(
+                config, Path(tmp) / "first", cpus, "server.input_grad_first=true"
+            )
+            servers.append(first)
         pinning = _pin(cpus)
         try:
             trainer = DeviceTrainer(config, device_id="bench")
@@ -571,14 +648,28 @@ def run_pipeline_bench(
                 min(vocab, 256), config.train.batch_size, config.train.seq_len, warmup + steps
             )
             entries = []
-            with StageClient(address) as client:
-                for link in profiles:
-                    entries.append(
-                        _bench_link(trainer, client, link, schedules, batches, warmup, frozen_head)
+            client = on.enter_context(StageClient(address))
+            first_client = (
+                on.enter_context(StageClient(first_address)) if input_grad_first else None
+            )
+            for link in profiles:
+                entries.append(
+                    _bench_link(
+                        trainer,
+                        client,
+                        link,
+                        schedules,
+                        batches,
+                        warmup,
+                        first_client,
+                        frozen_head=frozen_head,
                     )
+                )
         finally:
-            server.terminate()
-            server.wait(timeout=30)
+            on.close()
+            for proc in servers:
+                proc.terminate()
+                proc.wait(timeout=30)
     return {
         "model": config.model.name,
         "split": f"{config.model.split}: head {config.model.head_layers}, "
@@ -591,6 +682,7 @@ def run_pipeline_bench(
         "warmup": warmup,
         "pinning": pinning,
         "noisy": any(e["noisy"] for e in entries),
+        "input_grad_first": input_grad_first,
         "bound": BOUND_TEXT,
         "links": entries,
     }

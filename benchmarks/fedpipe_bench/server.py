@@ -17,6 +17,12 @@ from the window in which every device was past its warm-up and none had finished
 timed by a probe (:mod:`fedpipe_bench.server_probe`) and cut to the same window (the clock is
 ``time.monotonic``, shared by the processes of one machine).
 
+``--offload`` adds a third column: the batched server with ``server.offload = "auto"``
+(what a waiting microbatch keeps for its backward goes to host memory). Every column reports
+the bytes of those stashes on the stage's device and offloaded, at their peak in the window of
+each N (``peak_stash_bytes``, ``peak_offloaded_bytes``, and per session), counted in the server
+by :class:`fedpipe.server.stash.StashMeter` (turned on by the probe).
+
 ``--real`` replaces the load generators by real devices: the model's head and tail stages run
 in this process (one thread each, one torch thread in all) through the device runtime, for a
 small N; it checks the same figures end to end.
@@ -55,6 +61,7 @@ log = logging.getLogger(__name__)
 
 Span = tuple[float, float]  # one step of one device: (start, end) on time.monotonic
 COLUMNS = ("unbatched", "batched")
+OFFLOAD = "offload"  # --offload: the batched server with server.offload = "auto"
 KNEE_FRACTION = 0.9  # the measured knee: the first N within 10% of the best throughput
 STARVED_SHARE = 0.7  # a server given less CPU than this while busy marks the run noisy
 
@@ -76,6 +83,12 @@ class ServerBenchSettings:
     # of a batched call spread over threads where one microbatch's small ones do not.
     server_threads: int = field(default_factory=lambda: len(os.sched_getaffinity(0)))
     real: bool = False
+    offload: bool = False  # a third column: batched with server.offload = "auto"
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        """The columns measured for each N, in the order of the first N."""
+        return (*COLUMNS, OFFLOAD) if self.offload else COLUMNS
 
     def __post_init__(self) -> None:
         if not self.devices or min(self.devices) < 1:
@@ -211,12 +224,14 @@ def _start_servers(
         )
 
     def start(column: str) -> ServerProcess:
-        extra = _runtime_settings(column == "batched")[0]
+        extra = _runtime_settings(column != "unbatched")[0]
+        if column == OFFLOAD:
+            extra = extra | {"server.offload": "auto"}
         return ServerProcess(max_sessions=most, overrides=base | extra, cpus=cpus, probe=True)
 
     # From this (the main) thread, one after the other: a server started from another thread
     # would not get the parent-death signal, and would outlive a bench killed by SIGKILL.
-    started = {column: start(column) for column in COLUMNS}
+    started = {column: start(column) for column in settings.columns}
     return started, available
 
 
@@ -343,13 +358,27 @@ def _measure(
     after = server.probe_stats()
     server.discard_round(round_)  # the sessions go; the next measurement starts afresh
     calls: list[CallRecord] = [tuple(c) for c in after["calls"]]  # type: ignore[misc]
-    return column_figures(
+    figures = column_figures(
         spans,
         calls,
         settings,
         server_cpu=(after["cpu_s"] - before["cpu_s"]) / wall,
         loadgen_cpu=loadgen_cpu / wall,
     )
+    return figures | stash_figures(after.get("stash"), n)
+
+
+def stash_figures(stash: dict[str, int] | None, n: int) -> dict[str, Any]:
+    """The stash peaks of one measurement (the probe's meter, reset at its start), in all and
+    per session; None where the server has no meter (a build without ``server.offload``).
+
+    ``peak_stash_bytes``: on the stage's device (waiting, or brought back for the backward that
+    runs); ``peak_waiting_bytes``: waiting on the device; ``peak_offloaded_bytes``: waiting in
+    host memory (``server.offload = "auto"``)."""
+    keys = ("peak_stash_bytes", "peak_waiting_bytes", "peak_offloaded_bytes")
+    if stash is None:
+        return dict.fromkeys(keys)
+    return {k: stash[k] for k in keys} | {f"{k}_per_session": round(stash[k] / n) for k in keys}
 
 
 def column_figures(
@@ -393,9 +422,9 @@ def _quantile(sorted_values: Sequence[float], q: float) -> float:
 
 
 # -- the whole bench -----------------------------------------------------------------------------
-def _row_order(index: int) -> tuple[str, ...]:
+def _row_order(index: int, columns: tuple[str, ...] = COLUMNS) -> tuple[str, ...]:
     """Columns in measuring order for the ``index``-th N: alternating, so drift hits both."""
-    return COLUMNS if index % 2 == 0 else COLUMNS[::-1]
+    return columns if index % 2 == 0 else columns[::-1]
 
 
 def run_server_bench(settings: ServerBenchSettings) -> dict[str, Any]:
@@ -409,8 +438,9 @@ def run_server_bench(settings: ServerBenchSettings) -> dict[str, Any]:
     rounds = itertools.count(1)  # a round per measurement: its sessions are discarded after
     try:
         for index, n in enumerate(settings.devices):
-            row: dict[str, Any] = {"devices": n, "order": list(_row_order(index))}
-            for column in _row_order(index):
+            order = _row_order(index, settings.columns)
+            row: dict[str, Any] = {"devices": n, "order": list(order)}
+            for column in order:
                 row[column] = _measure(servers[column], loop, n, next(rounds), settings)
                 _progress(n, column, row[column])
             rows.append(row)
@@ -425,7 +455,8 @@ def _progress(n: int, column: str, figures: dict[str, Any]) -> None:
         f"  N={n:>3} {column:>9}: {figures['mb_per_s']:8.2f} mb/s, step p50 "
         f"{figures['step_p50_s']:.3f} s p95 {figures['step_p95_s']:.3f} s, busy "
         f"{figures['busy']:.2f}, batch {figures['mean_batch']:.2f}, load generator "
-        f"{figures['loadgen_cpu']:.2f} cores",
+        f"{figures['loadgen_cpu']:.2f} cores, stash peak {figures['peak_stash_bytes']} B "
+        f"(offloaded {figures['peak_offloaded_bytes']} B)",
         file=sys.stderr,
     )
 
@@ -457,7 +488,12 @@ def cpu_share(rows: Sequence[dict[str, Any]]) -> float:
     Near 1 (or above: the server also decodes and runs gRPC) on a quiet machine; well below it,
     other processes took the server's core and the columns' figures differ by noise alone.
     """
-    return min(row[c]["server_cpu"] / max(row[c]["busy"], 1e-9) for row in rows for c in COLUMNS)
+    return min(
+        row[c]["server_cpu"] / max(row[c]["busy"], 1e-9)
+        for row in rows
+        for c in (*COLUMNS, OFFLOAD)
+        if c in row
+    )
 
 
 def _report(
@@ -469,11 +505,13 @@ def _report(
     wall: float,
 ) -> dict[str, Any]:
     shape, emu = settings.shape, settings.emulation
-    loadgen = [row[c]["loadgen_cpu"] for row in rows for c in COLUMNS]
+    loadgen = [row[c]["loadgen_cpu"] for row in rows for c in settings.columns]
     for row in rows:
         row["batched_over_unbatched"] = round(
             row["batched"]["mb_per_s"] / row["unbatched"]["mb_per_s"], 3
         )
+        if OFFLOAD in row:
+            row["offload_over_batched"] = offload_ratios(row["batched"], row[OFFLOAD])
     share = cpu_share(rows)
     if share < STARVED_SHARE:
         print(
@@ -493,6 +531,7 @@ def _report(
         "steps": settings.steps,
         "warmup": settings.warmup,
         "batching_available": available,
+        "offload": settings.offload,
         "pinning": pinning,
         **_model_figures(settings, rows),
         "loadgen_cpu_max": max(loadgen),
@@ -501,6 +540,20 @@ def _report(
         "load_average": {"start": list(load_start), "end": list(os.getloadavg())},
         "wall_s": round(wall, 1),
         "rows": rows,
+    }
+
+
+def offload_ratios(batched: dict[str, Any], offload: dict[str, Any]) -> dict[str, Any]:
+    """The offload column against the batched one: device stash, throughput, step time."""
+
+    def ratio(key: str) -> float | None:
+        return round(offload[key] / batched[key], 3) if batched.get(key) else None
+
+    return {
+        "peak_stash_bytes": ratio("peak_stash_bytes"),
+        "peak_waiting_bytes": ratio("peak_waiting_bytes"),
+        "mb_per_s": round(offload["mb_per_s"] / batched["mb_per_s"], 3),
+        "step_p50_s": round(offload["step_p50_s"] / batched["step_p50_s"], 3),
     }
 
 
@@ -531,6 +584,7 @@ def make_settings(
     microbatches: int = 2,
     microbatch_size: int = 2,
     seq_len: int | None = None,
+    offload: bool = False,
 ) -> ServerBenchSettings:
     """Settings for one invocation: the defaults, ``--quick``'s sizes, then the flags given."""
     from fedpipe.cli.preflight import default_split
@@ -554,4 +608,5 @@ def make_settings(
         link=link or base.link,
         server_threads=base.server_threads if server_threads is None else server_threads,
         real=real,
+        offload=offload,
     )

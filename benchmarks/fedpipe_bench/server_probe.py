@@ -1,5 +1,9 @@
 """A server-side stats hook for ``fedpipe bench server``: compute calls timed, messages counted.
 
+With ``stash`` it also turns on the executor's stash meter
+(:class:`fedpipe.server.stash.StashMeter`) where it has one: each snapshot carries the stash
+bytes and their peaks since the last one.
+
 It changes nothing in the runtime's code: :meth:`ComputeProbe.install` wraps the executor's
 ``compute*`` methods on the instance. Each outermost call becomes one record
 ``(start, end, messages, tokens)`` on ``time.monotonic`` (the same clock in every process of the
@@ -40,15 +44,22 @@ class ComputeProbe:
     """Times a :class:`~fedpipe.server.runtime.StageRuntime`'s compute calls."""
 
     def __init__(
-        self, runtime: Any, *, max_calls: int = 200_000, cuda_events: bool = False
+        self,
+        runtime: Any,
+        *,
+        max_calls: int = 200_000,
+        cuda_events: bool = False,
+        stash: bool = False,
     ) -> None:
         self.runtime = runtime
+        self.stash = stash  # also count the executor's stash bytes (its StashMeter)
         self.cuda_events = cuda_events  # also time each call on the GPU stream (gpu_busy_s)
         self._events: list[tuple[Any, Any]] = []
         self.calls: deque[CallRecord] = deque(maxlen=max_calls)
         self._lock = threading.Lock()
         self._local = threading.local()
         self.wrapped: list[str] = []
+        self._meter: Any = None
 
     def install(self) -> ComputeProbe:
         """Wrap the executor's ``compute*`` methods; returns self."""
@@ -62,6 +73,10 @@ class ComputeProbe:
                 f"{type(executor).__name__} has no compute* method to time; update "
                 "benchmarks/fedpipe_bench/server_probe.py to the runtime's executor"
             )
+        meter = getattr(getattr(executor, "stash", None), "meter", None)
+        if self.stash and meter is not None:  # the stash bytes (peak_stash_bytes), from now
+            meter.enabled = True
+            self._meter = meter
         return self
 
     def snapshot(self) -> dict[str, Any]:
@@ -69,11 +84,13 @@ class ComputeProbe:
         with self._lock:
             calls, self.calls = list(self.calls), deque(maxlen=self.calls.maxlen)
         times = os.times()
+        stash = None if self._meter is None else self._meter.snapshot(reset=True)
         return {
             "calls": calls,
             "cpu_s": times.user + times.system,
             "now": time.monotonic(),
             "wrapped": self.wrapped,
+            "stash": stash,  # stash bytes now and their peaks since the last snapshot
         }
 
     def gpu_busy_s(self) -> float:

@@ -284,6 +284,14 @@ class ServerConfig:
     batching: bool = True
     batch_tokens: int = 2048  # tokens (rows x seq) per call: 8 microbatches of 2 x 128
     batch_wait_ms: float = 5.0  # cap on waiting to fill a call (25% of a measured call below it)
+    # Activation offload (PipeOffload): off | auto. auto: the saved tensors of a microbatch that
+    # waits for its gradient go to host memory (pinned, a side stream on CUDA) and come back
+    # when the gradient arrives; the same losses and gradients, less device memory per session.
+    offload: str = "off"
+    # Input gradient first (zero-bubble's B/W split, batched bank): the reply to OUTPUT_GRAD
+    # goes out once the input gradient is known; the adapters' weight gradients follow when the
+    # worker is idle, before the session's STEP_END. The same gradients either way.
+    input_grad_first: bool = False
     # Serve without a secret on an address others can reach (sessions and round control need
     # no token): only for a closed network. On loopback a server may always run without one.
     allow_unauthenticated: bool = False
@@ -313,6 +321,10 @@ class ServerConfig:
         _check(
             self.dtype in ("auto", "float32", "bfloat16"),
             f"server.dtype must be auto, float32 or bfloat16, got {self.dtype!r}",
+        )
+        _check(
+            self.offload in ("off", "auto"),
+            f"server.offload must be off or auto, got {self.offload!r}",
         )
         _check(
             self.max_message_mb >= 0.5,

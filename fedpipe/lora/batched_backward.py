@@ -11,6 +11,11 @@ The result equals autograd through the HF layers (the same formulas, fp32 tolera
 of the adapters come back as a mapping Parameter -> gradient (summed over an adapter's items);
 the caller adds them to ``.grad`` (:meth:`BatchedAdapterBank.backward`) or hands them to autograd
 (:class:`TapedBlocks`), so a call that fails leaves every ``.grad`` as it was.
+
+The input gradient does not need the adapters' weight gradients (zero-bubble's B/W split): with
+``defer_weights`` the walk computes every block's input gradient and only records each weight
+gradient's matmuls (their operands are kept); :meth:`WeightGrads.compute` runs them later, in the
+order the walk met them, so each adapter's gradient is summed in the same order, to the bit.
 """
 
 from __future__ import annotations
@@ -33,21 +38,59 @@ from fedpipe.lora.batched_blocks import (
     join,
     row_slices,
 )
-from fedpipe.lora.kernels import group_offsets, grouped_lora_backward
+from fedpipe.lora.kernels import (
+    group_offsets,
+    grouped_lora_backward,
+    grouped_lora_input_grad,
+    grouped_lora_weight_grads,
+)
 
-__all__ = ["Grads", "TapedBlocks", "backward_blocks"]
+__all__ = ["Grads", "TapedBlocks", "WeightGrads", "backward_blocks"]
 
 Grads = dict[nn.Parameter, Tensor]  # an adapter tensor -> its gradient from this backward
+WeightOp = Callable[[Grads], None]  # adds one weight gradient to a Grads
+
+
+class WeightGrads:
+    """The adapters' weight gradients of one backward: computed at once, or recorded for later.
+
+    Recorded (``deferred``), each is a matmul whose operands the walk kept; :meth:`compute` runs
+    them in the walk's order. Computed, :meth:`compute` returns what the walk summed.
+    """
+
+    def __init__(self, *, deferred: bool) -> None:
+        self.deferred = deferred
+        self._grads: Grads = {}
+        self._ops: list[WeightOp] = []
+
+    def add(self, op: WeightOp) -> None:
+        """Run ``op`` now, or keep it for :meth:`compute`."""
+        if self.deferred:
+            self._ops.append(op)
+        else:
+            op(self._grads)
+
+    def put(self, param: nn.Parameter, grad: Tensor) -> None:
+        """Add a gradient computed now (not deferred)."""
+        _add(self._grads, param, grad)
+
+    def compute(self) -> Grads:
+        """Parameter -> gradient summed over this backward's items (runs what was recorded)."""
+        ops, self._ops = self._ops, []  # the operands go with them
+        for op in ops:
+            op(self._grads)
+        return self._grads
 
 
 def backward_blocks(
-    runner: BlockRunner, items: Sequence[tuple[Tape, Tensor]]
-) -> tuple[list[Tensor | None], Grads]:
+    runner: BlockRunner, items: Sequence[tuple[Tape, Tensor]], *, defer_weights: bool = False
+) -> tuple[list[Tensor | None], WeightGrads]:
     """Input gradients (None where not needed) and adapter gradients of ``items``.
 
-    Each item is (tape, dy) with dy of the tape's shape (b, T, C).
+    Each item is (tape, dy) with dy of the tape's shape (b, T, C). ``defer_weights``: the adapter
+    gradients are only recorded; :meth:`WeightGrads.compute` computes them.
     """
-    grads: Grads = {}
+    grads = WeightGrads(deferred=defer_weights)
     dys = [dy.reshape(-1, dy.shape[-1]) for _, dy in items]
     # Below an item's lowest block that trains (pipeline.freeze leaves the lowest ones frozen)
     # nothing of it is needed unless its sender wants the input gradient.
@@ -112,7 +155,9 @@ def _lowest_trained(tape: Tape) -> float:
 class _Block:
     """The backward of one decoder layer over the joined rows of several tapes."""
 
-    def __init__(self, runner: BlockRunner, index: int, tapes: list[Tape], grads: Grads) -> None:
+    def __init__(
+        self, runner: BlockRunner, index: int, tapes: list[Tape], grads: WeightGrads
+    ) -> None:
         self.runner = runner
         self.index = index
         self.layer: Any = runner.stage.layers[str(index)]
@@ -195,10 +240,10 @@ class _Block:
             a, b = pair
             g = dy[rows].to(b.dtype) * self.runner.scale  # (n, out)
             if b.requires_grad:
-                _add(self.grads, b, g.t() @ rec.lows[key])  # (out, r)
+                self.grads.add(_grad_b(b, g, rec.lows[key]))
             d_low = g @ b  # (n, r)
             if a.requires_grad:
-                _add(self.grads, a, d_low.t() @ x()[rows].to(a.dtype))  # (r, in)
+                self.grads.add(_grad_a(a, d_low, x, rows))
             if dx is not None:
                 dx[rows] += (d_low @ a).to(dx.dtype)
         if dx is not None and into is not None:
@@ -221,6 +266,8 @@ class _Block:
         if self._offs is None:
             self._offs = group_offsets(sizes, dy.device)
         need_a = any(a.requires_grad for a, _ in pairs)
+        if self.grads.deferred:
+            return self._grouped_input_grad(key, dy, x if need_a else None, pairs, need_dx)
         try:
             got = grouped_lora_backward(
                 dy,
@@ -241,9 +288,39 @@ class _Block:
         grads_a, grads_b, d_x = got
         for i, (a, b) in enumerate(pairs):
             if b.requires_grad:
-                _add(self.grads, b, grads_b[i].to(b.dtype))
+                self.grads.put(b, grads_b[i].to(b.dtype))
             if a.requires_grad and grads_a is not None:
-                _add(self.grads, a, grads_a[i].to(a.dtype))
+                self.grads.put(a, grads_a[i].to(a.dtype))
+        return True, d_x
+
+    def _grouped_input_grad(
+        self,
+        key: str,
+        dy: Tensor,
+        x: Callable[[], Tensor] | None,
+        pairs: list[tuple[nn.Parameter, nn.Parameter]],
+        need_dx: bool,
+    ) -> tuple[bool, Tensor | None]:
+        """:meth:`_grouped` with the weight gradients recorded for later (B/W split)."""
+        sizes = [rows.stop - rows.start for rows in self.slices]
+        try:
+            got = grouped_lora_input_grad(
+                dy,
+                sizes,
+                pairs,
+                self.runner.scale,
+                need_dx=need_dx,
+                force=self.runner.grouped == "force",
+                offs=self._offs,
+            )
+        except RuntimeError as exc:
+            self.runner.grouped_failed(exc)
+            return False, None
+        if got is None:
+            return False, None
+        d, d_low, d_x = got
+        lows = [rec.lows[key] for rec in self.records]
+        self.grads.add(_grouped_weights(pairs, d, d_low, lows, x, self._offs))
         return True, d_x
 
     def _attention(self, attn: Any, d_heads: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -364,6 +441,39 @@ def _add(grads: Grads, param: nn.Parameter, grad: Tensor) -> None:
     grads[param] = grad if have is None else have.add_(grad)
 
 
+def _grad_b(b: nn.Parameter, g: Tensor, low: Tensor) -> WeightOp:
+    """dL/dB of one tape's rows: g^T low, (out, n) @ (n, r)."""
+    return lambda grads: _add(grads, b, g.t() @ low)
+
+
+def _grad_a(a: nn.Parameter, d_low: Tensor, x: Callable[[], Tensor], rows: slice) -> WeightOp:
+    """dL/dA of one tape's rows: d_low^T x, (r, n) @ (n, in); x is made when first needed."""
+    return lambda grads: _add(grads, a, d_low.t() @ x()[rows].to(a.dtype))
+
+
+def _grouped_weights(
+    pairs: list[tuple[nn.Parameter, nn.Parameter]],
+    d: Tensor,
+    d_low: Tensor,
+    lows: list[Tensor],
+    x: Callable[[], Tensor] | None,
+    offs: Tensor | None,
+) -> WeightOp:
+    """Every tape's dL/dA and dL/dB of one linear in two grouped matmuls."""
+
+    def op(grads: Grads) -> None:
+        grads_a, grads_b = grouped_lora_weight_grads(
+            d, d_low, join(lows), None if x is None else x(), offs
+        )
+        for i, (a, b) in enumerate(pairs):
+            if b.requires_grad:
+                _add(grads, b, grads_b[i].to(b.dtype))
+            if a.requires_grad and grads_a is not None:
+                _add(grads, a, grads_a[i].to(a.dtype))
+
+    return op
+
+
 class TapedBlocks(torch.autograd.Function):
     """Gives one group's batched output an autograd path: its backward walks its tape.
 
@@ -382,5 +492,6 @@ class TapedBlocks(torch.autograd.Function):
     def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
         tape: Tape = ctx.tape
         tape.need_input_grad = bool(ctx.needs_input_grad[0])
-        (dx,), grads = backward_blocks(ctx.runner, [(tape, dy)])
+        (dx,), weights = backward_blocks(ctx.runner, [(tape, dy)])
+        grads = weights.compute()
         return (dx, None, None, None, *(grads.get(p) for p in ctx.params))

@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from fedpipe.lora.aggregation import BaseFold
 from fedpipe.lora.base import Family, Group, LoraSettings, global_name, initial_lora_a
-from fedpipe.lora.batched_backward import TapedBlocks, backward_blocks
+from fedpipe.lora.batched_backward import TapedBlocks, WeightGrads, backward_blocks
 from fedpipe.lora.batched_blocks import AdapterTensors, BlockRunner, Tape
 from fedpipe.lora.peft_bank import GLOBAL_ADAPTER, AdapterBank, SharedAggregation
 
@@ -203,20 +203,38 @@ class BatchedAdapterBank(SharedAggregation):
         returns each item's input gradient (None where its tape needs none). Raises before
         touching any ``.grad`` when a gradient does not fit its tape.
         """
+        dxs, weights = self.backward_inputs(items, defer_weights=False)
+        self.add_weight_grads(weights)
+        return dxs
+
+    def backward_inputs(
+        self, items: Sequence[tuple[Tape, Tensor]], *, defer_weights: bool = True
+    ) -> tuple[list[Tensor | None], WeightGrads]:
+        """:meth:`backward`'s input gradients now; the adapters' gradients when
+        :meth:`add_weight_grads` is given what this returns (zero-bubble's B/W split).
+
+        Nothing touches ``.grad`` until then; calls' weight gradients added in the order of
+        their backwards sum as :meth:`backward` would have, to the bit.
+        """
         for tape, dy in items:
             if tuple(dy.shape) != tape.shape:
                 raise ValueError(
                     f"output gradient of shape {tuple(dy.shape)} for an output of shape "
                     f"{tape.shape}; send the gradient of the output this tape recorded"
                 )
-        dxs, grads = backward_blocks(self._runner, items)
+        return backward_blocks(self._runner, items, defer_weights=defer_weights)
+
+    @staticmethod
+    def add_weight_grads(weights: WeightGrads) -> None:
+        """Compute what :meth:`backward_inputs` recorded and add it to the adapters' ``.grad``
+        (all or nothing: a computation that fails adds none)."""
+        grads = weights.compute()
         with torch.no_grad():
             for param, grad in grads.items():
                 if param.grad is None:
                     param.grad = grad
                 else:
                     param.grad += grad
-        return dxs
 
     def run_loss(self, groups: Sequence[Group]) -> list[tuple[Tensor, int]]:
         """Each group's (summed shifted token loss, tokens counted): the loss stage only."""

@@ -17,7 +17,7 @@ forward calls, block by block; a tape is freed with the session's reference to i
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -56,6 +56,24 @@ class BlockTape:
     up: Tensor  # (b*T, I)
     lows: dict[str, Tensor] = field(default_factory=dict)  # linear -> x A^T (b*T, r)
 
+    def _rows(self) -> tuple[Tensor, ...]:
+        return self.h0, self.h1, self.heads, self.q, self.k, self.v, self.gate, self.up
+
+    def tensors(self) -> Iterator[Tensor]:
+        """Every tensor the record holds."""
+        yield from self._rows()
+        if self.lse is not None:
+            yield self.lse
+        yield from self.lows.values()
+
+    def map(self, fn: Callable[[Tensor], Tensor]) -> BlockTape:
+        """A record of ``fn`` of each tensor (moved elsewhere: host memory and back)."""
+        h0, h1, heads, q, k, v, gate, up = (fn(t) for t in self._rows())
+        lse = None if self.lse is None else fn(self.lse)
+        return BlockTape(
+            h0, h1, heads, q, k, v, lse, gate, up, {k: fn(v) for k, v in self.lows.items()}
+        )
+
 
 @dataclass(eq=False)
 class Tape:
@@ -65,6 +83,16 @@ class Tape:
     adapter: AdapterTensors  # its adapter's Parameters (the ones the forward used)
     need_input_grad: bool = True  # False: the backward may stop at the LoRA gradients
     blocks: dict[int, BlockTape] = field(default_factory=dict)
+
+    def tensors(self) -> Iterator[Tensor]:
+        """Every tensor of every block's record (the adapter's Parameters are not the tape's)."""
+        for record in self.blocks.values():
+            yield from record.tensors()
+
+    def map(self, fn: Callable[[Tensor], Tensor]) -> Tape:
+        """The same tape with ``fn`` of each of its tensors (fedpipe.server.stash moves them)."""
+        blocks = {index: record.map(fn) for index, record in self.blocks.items()}
+        return Tape(self.shape, self.adapter, self.need_input_grad, blocks)
 
 
 class _FrozenRows(torch.autograd.Function):

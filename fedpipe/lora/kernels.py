@@ -26,7 +26,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["group_offsets", "grouped_lora", "grouped_lora_backward", "grouped_lora_supported"]
+__all__ = [
+    "group_offsets",
+    "grouped_lora",
+    "grouped_lora_backward",
+    "grouped_lora_input_grad",
+    "grouped_lora_supported",
+    "grouped_lora_weight_grads",
+]
 
 _MIN_CAPABILITY = (9, 0)
 _STRIDE_BYTES = 16  # the grouped kernels' stride rule: every row a multiple of 16 bytes
@@ -125,6 +132,32 @@ def grouped_lora_backward(
             f"{len(pairs)} adapters for {len(sizes)} groups of {sum(sizes)} rows, dy has "
             f"{dy.shape[0]} and the low-rank activations {lows.shape[0]}"
         )
+    got = grouped_lora_input_grad(dy, sizes, pairs, scale, need_dx=need_dx, force=force, offs=offs)
+    if got is None:
+        return None
+    d, d_low, d_x = got
+    if offs is None:
+        offs = group_offsets(sizes, dy.device)
+    grad_a, grad_b = grouped_lora_weight_grads(d, d_low, lows, x, offs)
+    return grad_a, grad_b, d_x
+
+
+def grouped_lora_input_grad(
+    dy: Tensor,
+    sizes: Sequence[int],
+    pairs: Sequence[tuple[Tensor, Tensor]],
+    scale: float,
+    *,
+    need_dx: bool,
+    force: bool = False,
+    offs: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor | None] | None:
+    """The part of :func:`grouped_lora_backward` the input gradient needs (B/W split):
+    (``d`` = dy * scale in bf16 (N, out), ``d_low`` (N, r), the LoRA part of dL/dx or None).
+
+    :func:`grouped_lora_weight_grads` takes ``d`` and ``d_low`` for dA and dB, then or later.
+    None where the kernel does not apply.
+    """
     rank, out_features = pairs[0][1].shape[1], pairs[0][1].shape[0]
     in_features = pairs[0][0].shape[1]
     if force:
@@ -138,14 +171,24 @@ def grouped_lora_backward(
     bf16 = torch.bfloat16
     with torch.no_grad():
         d = (dy * scale).to(bf16)  # (N, out)
-        grad_b = F.grouped_mm(d.t(), lows.to(bf16), offs=offs)  # (G, out, r)
         b_stack = torch.stack([b for _, b in pairs]).to(bf16)  # (G, out, r)
         d_low = F.grouped_mm(d, b_stack, offs=offs)  # (N, r)
-        grad_a = None
-        if x is not None:
-            grad_a = list(F.grouped_mm(d_low.t(), x.to(bf16), offs=offs).float().unbind(0))
         d_x = None
         if need_dx:
             a_stack = torch.stack([a for a, _ in pairs]).to(bf16)  # (G, r, in)
             d_x = F.grouped_mm(d_low, a_stack, offs=offs).float()  # (N, in)
-    return grad_a, list(grad_b.float().unbind(0)), d_x
+    return d, d_low, d_x
+
+
+def grouped_lora_weight_grads(
+    d: Tensor, d_low: Tensor, lows: Tensor, x: Tensor | None, offs: Tensor | None
+) -> tuple[list[Tensor] | None, list[Tensor]]:
+    """Each group's dL/dA (None without ``x``) and dL/dB from :func:`grouped_lora_input_grad`'s
+    ``d`` and ``d_low``, the forward's low-rank activations ``lows`` (N, r) and the input ``x``."""
+    bf16 = torch.bfloat16
+    with torch.no_grad():
+        grad_b = F.grouped_mm(d.t(), lows.to(bf16), offs=offs)  # (G, out, r)
+        grad_a = None
+        if x is not None:
+            grad_a = list(F.grouped_mm(d_low.t(), x.to(bf16), offs=offs).float().unbind(0))
+    return grad_a, list(grad_b.float().unbind(0))

@@ -13,7 +13,7 @@ from fedpipe.auth.secret_files import warn_if_readable
 from fedpipe.auth.tokens import InvalidTokenError, TokenLedger, check_secret, verify_token
 from fedpipe.config import FedpipeConfig, ServerConfig
 from fedpipe.errors import AuthError
-from fedpipe.lora import adapter_bank, lora_settings
+from fedpipe.lora import BatchedAdapterBank, adapter_bank, lora_settings
 from fedpipe.models import load_config, model_family, model_fingerprint, resolve_model
 from fedpipe.server.batch_policy import BatchPolicy
 from fedpipe.server.runtime import StageRuntime
@@ -106,8 +106,11 @@ def build_runtime(
         getattr(hf_config, "max_position_embeddings", 0) or getattr(hf_config, "n_positions", 0)
     )
     server = config.server
+    bank = adapter_bank(stage, lora_settings(config), family=family, batched=server.batching)
+    if server.input_grad_first and not isinstance(bank, BatchedAdapterBank):
+        log.info("server.input_grad_first: peft's adapters compute both gradients together")
     runtime = StageRuntime(
-        adapter_bank(stage, lora_settings(config), family=family, batched=server.batching),
+        bank,
         mode=layout.mode,
         hidden_size=int(hf_config.hidden_size),
         device=device,
@@ -115,6 +118,8 @@ def build_runtime(
         limits=runtime_limits(config.server),
         max_positions=max_positions,
         policy=batch_policy(server),
+        offload=server.offload == "auto",
+        input_grad_first=server.input_grad_first,
     )
     split = SplitInfo(
         model=config.model.name,

@@ -12,6 +12,14 @@ bank (split mode "u") a training forward keeps no autograd graph but a tape per 
 the OUTPUT_GRADs of a call run as ONE batched backward over their tapes, whichever forward calls
 recorded them (:meth:`BatchedAdapterBank.backward`); on peft's bank each OUTPUT_GRAD runs its
 own graph.
+
+Two options change where the work of a waiting microbatch lives and when it runs, never its
+numbers. ``offload`` (``server.offload = "auto"``): what a microbatch keeps for its backward
+waits in host memory (:mod:`fedpipe.server.stash`). ``input_grad_first``
+(``server.input_grad_first``, the batched bank): a batched backward computes the input
+gradients and replies; the adapters' weight gradients it recorded run later
+(:meth:`StageExecutor.compute_weight_grads`: the runtime calls it when idle, and a session's
+``STEP_END`` or reset runs its own first), oldest first, so every ``.grad`` sums as before.
 Every message gets its own reply or its own error: a message that fails (a wrong shape, a
 duplicate, a reply that would hold NaN) fails alone, and the others of the call are answered
 as if they had run by themselves.
@@ -20,7 +28,9 @@ as if they had run by themselves.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -29,8 +39,10 @@ from fedpipe.errors import InvalidRequestError, SessionStateError, StageCapacity
 from fedpipe.lora import AdapterBank, BatchedAdapterBank, Group
 from fedpipe.lora.batched_blocks import Tape
 from fedpipe.messages import Kind, StageMsg
+from fedpipe.server.deferred_weights import DeferredWeights
 from fedpipe.server.device_copies import DeviceCopies
 from fedpipe.server.sessions import SessionInfo
+from fedpipe.server.stash import SavedTensors, Stash
 
 __all__ = ["StageExecutor"]
 
@@ -72,6 +84,8 @@ class StageExecutor:
         dtype: torch.dtype,
         max_in_flight: int,
         copies: DeviceCopies | None = None,
+        offload: bool = False,
+        input_grad_first: bool = False,
     ) -> None:
         self.bank = bank
         self.copies = copies or DeviceCopies(device)  # uploads and replies off the compute stream
@@ -80,6 +94,15 @@ class StageExecutor:
         self.device = device
         self.dtype = dtype
         self.max_in_flight = max_in_flight
+        # Waiting microbatches' saved tensors: on the device, or in host memory (offload).
+        self.stash = Stash(device, offload=offload and mode == "u")
+        self.input_grad_first = input_grad_first
+        # Weight gradients batched backwards left for later (input_grad_first).
+        self.deferred = DeferredWeights(BatchedAdapterBank.add_weight_grads)
+        # (session, microbatch) -> its peft graph's saved tensors, while the graph lives
+        self._saved: weakref.WeakValueDictionary[tuple[str, int], SavedTensors] = (
+            weakref.WeakValueDictionary()
+        )
 
     def compute(self, info: SessionInfo, msg: StageMsg) -> StageMsg:
         """The reply to one device message of ``info``'s current step (raises on failure)."""
@@ -108,8 +131,29 @@ class StageExecutor:
 
     def reset(self, info: SessionInfo) -> None:
         """Forget the session's unfinished step: cached graphs and accumulated gradients."""
+        self.deferred.compute_for(info.session_id)  # none of them may land after the reset
+        self.deferred.failure(info.session_id)
         info.cache.clear()
         info.optimizer.zero_grad(set_to_none=True)
+
+    def forget(self, info: SessionInfo) -> None:
+        """Let go of what the session holds here (it is being dropped)."""
+        info.cache.clear()
+        self.deferred.failure(info.session_id)
+
+    # -- weight gradients after the input gradients (B/W split) -------------------------------
+    @property
+    def weights_pending(self) -> bool:
+        """Whether backwards left weight gradients to compute."""
+        return self.deferred.pending
+
+    def compute_weight_grads(self) -> int:
+        """Every weight gradient backwards left, oldest first; returns how many backwards'.
+
+        A computation that fails adds nothing; the step of each session it served then fails
+        at its ``STEP_END``.
+        """
+        return self.deferred.compute_all()
 
     # -- one message at a time: backward, step -----------------------------------------------
     def _one(self, info: SessionInfo, msg: StageMsg) -> Result:
@@ -188,8 +232,21 @@ class StageExecutor:
         if self._taped() and torch.is_grad_enabled():
             assert isinstance(self.bank, BatchedAdapterBank)
             wants = [not _frozen_head(f.info) for f in forwards]
-            return list(self.bank.run_taped(groups, wants))
+            taped = self.bank.run_taped(groups, wants)
+            tapes = self.stash.put_tapes([t for _, t in taped], [g.hidden for g in groups])
+            return [(y, tape) for (y, _), tape in zip(taped, tapes, strict=True)]
+        if self.stash.hooked and torch.is_grad_enabled():
+            return [self._saving(f) for f in forwards]
         return list(self.bank.run(groups))
+
+    def _saving(self, fwd: _Forward) -> torch.Tensor:
+        """One group through peft's bank, its graph's saved tensors in the stash."""
+        assert isinstance(self.bank, AdapterBank)
+        saved = self.stash.saving(self.bank.stage, fwd.group.hidden)
+        with saved.hooks():
+            (y,) = self.bank.run([fwd.group])
+        self._saved[(fwd.info.session_id, fwd.msg.microbatch)] = saved
+        return y
 
     def _taped(self) -> bool:
         """Whether training forwards keep tapes (and backwards run batched)."""
@@ -304,7 +361,14 @@ class StageExecutor:
         """The items in one backward of the bank; if it fails, each item alone."""
         assert isinstance(self.bank, BatchedAdapterBank)
         try:
-            dxs = self.bank.backward([(b.tape, b.grad) for b in items])
+            tapes = self.stash.fetch_tapes([b.tape for b in items])
+            pairs = [(tape, b.grad) for tape, b in zip(tapes, items, strict=True)]
+            if self.input_grad_first:
+                dxs, weights = self.bank.backward_inputs(pairs)
+                self.deferred.put(weights, {b.info.session_id for b in items})
+            else:
+                dxs = self.bank.backward(pairs)
+            del tapes, pairs  # a recorded weight gradient keeps what it needs
         except Exception as exc:  # nothing was accumulated: retry alone to find the culprit
             if len(items) == 1:
                 results[items[0].index] = exc
@@ -337,7 +401,9 @@ class StageExecutor:
             raise InvalidRequestError(
                 f"OUTPUT_GRAD shape {tuple(grad.shape)} != OUTPUT shape {tuple(y.shape)}"
             )
-        y.backward(grad)  # this session's graph only: the others' are separate
+        saved = self._saved.get((info.session_id, mb))
+        with saved.on_device() if saved is not None else nullcontext():
+            y.backward(grad)  # this session's graph only: the others' are separate
         del info.cache[mb]
         return StageMsg(Kind.INPUT_GRAD, msg.step, mb, tensor=_input_grad(info, x))
 
@@ -346,6 +412,13 @@ class StageExecutor:
             pending = sorted(info.cache)
             raise SessionStateError(
                 f"STEP_END for step {msg.step} while microbatches {pending} await gradients"
+            )
+        self.deferred.compute_for(info.session_id)  # the step waits for its weight gradients
+        failed = self.deferred.failure(info.session_id)
+        if failed is not None:
+            raise SessionStateError(
+                f"STEP_END for step {msg.step}: its weight gradients failed "
+                f"({type(failed).__name__}: {failed})"
             )
         info.optimizer.step()
         info.optimizer.zero_grad(set_to_none=True)

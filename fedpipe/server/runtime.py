@@ -103,6 +103,8 @@ class StageRuntime:
         policy: BatchPolicy | None = None,
         tracer: Tracer | None = None,
         copies: DeviceCopies | None = None,
+        offload: bool = False,
+        input_grad_first: bool = False,
     ) -> None:
         self.bank = bank
         # Uploads of decoded messages (started by the reader threads, so the next call's inputs
@@ -129,6 +131,8 @@ class StageRuntime:
             dtype=dtype,
             max_in_flight=self.limits.max_in_flight,
             copies=self.copies,
+            offload=offload,
+            input_grad_first=input_grad_first,
         )
         self.max_seq_len = seq_bound(max_positions, self.limits.max_seq_len)
         # What devices make the server hold, all together (fedpipe.server.budget).
@@ -278,7 +282,7 @@ class StageRuntime:
         for listener in self._drop_listeners:
             listener(info)
         with self._bank_lock:
-            info.cache.clear()
+            self.executor.forget(info)
             if info.session_id in self.bank.names():
                 self.bank.remove(info.session_id)
         log.info("[%s] session %s dropped: %s", info.device_id, info.short, reason)
@@ -606,6 +610,12 @@ class StageRuntime:
         def choose(snap: Snapshot[str, QueueItem]) -> BatchChoice | None:
             return choose_batch(self.policy, queue_view(snap, mid_step, self._call_s))
 
+        if self.executor.weights_pending:  # B/W split: weight gradients fill idle time
+            got = self._queue.take_batch(choose, depth=self.policy.quantum, timeout=0)
+            if got is not None or self._stopped.is_set():
+                return got
+            with self._bank_lock:
+                self.executor.compute_weight_grads()
         return self._queue.take_batch(choose, depth=self.policy.quantum)
 
     def _serve_batch(self, taken: list[tuple[str, QueueItem]], plan: BatchChoice) -> None:
