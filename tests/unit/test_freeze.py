@@ -17,9 +17,11 @@ from fedpipe.edge.planner.plan import (
     components,
     with_frozen_head,
 )
+from fedpipe.edge.trainer import DeviceTrainer
 from fedpipe.fl.device_work import RunSettings
 from fedpipe.fl.freeze import FreezeRule, FreezeState, block_movement, decide, pin_frozen
 from fedpipe.fl.server_app import Rounds, _checkpoint_state
+from fedpipe.lora import lora_parameters
 from fedpipe.lora.freezing import freeze_blocks, is_frozen, trainable_part
 from fedpipe.runs.folder import RunFolder
 
@@ -170,3 +172,29 @@ def test_a_checkpoint_keeps_the_decision_for_a_resumed_run(tmp_path: Path) -> No
     assert FreezeState.from_json(saved.state["freeze"]) == state and state.frozen_below == 1
     rounds.freeze = None  # pipeline.freeze = off: the checkpoint holds no decision
     assert "freeze" not in _checkpoint_state(2, run, rounds)
+
+
+def test_a_frozen_head_turns_the_trainer_forward_only_and_its_planner_plans_anew() -> None:
+    cfg = FedpipeConfig().with_overrides(
+        {"model.name": "tiny-llama", "pipeline.plan": "auto", "pipeline.freeze": "progressive"}
+    )
+    trainer = DeviceTrainer(cfg, device_id="d")
+    planner = trainer.planner
+    assert planner is not None and not trainer.frozen
+    planner.figures = Measured(
+        batch_size=8,
+        device={4: OpTimes(head_forward=1.0, tail=2.0, head_backward=1.5)},
+        server={4: (3.0, 4.0)},
+        link=LinkFigures(rtt_s=0.05, up_mbps=10.0, down_mbps=20.0),
+        message_bytes={("fp32", 4): 100_000},
+    )
+    trainer.freeze_below(1)  # the head's one block (tiny-llama: head 1, tail 1 of 4)
+    assert trainer.frozen and not any(
+        p.requires_grad for p in lora_parameters(trainer.head).values()
+    )
+    assert all(p.requires_grad for p in lora_parameters(trainer.tail).values())
+    assert planner.figures.frozen_head and planner.figures.device[4].head_backward == 0.0
+    assert "head froze" in planner.replan
+    trainer.freeze_below(0)  # a new run in this process: everything trains again
+    assert not trainer.frozen
+    assert all(p.requires_grad for p in lora_parameters(trainer.head).values())
