@@ -263,9 +263,20 @@ class ReplicaControl:
         return {device: self._route(k) for device, k in assigned.items()}
 
     def evaluator(self) -> Route:
-        """Where held-out evaluation runs: the first replica begun this round."""
-        live = self.round.live or [0]
-        return self._route(live[0])
+        """Where held-out evaluation runs: the first replica of this round that still holds
+        it (begun, not lost, the global adapter loaded). When every one was lost, a restarted
+        replica is loaded and begun again for it (raises when none answers)."""
+        ready = [
+            k for k in self.round.live if k not in self.round.lost and k not in self.needs_load
+        ]
+        if not ready and self.round.number:
+            ready = self._begin_each(self.round.number, self.aggregation, self.rule.text())
+        if not ready and self.round.number:
+            raise RuntimeError(
+                f"round {self.round.number}: no StageServer replica to evaluate on: every one "
+                f"was lost ({', '.join(self.addresses)})"
+            )
+        return self._route(ready[0] if ready else 0)
 
     def _route(self, index: int) -> Route:
         return Route(index, self.addresses[index], replica_run_id(self.run_id, index))

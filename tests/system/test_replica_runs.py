@@ -47,7 +47,9 @@ def _records(run: Path) -> list[dict[str, Any]]:
 
 
 def _victim(run: Path, round_: int) -> int | None:
-    """A replica serving a device of ``round_`` that has stepped but not finished, if any."""
+    """A replica serving a device of ``round_`` that has stepped but not finished, if any:
+    replica 0 while one of its devices has yet to finish (the round's evaluation runs on the
+    first replica, so losing it is the harder case), else another."""
     records = _records(run)
     routes = next(
         (r["replicas"] for r in records if r.get("event") == "routes" and r["round"] == round_),
@@ -55,13 +57,20 @@ def _victim(run: Path, round_: int) -> int | None:
     )
     if routes is None:
         return None
+    steps: dict[str, int] = {}
     for rec in records:
-        if rec.get("event") != "progress" or rec["round"] != round_:
-            continue
-        for device in rec["devices"]:
-            if 1 <= device["steps_done"] < LOCAL_STEPS and str(device["node_id"]) in routes:
-                return int(routes[str(device["node_id"])])
-    return None
+        if rec.get("event") == "progress" and rec["round"] == round_:
+            for device in rec["devices"]:
+                node = str(device["node_id"])
+                steps[node] = max(steps.get(node, 0), int(device["steps_done"]))
+    stepping = {
+        int(routes[n]) for n, done in steps.items() if n in routes and 1 <= done < LOCAL_STEPS
+    }
+    if 0 in stepping:
+        return 0
+    if any(int(k) == 0 and steps.get(n, 0) < LOCAL_STEPS for n, k in routes.items()):
+        return None  # replica 0 still has a device to step: wait for it
+    return min(stepping) if stepping else None
 
 
 class _Watch(threading.Thread):
