@@ -42,7 +42,7 @@ from fedpipe.server.replicas import ReplicaSet
 from fedpipe.wire.control_client import StageControlClient
 from fedpipe.wire.link_client import StageClient
 from fedpipe_bench.load import DeviceEmulation, LoadDevice, LoadShape, device_split
-from fedpipe_bench.server import measurement_window
+from fedpipe_bench.server import measurement_window, step_device
 
 __all__ = ["QUICK", "ScaleSettings", "run_scale_bench"]
 
@@ -113,7 +113,6 @@ def _device_loop(settings: ScaleSettings) -> Callable[..., list[Span]]:
     total = settings.warmup + settings.steps
 
     def loop(address: str, device_id: str, seed: int, round_: int, barrier: threading.Barrier):  # type: ignore[no-untyped-def]
-        spans: list[Span] = []
         with StageClient(address) as client:
             session = client.open_session(
                 device_id=device_id,
@@ -122,15 +121,8 @@ def _device_loop(settings: ScaleSettings) -> Callable[..., list[Span]]:
                 seq_len=shape.tokens,
                 split=split,
             )
-            with session:
-                device = LoadDevice(session, seed, shape, settings.emulation)
-                barrier.wait(timeout=600)
-                for step in range(total):
-                    start = time.monotonic()
-                    device.step(step)
-                    spans.append((start, time.monotonic()))
-                device.confirm()
-        return spans
+            device = LoadDevice(session, seed, shape, settings.emulation)
+            return step_device(session, device, barrier, total)
 
     return loop
 

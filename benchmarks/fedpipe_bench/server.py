@@ -247,7 +247,6 @@ def _emulated_loop(settings: ServerBenchSettings, link: LinkProfile) -> DeviceLo
     def loop(
         address: str, device_id: str, seed: int, round_: int, barrier: threading.Barrier
     ) -> list[Span]:
-        spans: list[Span] = []
         with StageClient(address) as client:
             session = client.open_session(
                 device_id=device_id,
@@ -258,17 +257,27 @@ def _emulated_loop(settings: ServerBenchSettings, link: LinkProfile) -> DeviceLo
                 link=link,
                 link_seed=device_id,
             )
-            with session:
-                device = LoadDevice(session, seed, shape, settings.emulation)
-                barrier.wait(timeout=600)
-                for step in range(total):
-                    start = time.monotonic()
-                    device.step(step)
-                    spans.append((start, time.monotonic()))
-                device.confirm()
-        return spans
+            return step_device(
+                session, LoadDevice(session, seed, shape, settings.emulation), barrier, total
+            )
 
     return loop
+
+
+def step_device(
+    session: Any, device: LoadDevice, barrier: threading.Barrier, total: int
+) -> list[Span]:
+    """Run ``total`` steps of an emulated ``device`` on its open ``session`` once every device
+    is ready (``barrier``), then close the session; each step's (start, end)."""
+    spans: list[Span] = []
+    with session:
+        barrier.wait(timeout=600)
+        for step in range(total):
+            start = time.monotonic()
+            device.step(step)
+            spans.append((start, time.monotonic()))
+        device.confirm()
+    return spans
 
 
 def _real_loop(settings: ServerBenchSettings, link: LinkProfile) -> DeviceLoop:
