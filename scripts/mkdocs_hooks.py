@@ -8,7 +8,9 @@ On every page, a line that is exactly one of these markers is replaced:
 - ``<!-- fedpipe:layers -->``: the layers and contracts import-linter enforces
   (``reference_docs.py``);
 - ``<!-- fedpipe:bench NAME -->``: the tables of ``docs/benchmarks/data/NAME.json`` with their
-  source, or how to record them (``render_bench_docs.py``).
+  source, or how to record them (``render_bench_docs.py``);
+- ``<!-- fedpipe:plot NAME -->``: the plot drawn from that record at build time (an inline SVG;
+  ``render_bench_docs.PLOTS`` names the benches that have one).
 
 Any other ``<!-- fedpipe:... -->`` marker fails the build, so a typo cannot hide a table.
 """
@@ -46,6 +48,8 @@ def expand_page(markdown: str, data_dir: Path, page_dir: Path) -> str:
             return reference_docs.layers_reference()
         if what == "bench" and arg is not None:
             return render_bench_docs.render(arg, data_dir, link)
+        if what == "plot" and arg is not None:
+            return render_bench_docs.render_plot(arg, data_dir, link)
         raise PluginError(f"unknown docs marker {match.group(0)!r}")
 
     try:

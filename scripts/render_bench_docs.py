@@ -418,25 +418,57 @@ def _privacy(r: dict[str, Any]) -> list[Table]:
         f"{r.get('model')}; chance accuracy {num(r.get('chance_acc'))}, always guessing the "
         f"commonest private token {num(r.get('majority_token_acc'))}"
     )
-    headers = ["head blocks", "defence", "noise multiplier", "reconstruction acc", "label acc"]
-    headers += ["held-out loss", "cost", "ε per sample", "attacker"]
+    headers = ["head blocks", "defence", "strength", "attacker", "reconstruction acc"]
+    headers += ["label acc", "label prior acc", "held-out loss", "cost", "ε per sample"]
     rows = [
         [
             row.get("head_layers"),
             row.get("defence"),
-            num(row.get("strength")) if row.get("defence") != "none" else "–",
+            _strength(row),
+            row.get("attacker", "–"),
             num(row.get("reconstruction_acc")),
             num(row.get("label_acc")),
+            num(row.get("label_prior_acc")),
             num(row.get("eval_loss"), 4),
             f"{row['eval_loss_cost_pct']:+.1f}%"
             if isinstance(row.get("eval_loss_cost_pct"), int | float)
             else "–",
             num(row.get("epsilon")),
-            row.get("attacker", "–"),
         ]
         for row in r.get("rows", [])
     ]
-    return [(caption, headers, rows)]
+    tables: list[Table] = [(caption, headers, rows)]
+    best = r.get("best_within_2pct")
+    if best is not None:  # the adaptive attacker's best trade-off within 2% loss, per cut
+        reached = r.get("halves_both_within_2pct") or []
+        verdict = (
+            f"{len(reached)} setting(s) halve both attacks within 2% held-out loss"
+            if reached
+            else "no setting halves both attacks within 2% held-out loss"
+        )
+        rows = [
+            [
+                b.get("head_layers"),
+                b.get("defence"),
+                _strength(b),
+                f"{b['worse_attack_keeps']:.0%}",
+                f"{b['eval_loss_cost_pct']:+.1f}%",
+            ]
+            for b in best
+        ]
+        headers = ["head blocks", "defence", "strength", "worse attack keeps", "cost"]
+        tables.append((f"Against the adaptive attacker, {verdict}; the best found", headers, rows))
+    return tables
+
+
+def _strength(row: dict[str, Any]) -> str:
+    """The noise multiplier or the penalty's weight (and the weight beside noise)."""
+    if row.get("defence") == "none":
+        return "–"
+    text = num(row.get("strength"))
+    if row.get("defence") == "decorrelation+token-dim":
+        text += f" (weight {num(row.get('decorrelation'))})"
+    return text
 
 
 def _quality(r: dict[str, Any]) -> list[Table]:
@@ -678,6 +710,28 @@ def render(name: str, data_dir: Path = DATA_DIR, link: str = "data/") -> str:
         out.append(markdown_table(headers, rows) + "\n")
     out.append(provenance(name, record, link) + "\n")
     return "\n".join(out)
+
+
+# Benches whose record also makes a plot: name -> (module, function of the result -> SVG text).
+PLOTS = {"privacy": ("fedpipe_bench.privacy_plot", "svg_text")}
+
+
+def render_plot(name: str, data_dir: Path = DATA_DIR, link: str = "data/") -> str:
+    """Markdown for ``<!-- fedpipe:plot NAME -->``: the bench's plot drawn from its record (an
+    inline SVG), with the record's source under it; a note when nothing is recorded."""
+    if name not in PLOTS:
+        raise ValueError(f"no plot for bench {name!r}; plots exist for {', '.join(PLOTS)}")
+    record = load_record(name, data_dir)
+    if record is None:
+        return '!!! note "No plot yet"\n    Nothing has been recorded for this bench.\n'
+    import base64
+    import importlib
+
+    module, function = PLOTS[name]
+    svg = getattr(importlib.import_module(module), function)(record["result"])
+    data = base64.b64encode(svg.encode()).decode()
+    image = f'<img alt="{name} plot" src="data:image/svg+xml;base64,{data}">'
+    return f"{image}\n\n{provenance(name, record, link)}\n"
 
 
 def expand(markdown: str, data_dir: Path = DATA_DIR, link: str = "data/") -> str:

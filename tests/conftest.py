@@ -49,6 +49,7 @@ LONGEST_FIRST = (
     "test_bench_runs.py",
     "test_process_tree.py",
     "test_cuts_simulation.py",
+    "test_privacy_simulation.py",
     "test_flower_engines.py",
     "test_load.py",
     "test_bundled_llm.py",

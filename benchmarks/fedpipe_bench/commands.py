@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -88,7 +89,10 @@ def register(bsub: Any) -> None:
         bsub, "privacy", f"{_HERE}:cmd_bench_privacy", "attacks on the stage link vs defences"
     )
     v.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    v.add_argument("--quick", action="store_true", help="tiny model, one cut, one defence (CI)")
+    v.add_argument(
+        "--quick", action="store_true", help="tiny model, one cut, a setting per mechanism (CI)"
+    )
+    v.add_argument("--plot", metavar="FILE", help="write the Pareto plot (.png or .svg) here")
     _add_bench_server(bsub)
     _add_bench_scale(bsub)
 
@@ -385,20 +389,28 @@ def cmd_bench_memory(args: argparse.Namespace) -> int:
 def cmd_bench_privacy(args: argparse.Namespace) -> int:
     """`fedpipe bench privacy`: an honest-but-curious server's attacks against each defence."""
     from fedpipe_bench.privacy import DEFAULT, QUICK, run_privacy_bench
+    from fedpipe_bench.privacy_plot import write_pareto
 
     logging.getLogger("fedpipe_bench.privacy").setLevel(logging.INFO)  # progress on stderr
     report = run_privacy_bench(QUICK if args.quick else DEFAULT)
+    if args.plot:
+        print(f"Pareto plot: {write_pareto(report, args.plot)}", file=sys.stderr)
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    print(f"{'head':>4} {'defence':>8} {'strength':>8} {'recon':>6} {'label':>6} "
-          f"{'eval loss':>9} {'cost %':>7} {'epsilon':>9}")  # fmt: skip
+    print(f"{'head':>4} {'defence':>24} {'strength':>8} {'attacker':>8} {'recon':>6} "
+          f"{'label':>6} {'eval loss':>9} {'cost %':>7} {'epsilon':>9}")  # fmt: skip
     for row in report["rows"]:
         eps = "-" if row["epsilon"] is None else f"{row['epsilon']:.3g}"
-        name = "none" if row["defence"] == "none" else "noise"
         print(
-            f"{row['head_layers']:>4} {name:>8} {row['strength']:>8.3g} "
-            f"{row['reconstruction_acc']:>6.3f} {row['label_acc']:>6.3f} {row['eval_loss']:>9.4f} "
-            f"{row['eval_loss_cost_pct']:>7.2f} {eps:>9}"
+            f"{row['head_layers']:>4} {row['defence']:>24} {row['strength']:>8.3g} "
+            f"{row['attacker']:>8} {row['reconstruction_acc']:>6.3f} {row['label_acc']:>6.3f} "
+            f"{row['eval_loss']:>9.4f} {row['eval_loss_cost_pct']:>7.2f} {eps:>9}"
+        )
+    best = report["best_within_2pct"]
+    for row in best:
+        print(
+            f"best within 2% loss, head {row['head_layers']}: {row['defence']} "
+            f"{row['strength']:g} (the worse attack keeps {row['worse_attack_keeps']:.0%})"
         )
     return 0

@@ -22,13 +22,14 @@ from dataclasses import dataclass
 from functools import partial
 from typing import cast
 
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
 from fedpipe.config import FedpipeConfig, format_cut
 from fedpipe.edge.trainer import RoundReport
 from fedpipe.fl.adapter_codec import adapter_codec_mod, adapter_nbytes
 from fedpipe.fl.adapter_dp import adapter_clipping_mod
 from fedpipe.fl.device_work import DeviceWork
+from fedpipe.fl.replies import train_content
 from fedpipe_bench.local_grid import Node
 
 __all__ = ["FIRST_NODE", "LocalDevices", "Traffic"]
@@ -99,11 +100,7 @@ class LocalDevices:
         )
         adapters = work.trainer.adapters()
         self._count(round_, report)
-        metrics = MetricRecord({**report.metrics(), "partition-id": work.partition})
-        content = RecordDict({"arrays": ArrayRecord(adapters), "metrics": metrics})
-        if report.plan:
-            content["plan"] = ConfigRecord(dict(report.plan))
-        content["device"] = ConfigRecord({"cut": format_cut(work.trainer.cut)})
+        content = train_content(report, adapters, work.partition, format_cut(work.trainer.cut))
         return Message(content=content, reply_to=msg)
 
     def _count(self, round_: int, report: RoundReport) -> None:

@@ -1,14 +1,29 @@
 """``fedpipe bench privacy``: what an honest-but-curious server learns, and what defences cost.
 
-For every cut (head blocks) and every defence setting, one device trains for a few steps on its
-private text through a real StageServer over loopback gRPC; the server records what the stage
-link carries (:mod:`fedpipe_bench.privacy_traffic`) and attacks it with what a server has: the
-public base weights and public text of its own (:mod:`fedpipe_bench.privacy_attacks`).
+For every cut (head blocks) and every defence setting, one device trains on its private text
+through a real StageServer over loopback gRPC; the server records what the stage link carries
+(:mod:`fedpipe_bench.privacy_traffic`) and attacks it (:mod:`fedpipe_bench.privacy_attacks`)
+twice:
 
-Text: the bundled corpus (ten books of the King James Bible) split by book: the device's books
-(private; a tenth of their chapters held out for the loss) and the server's (public). Defence:
-per-token clipping to the median token norm the undefended run sent (activations and output
-gradients each), plus Gaussian noise of ``strength * clip`` per coordinate on both channels.
+- **fixed**: fitted once on what the public base weights make of the server's own public text,
+  undefended (an attacker that ignores the defence);
+- **adaptive**: fitted after the round on what the server then holds: the device's adapters
+  (they reach the ServerApp through Flower every round) run on the public text, the server's
+  own middle output for it, and the defence the device runs (its settings are the run's, known
+  to the server), with the attacker's own noise draws. A defence counts only against this one.
+
+Text: the bundled corpus (ten books of the King James Bible). The held-out set is the one the
+run's evaluator uses (``federated.eval_fraction`` of the documents, seeded by ``model.seed``);
+of the rest, the device's books are its private text and the other books the server's public
+text. Held-out loss is fedpipe's evaluator's: clean activations through the trained model.
+
+Defences (``privacy.*``; strengths are the noise multiplier, or the penalty's weight):
+
+- ``clip``: per-token clipping at the median token norm the undefended run sent (activations
+  and output gradients each), then isotropic Gaussian noise of ``strength * clip``;
+- ``token`` / ``token-dim``: noise scaled to each token (and dimension), nothing clipped;
+- ``decorrelation``: the head trained against a distance-correlation penalty (NoPeek);
+- ``decorrelation+token-dim``: both (the penalty's weight given as ``decorrelation``).
 """
 
 from __future__ import annotations
@@ -25,25 +40,65 @@ import torch
 from torch import Tensor
 
 from fedpipe.config import FedpipeConfig, load_config
-from fedpipe.data import BlockSampler, default_corpus, tokenize_blocks, train_eval_split
+from fedpipe.data import (
+    BlockSampler,
+    default_corpus,
+    held_out_blocks,
+    tokenize_blocks,
+    train_eval_split,
+)
 from fedpipe.edge.runtime import split_batch
+from fedpipe.messages import Kind
 from fedpipe.models import load_config as load_hf_config
 from fedpipe.models import load_tokenizer, resolve_model
-from fedpipe.privacy import ChannelNoise, LinkAccountant, releases_so_far
+from fedpipe.privacy import LinkAccountant, LinkDefence, releases_so_far
 from fedpipe.split import HeadStage, MiddleStage, TailStage, build_stage, split_layout
 from fedpipe_bench.privacy_attacks import (
     LabelAttack,
+    Prior,
     PublicGradients,
     ReconstructionAttack,
     label_features,
 )
 from fedpipe_bench.privacy_traffic import RunResult, record_training
 
-__all__ = ["DEFAULT", "DEFENCE", "QUICK", "BenchSize", "run_privacy_bench"]
+__all__ = ["DEFAULT", "QUICK", "BenchSize", "Setting", "run_privacy_bench"]
 
 log = logging.getLogger(__name__)
 
-DEFENCE = "privacy.activation_noise+privacy.gradient_noise"
+ATTACKERS = ("fixed", "adaptive")
+_ATTACKER_SEED = 1234  # the attacker's own noise draws (the device's come from the OS)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One defence at one strength, as the bench sets it in ``[privacy]``."""
+
+    defence: str  # none | clip | token | token-dim | decorrelation | decorrelation+token-dim
+    strength: float = 0.0  # noise multiplier; decorrelation alone: the penalty's weight
+    decorrelation: float = 0.0  # the penalty's weight beside noise (decorrelation+token-dim)
+
+    def overrides(self, clips: tuple[float, float]) -> dict[str, Any]:
+        """``privacy.*`` of this setting; ``clips`` are the undefended run's median norms."""
+        s = self.strength
+        if self.defence == "none":
+            return {}
+        if self.defence == "clip":
+            return {
+                "mechanism": "clip",
+                "activation_clip": clips[0],
+                "activation_noise": s,
+                "gradient_clip": clips[1],
+                "gradient_noise": s,
+            }
+        if self.defence in ("token", "token-dim"):
+            return {"mechanism": self.defence, "activation_noise": s, "gradient_noise": s}
+        if self.defence == "decorrelation":
+            return {"decorrelation": s}
+        if self.defence == "decorrelation+token-dim":
+            noise = {"mechanism": "token-dim", "activation_noise": s, "gradient_noise": s}
+            return {"decorrelation": self.decorrelation, **noise}
+        raise ValueError(f"unknown defence {self.defence!r}")
 
 
 @dataclass(frozen=True)
@@ -58,12 +113,46 @@ class BenchSize:
     public_blocks: int
     eval_blocks: int
     cuts: tuple[int, ...]
-    strengths: tuple[float, ...]  # noise multipliers of the defended rows
+    settings: tuple[Setting, ...]  # the defended rows (an undefended run comes first)
     lr: float = 2e-3
 
 
-DEFAULT = BenchSize("default", 32, 4, 2, 4, 48, 8, (1, 2), (0.03, 0.1, 0.3))
-QUICK = BenchSize("tiny-llama", 16, 4, 2, 2, 32, 4, (1,), (0.3,))
+def _sweep(defence: str, strengths: tuple[float, ...], weight: float = 0.0) -> list[Setting]:
+    return [Setting(defence, s, weight) for s in strengths]
+
+
+DEFAULT = BenchSize(
+    "default",
+    32,
+    4,
+    2,
+    16,
+    64,
+    16,
+    (1, 2),
+    (
+        *_sweep("clip", (0.01, 0.03, 0.1)),
+        *_sweep("token", (0.01, 0.03, 0.1)),
+        *_sweep("token-dim", (0.01, 0.03, 0.1)),
+        *_sweep("decorrelation", (1.0, 10.0, 100.0)),
+        *_sweep("decorrelation+token-dim", (0.01, 0.03), weight=10.0),
+    ),
+)
+QUICK = BenchSize(
+    "tiny-llama",
+    16,
+    4,
+    2,
+    2,
+    32,
+    4,
+    (1,),
+    (
+        Setting("clip", 0.3),
+        Setting("token-dim", 0.3),
+        Setting("decorrelation+token-dim", 0.3, 1.0),
+    ),
+)
 
 
 @dataclass
@@ -72,33 +161,51 @@ class _Data:
     releases: int  # how often the most-used private block was sent
     public: Tensor  # (N, T)
     held_out: Tensor  # (N, T)
+    eval_fraction: float
 
 
 @dataclass
 class _Base:
-    """The attacker's copy of the public base weights at one cut."""
+    """The attacker's copy of the public base weights at one cut, and the fixed attacks."""
 
     head: HeadStage
     tail: TailStage
-    public_hidden: Tensor  # the public text's head output, (N, T, C)
-    public_grads: PublicGradients  # and what its training would send up
+    public_hidden: Tensor  # the public text's base head output, (N, T, C)
+    public_grads: PublicGradients  # and what training on it would send up
+    reconstruction: ReconstructionAttack  # both fitted on all of the public text
+    label: LabelAttack
+    eval_loss: float  # the base model's held-out loss (before any training)
+
+    def fixed_on(self, public: Tensor, blocks: int) -> _Attacker:
+        """The fixed attacks fitted on the first ``blocks`` public blocks only."""
+        grads, labels = self.public_grads, (public.shape[1] - 1) * blocks
+        prior = Prior(grads.prior.values[:labels], grads.prior.indices[:labels])
+        return _Attacker(
+            ReconstructionAttack.fit(self.head, public[:blocks], self.public_hidden[:blocks]),
+            LabelAttack.fit(self.tail, grads.features(None)[:labels], prior, grads.labels[:labels]),
+            self.tail,
+        )
 
 
 def _data(size: BenchSize, folder: Path) -> _Data:
+    cfg = _config(size, 1)
     tokenizer = load_tokenizer(folder)
     docs = default_corpus()
+    train, held_out = train_eval_split(  # the split the run's evaluator makes
+        docs, eval_fraction=cfg.federated.eval_fraction, seed=cfg.model.seed
+    )
     books = sorted({d.source for d in docs})
-    private = [d for d in docs if books.index(d.source) % 2 == 0]
-    public = [d for d in docs if books.index(d.source) % 2 == 1]
-    train, held_out = train_eval_split(private, eval_fraction=0.1, seed=0)
+    private = [d for d in train if books.index(d.source) % 2 == 0]
+    public = [d for d in train if books.index(d.source) % 2 == 1]
     need = size.steps * size.batch_size
-    blocks = tokenize_blocks(train, tokenizer, size.seq_len, max_blocks=need)
+    blocks = tokenize_blocks(private, tokenizer, size.seq_len, max_blocks=need)
     sampler = BlockSampler(blocks, size.batch_size, seed=0)
     return _Data(
         batches=[sampler.batch(i) for i in range(size.steps)],
         releases=releases_so_far([sampler.indices(i) for i in range(size.steps)]),
         public=tokenize_blocks(public, tokenizer, size.seq_len, max_blocks=size.public_blocks),
-        held_out=tokenize_blocks(held_out, tokenizer, size.seq_len, max_blocks=size.eval_blocks),
+        held_out=held_out_blocks(held_out, tokenizer, size.seq_len, size.eval_blocks),
+        eval_fraction=cfg.federated.eval_fraction,
     )
 
 
@@ -119,8 +226,12 @@ def _config(size: BenchSize, head_layers: int) -> FedpipeConfig:
     )
 
 
+def _rows_per_message(size: BenchSize) -> int:
+    return max(1, size.batch_size // size.microbatches)
+
+
 @torch.no_grad()
-def _base(cfg: FedpipeConfig, folder: Path, public: Tensor) -> _Base:
+def _base(cfg: FedpipeConfig, folder: Path, data: _Data) -> _Base:
     plan = split_layout(
         load_hf_config(folder),
         head_layers=cfg.model.head_layers,
@@ -130,11 +241,24 @@ def _base(cfg: FedpipeConfig, folder: Path, public: Tensor) -> _Base:
     head = cast(HeadStage, build_stage(folder, plan, "head"))
     middle = cast(MiddleStage, build_stage(folder, plan, "middle"))
     tail = cast(TailStage, build_stage(folder, plan, "tail"))
-    hidden = torch.cat([head(chunk) for chunk in public.split(cfg.train.batch_size)])
-    x = torch.cat([middle(h) for h in hidden.split(cfg.train.batch_size)])
+    n = cfg.train.batch_size
+    hidden = torch.cat([head(chunk) for chunk in data.public.split(n)])
+    x = torch.cat([middle(h) for h in hidden.split(n)])
     with torch.enable_grad():
-        grads = PublicGradients.of(tail, x, public, cfg.train.batch_size)
-    return _Base(head, tail, hidden, grads)
+        grads = PublicGradients.of(tail, x, data.public, n)
+    loss_sum, tokens = 0.0, 0
+    for chunk in data.held_out.split(n):
+        part, count = tail(middle(head(chunk)), chunk)
+        loss_sum, tokens = loss_sum + float(part), tokens + int(count)
+    return _Base(
+        head,
+        tail,
+        hidden,
+        grads,
+        ReconstructionAttack.fit(head, data.public, hidden),
+        LabelAttack.fit(tail, grads.features(None), grads.prior, grads.labels),
+        loss_sum / max(tokens, 1),
+    )
 
 
 def _median_norm(tensors: list[Tensor]) -> float:
@@ -145,128 +269,233 @@ def _ids(run: RunResult, step: int, mb: int, microbatches: int) -> Tensor:
     return split_batch(run.batches[step], microbatches)[mb]["input_ids"]
 
 
-def _reconstruction_acc(
-    run: RunResult, base: _Base, public: Tensor, defend: ChannelNoise | None, m: int
-) -> float:
-    attack = ReconstructionAttack.fit(base.head, public, base.public_hidden, defend)
+@dataclass
+class _Attacker:
+    """Both attacks and the tail the label attack reads gradients through."""
+
+    reconstruction: ReconstructionAttack
+    label: LabelAttack
+    tail: TailStage
+
+
+@dataclass
+class _Traffic:
+    """Stage-link traffic with the token ids behind it (recorded, or the attacker's own)."""
+
+    activations: list[tuple[Tensor, Tensor]]  # (activation (b, T, C), ids (b, T))
+    grads: list[tuple[Tensor, Tensor, Tensor]]  # (output (b, T, C), grad (b, T, C), ids)
+    tokens: int  # the label count per step (the device's divisor)
+
+
+def _recorded(run: RunResult, size: BenchSize) -> _Traffic:
+    m = size.microbatches
+    acts = [(a, _ids(run, *key, m)) for key, a in sorted(run.tap.activations.items())]
+    grads = [
+        (run.tap.outputs[key], g, _ids(run, *key, m))
+        for key, g in sorted(run.tap.output_grads.items())
+    ]
+    return _Traffic(acts, grads, size.batch_size * (size.seq_len - 1))
+
+
+@torch.no_grad()
+def _simulated(
+    run: RunResult, ids: Tensor, outputs: Tensor, defence: LinkDefence | None, size: BenchSize
+) -> _Traffic:
+    """What a device holding the released adapters would send for ``ids`` (the attacker's
+    public text), defended as the run's devices are (with the attacker's noise)."""
+    rows = _rows_per_message(size)
+    tail = cast(TailStage, run.released.tail)
+    acts = []
+    for part in ids.split(rows):
+        hidden = run.released.head(part)
+        if defence is not None:
+            hidden = defence(Kind.ACTIVATION, hidden)
+        acts.append((hidden, part))
+    with torch.enable_grad():
+        public = PublicGradients.of(tail, outputs, ids, size.batch_size)
+    grads = []
+    for out, grad, part in zip(
+        outputs.split(rows), public.grads.split(rows), ids.split(rows), strict=True
+    ):
+        if defence is not None:
+            grad = defence(Kind.OUTPUT_GRAD, grad)
+        grads.append((out, grad, part))
+    return _Traffic(acts, grads, public.tokens)
+
+
+def _accuracy(traffic: _Traffic, attacker: _Attacker) -> dict[str, float]:
+    """Accuracy of both attacks on ``traffic`` (and of the label prior alone)."""
     hits = total = 0
-    for (step, mb), activation in sorted(run.tap.activations.items()):
-        ids = _ids(run, step, mb, m)
-        hits += int((attack.predict(activation) == ids).sum())
+    for activation, ids in traffic.activations:
+        hits += int((attacker.reconstruction.predict(activation) == ids).sum())
         total += ids.numel()
-    return hits / max(total, 1)
-
-
-def _label_acc(
-    run: RunResult, base: _Base, defend: ChannelNoise | None, size: BenchSize
-) -> tuple[float, float]:
-    """(attack accuracy, accuracy of the base model's own guess: the prior alone)."""
-    public = base.public_grads
-    attack = LabelAttack.fit(base.tail, public.features(defend), public.prior, public.labels)
+    rec = hits / max(total, 1)
     hits = prior_hits = total = 0
-    tokens = size.batch_size * (size.seq_len - 1)  # the step's label count (no padding here)
-    for key, grad in sorted(run.tap.output_grads.items()):
-        d, prior = label_features(base.tail, run.tap.outputs[key], grad, tokens)
-        truth = _ids(run, *key, size.microbatches)[:, 1:].reshape(-1)
-        hits += int((attack.predict(d, prior) == truth).sum())
+    for output, grad, ids in traffic.grads:
+        d, prior = label_features(attacker.tail, output, grad, traffic.tokens)
+        truth = ids[:, 1:].reshape(-1)
+        hits += int((attacker.label.predict(d, prior) == truth).sum())
         prior_hits += int((prior.indices[:, 0] == truth).sum())
         total += truth.numel()
-    return hits / max(total, 1), prior_hits / max(total, 1)
+    return {
+        "reconstruction_acc": rec,
+        "label_acc": hits / max(total, 1),
+        "label_prior_acc": prior_hits / max(total, 1),
+    }
 
 
-def _row(
+def _refit(traffic: _Traffic, head: HeadStage, tail: TailStage) -> _Attacker:
+    """Both attacks fitted on ``traffic`` (the attacker knows the ids: its own text)."""
+    ids = torch.cat([i for _, i in traffic.activations])
+    hidden = torch.cat([a for a, _ in traffic.activations])
+    reconstruction = ReconstructionAttack.fit(head, ids, hidden)
+    feats, priors, labels = [], [], []
+    for output, grad, part in traffic.grads:
+        d, prior = label_features(tail, output, grad, traffic.tokens)
+        feats.append(d)
+        priors.append(prior)
+        labels.append(part[:, 1:].reshape(-1))
+    label = LabelAttack.fit(tail, torch.cat(feats), Prior.cat(priors), torch.cat(labels))
+    return _Attacker(reconstruction, label, tail)
+
+
+def _adaptive(
+    cfg: FedpipeConfig, run: RunResult, base: _Base, data: _Data, size: BenchSize
+) -> _Attacker:
+    """The attacker after the round.
+
+    It simulates a device that holds the released adapters and runs the run's defence (with
+    the attacker's own noise draws) on its public text. Per attack, it compares a refit on
+    that traffic with the fixed attack, both fitted on three quarters of the public text and
+    scored on the last quarter's simulated traffic, and keeps the better, fitted on all of it.
+    It never sees the private ids.
+    """
+    defence = LinkDefence.from_config(cfg.privacy, seed=_ATTACKER_SEED)
+    outputs = run.released.public_outputs
+    assert outputs is not None
+    traffic = _simulated(run, data.public, outputs, defence, size)
+    cut = len(traffic.activations) * 3 // 4
+    fit = _Traffic(traffic.activations[:cut], traffic.grads[:cut], traffic.tokens)
+    check = _Traffic(traffic.activations[cut:], traffic.grads[cut:], traffic.tokens)
+    tail = cast(TailStage, run.released.tail)
+    fixed = _Attacker(base.reconstruction, base.label, base.tail)
+    refit_acc = _accuracy(check, _refit(fit, base.head, tail))
+    fixed_acc = _accuracy(check, base.fixed_on(data.public, cut * _rows_per_message(size)))
+    whole = _refit(traffic, base.head, tail)
+    refit_rec = refit_acc["reconstruction_acc"] >= fixed_acc["reconstruction_acc"]
+    refit_label = refit_acc["label_acc"] >= fixed_acc["label_acc"]
+    return _Attacker(
+        whole.reconstruction if refit_rec else fixed.reconstruction,
+        whole.label if refit_label else fixed.label,
+        tail if refit_label else base.tail,
+    )
+
+
+def _rows(
     size: BenchSize,
     cfg: FedpipeConfig,
     data: _Data,
     base: _Base,
     run: RunResult,
-    strength: float,
-    clips: tuple[float, float],
+    setting: Setting,
     wall_s: float,
-) -> dict[str, Any]:
-    gen = torch.Generator().manual_seed(1234)  # the attacker's own noise draws
-    act = ChannelNoise(clips[0], strength, gen) if strength > 0 else None
-    grad = ChannelNoise(clips[1], strength, gen) if strength > 0 else None
-    rec = _reconstruction_acc(run, base, data.public, act, size.microbatches)
-    label, prior = _label_acc(run, base, grad, size)
-    row: dict[str, Any] = {
+) -> list[dict[str, Any]]:
+    """One row per attacker for one training run."""
+    common: dict[str, Any] = {
         "head_layers": cfg.model.head_layers,
-        "defence": DEFENCE if strength > 0 else "none",
-        "strength": strength,
-        "activation_clip": clips[0] if strength > 0 else None,
-        "gradient_clip": clips[1] if strength > 0 else None,
-        "reconstruction_acc": rec,
-        "label_acc": label,
-        "label_prior_acc": prior,
+        "defence": setting.defence,
+        "strength": setting.strength,
+        "decorrelation": cfg.privacy.decorrelation,
+        "mechanism": cfg.privacy.mechanism if cfg.privacy.link_defended else None,
+        "activation_clip": cfg.privacy.activation_clip or None,
+        "gradient_clip": cfg.privacy.gradient_clip or None,
+        "head_dcor": run.decorrelation,
         "eval_loss": run.eval_loss,
         "eval_loss_defended": run.eval_loss_defended,
+        "base_eval_loss": base.eval_loss,
         "train_loss": run.train_loss,
         "epsilon": None,
         "delta": cfg.privacy.delta,
         "releases": data.releases,
         "wall_s": wall_s,
     }
-    if strength > 0:
-        accountant = LinkAccountant(strength, strength, size.seq_len, cfg.privacy.delta)
-        row["epsilon"] = accountant.epsilon(data.releases, ("activations", "gradients"))
-        row["epsilon_activations"] = accountant.epsilon(data.releases, ("activations",))
-    return row
+    accountant = LinkAccountant.from_config(cfg.privacy, seq_len=size.seq_len)
+    if accountant is not None:
+        common["epsilon"] = accountant.epsilon(data.releases, ("activations", "gradients"))
+        common["epsilon_activations"] = accountant.epsilon(data.releases, ("activations",))
+    traffic = _recorded(run, size)
+    fixed = _Attacker(base.reconstruction, base.label, base.tail)
+    adaptive = _adaptive(cfg, run, base, data, size)
+    return [
+        {**common, "attacker": "fixed", **_accuracy(traffic, fixed)},
+        {**common, "attacker": "adaptive", **_accuracy(traffic, adaptive)},
+    ]
 
 
 def _cut_rows(size: BenchSize, folder: Path, data: _Data, head_layers: int) -> list[dict[str, Any]]:
     cfg = _config(size, head_layers)
-    base = _base(cfg, folder, data.public)
-    start = time.perf_counter()
-    plain = record_training(cfg, folder, data.batches, data.held_out)
-    clips = (
-        _median_norm(list(plain.tap.activations.values())),
-        _median_norm(list(plain.tap.output_grads.values())),
-    )
-    rows = [_row(size, cfg, data, base, plain, 0.0, clips, time.perf_counter() - start)]
-    _progress(rows[-1])
-    for strength in size.strengths:
-        defended = replace(
-            cfg.privacy,
-            activation_clip=clips[0],
-            activation_noise=strength,
-            gradient_clip=clips[1],
-            gradient_noise=strength,
-        )
+    base = _base(cfg, folder, data)
+    clips = (0.0, 0.0)
+    rows: list[dict[str, Any]] = []
+    for setting in (Setting("none"), *size.settings):
+        privacy = replace(cfg.privacy, **setting.overrides(clips))
+        run_cfg = replace(cfg, privacy=privacy)
         start = time.perf_counter()
-        run = record_training(replace(cfg, privacy=defended), folder, data.batches, data.held_out)
-        rows.append(_row(size, cfg, data, base, run, strength, clips, time.perf_counter() - start))
-        _progress(rows[-1])
-    none = rows[0]["eval_loss"]
+        run = record_training(run_cfg, folder, data.batches, data.held_out, public=data.public)
+        wall = time.perf_counter() - start
+        if setting.defence == "none":  # the clip defence's norms: what this run sent
+            clips = (
+                _median_norm(list(run.tap.activations.values())),
+                _median_norm(list(run.tap.output_grads.values())),
+            )
+        rows += _rows(size, run_cfg, data, base, run, setting, wall)
+        for row in rows[-2:]:
+            _progress(row)
     for row in rows:
-        row["eval_loss_cost_pct"] = 100.0 * (row["eval_loss"] - none) / none
+        none = next(r for r in rows if r["defence"] == "none" and r["attacker"] == row["attacker"])
+        row["eval_loss_cost_pct"] = (
+            100.0 * (row["eval_loss"] - none["eval_loss"]) / none["eval_loss"]
+        )
+        gain = base.eval_loss - none["eval_loss"]  # what training bought, undefended
+        row["training_gain_kept"] = (base.eval_loss - row["eval_loss"]) / gain if gain else None
     return rows
 
 
 def _progress(row: dict[str, Any]) -> None:
     log.info(
-        "head %d, %s %.3g: reconstruction %.3f, label %.3f (prior %.3f), eval loss %.4f "
-        "(defended link %.4f), train %.0f s",
+        "head %d, %s %.3g, %s attacker: reconstruction %.3f, label %.3f (prior %.3f), "
+        "eval loss %.4f (base %.4f), train %.0f s",
         row["head_layers"],
         row["defence"],
         row["strength"],
+        row["attacker"],
         row["reconstruction_acc"],
         row["label_acc"],
         row["label_prior_acc"],
         row["eval_loss"],
-        row["eval_loss_defended"],
+        row["base_eval_loss"],
         row["wall_s"],
     )
 
 
+def _undefended(rows: list[dict[str, Any]], row: dict[str, Any]) -> dict[str, Any]:
+    return next(
+        r
+        for r in rows
+        if r["head_layers"] == row["head_layers"]
+        and r["defence"] == "none"
+        and r["attacker"] == row["attacker"]
+    )
+
+
 def _verdict(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Defended rows that at least halve both attacks at <= 2% held-out loss cost."""
+    """Adaptive-attacker rows that at least halve both attacks at <= 2% held-out loss cost."""
     out = []
     for row in rows:
-        none = next(
-            r for r in rows if r["head_layers"] == row["head_layers"] and r["defence"] == "none"
-        )
+        none = _undefended(rows, row)
         if (
-            row["defence"] != "none"
+            row["attacker"] == "adaptive"
+            and row["defence"] != "none"
             and row["reconstruction_acc"] <= none["reconstruction_acc"] / 2
             and row["label_acc"] <= none["label_acc"] / 2
             and row["eval_loss_cost_pct"] <= 2.0
@@ -275,8 +504,38 @@ def _verdict(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def _best(rows: list[dict[str, Any]], max_cost_pct: float = 2.0) -> list[dict[str, Any]]:
+    """Per cut, the adaptive-attacker row within ``max_cost_pct`` whose worse attack keeps the
+    smallest share of its undefended accuracy (the best trade-off found)."""
+    out = []
+    for cut in sorted({r["head_layers"] for r in rows}):
+        candidates = []
+        for row in rows:
+            if row["head_layers"] != cut or row["attacker"] != "adaptive":
+                continue
+            if row["defence"] == "none" or row["eval_loss_cost_pct"] > max_cost_pct:
+                continue
+            none = _undefended(rows, row)
+            kept = max(
+                row["reconstruction_acc"] / max(none["reconstruction_acc"], 1e-12),
+                row["label_acc"] / max(none["label_acc"], 1e-12),
+            )
+            candidates.append((kept, row))
+        if candidates:
+            kept, row = min(candidates, key=lambda c: c[0])
+            keys = ("head_layers", "defence", "strength", "decorrelation")
+            out.append(
+                {
+                    **{k: row[k] for k in keys},
+                    "worse_attack_keeps": kept,
+                    "eval_loss_cost_pct": row["eval_loss_cost_pct"],
+                }
+            )
+    return out
+
+
 def run_privacy_bench(size: BenchSize = DEFAULT) -> dict[str, Any]:
-    """Every cut x defence setting: attack accuracies, held-out loss and epsilon (rows)."""
+    """Every cut x defence setting x attacker: attack accuracies, held-out loss, epsilon."""
     torch.manual_seed(0)
     folder = resolve_model(size.model)
     data = _data(size, folder)
@@ -288,6 +547,7 @@ def run_privacy_bench(size: BenchSize = DEFAULT) -> dict[str, Any]:
         "model": size.model,
         "rows": rows,
         "halves_both_within_2pct": _verdict(rows),
+        "best_within_2pct": _best(rows),
         "chance_acc": 1.0 / vocab,
         "majority_token_acc": float(flat.bincount().max()) / flat.numel(),
         "settings": {
@@ -298,6 +558,10 @@ def run_privacy_bench(size: BenchSize = DEFAULT) -> dict[str, Any]:
             "lr": size.lr,
             "public_blocks": int(data.public.shape[0]),
             "eval_blocks": int(data.held_out.shape[0]),
+            "held_out": (
+                f"the run's evaluator's: federated.eval_fraction = {data.eval_fraction} of the "
+                "documents (seed model.seed), blocks spread over all of them"
+            ),
             "tail_layers": 1,
             "epsilon_unit": "one sample (a sequence of seq_len tokens), both channels",
         },

@@ -30,7 +30,7 @@ from fedpipe.server.stage_server import StageServer
 from fedpipe.server.streams import StreamHandle
 from fedpipe.wire.link_client import StageClient
 
-__all__ = ["RunResult", "Tap", "TappedRuntime", "record_training"]
+__all__ = ["Released", "RunResult", "Tap", "TappedRuntime", "record_training"]
 
 Key = tuple[int, int]  # (step, microbatch)
 
@@ -93,6 +93,21 @@ class TappedRuntime:
 
 
 @dataclass
+class Released:
+    """What the server holds after the round, which an adaptive attacker fits to.
+
+    The device's adapters reach the ServerApp through Flower every round: ``head`` and
+    ``tail`` are the device's stages with them. ``public_outputs`` is what the server's own
+    middle (its round's adapter merged) returns for the attacker's public text sent through
+    that head: the downlink tensors a device would get for that text.
+    """
+
+    head: nn.Module
+    tail: nn.Module
+    public_outputs: torch.Tensor | None  # (N, T, C); None when no public text was given
+
+
+@dataclass
 class RunResult:
     """One recorded training run: the tap, the device's batches and the held-out loss after."""
 
@@ -101,6 +116,8 @@ class RunResult:
     train_loss: float
     eval_loss: float  # fedpipe's evaluator: clean activations
     eval_loss_defended: float  # through the defended link, as the device itself would infer
+    released: Released
+    decorrelation: float | None = None  # the head's mean dCor with its tokens (if penalised)
 
 
 def record_training(
@@ -110,12 +127,15 @@ def record_training(
     eval_blocks: torch.Tensor,
     *,
     defence_seed: int | None = None,
+    public: torch.Tensor | None = None,
 ) -> RunResult:
     """Train one device for ``len(batches)`` steps over loopback gRPC, tapped at the server.
 
     A fresh server runtime and device (same initial adapters every call) per run; after the
     steps the server merges the device's adapter (as a committed round does) and the split
     model is evaluated on ``eval_blocks`` through the same server by an evaluator session.
+    ``public`` (the attacker's own text) is then sent through the released head to the server,
+    which keeps its outputs (:class:`Released`).
     """
     tap = Tap("device-0")
     runtime, split = build_runtime(cfg, folder=folder)
@@ -135,9 +155,40 @@ def record_training(
         if trainer.defence is not None:
             head = _DefendedHead(trainer.head, trainer.defence)
             defended = _evaluate(trainer, head, server.address, eval_blocks, cfg)
+        outputs = None
+        if public is not None:
+            outputs = _server_outputs(trainer, server.address, public, cfg)
     finally:
         server.stop(grace=None)
-    return RunResult(tap, batches, report.mean_loss, eval_loss, defended)
+    released = Released(trainer.head, trainer.tail, outputs) if trainer.tail else None
+    if released is None:
+        raise ValueError("the privacy bench taps the U-shaped split: the device needs a tail")
+    dcor = report.privacy.get("privacy-decorrelation")
+    return RunResult(tap, batches, report.mean_loss, eval_loss, defended, released, dcor)
+
+
+@torch.no_grad()
+def _server_outputs(
+    trainer: DeviceTrainer, address: str, blocks: torch.Tensor, cfg: FedpipeConfig
+) -> torch.Tensor:
+    """The server's middle output for ``blocks`` sent through the device's released head."""
+    outputs = []
+    with StageClient(address) as client:
+        session = client.open_session(
+            device_id="attacker", round_=1, timeout_s=cfg.pipeline.timeout_s, split=trainer.split
+        )
+        with session:
+            for batch in torch.split(blocks, cfg.train.batch_size):  # as evaluate() sends
+                parts = batch.tensor_split(min(cfg.pipeline.microbatches, len(batch)))
+                for mb, part in enumerate(parts):
+                    msg = StageMsg(Kind.ACTIVATION, 0, mb, tensor=trainer.head(part))
+                    msg.forward_only = True
+                    session.send(msg)
+                for mb in range(len(parts)):
+                    reply = session.receive(Kind.OUTPUT, 0, mb)
+                    assert reply.tensor is not None
+                    outputs.append(reply.tensor.float())
+    return torch.cat(outputs)
 
 
 class _DefendedHead(nn.Module):

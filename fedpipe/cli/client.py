@@ -30,6 +30,7 @@ def client_setup(args: argparse.Namespace) -> ClientSetup:
         stage_cert=args.tls_cert,
         stage_key=args.tls_key,
         cut=args.cut,
+        privacy=args.privacy,
     )
 
 
@@ -44,6 +45,8 @@ def node_config(setup: ClientSetup) -> dict[str, Any]:
         config["data"] = str(Path(setup.data).expanduser().resolve())
     if setup.cut:
         config["cut"] = setup.cut
+    if setup.privacy:
+        config["privacy"] = setup.privacy
     if setup.stage_server:
         config["stage-address"] = setup.stage_server
     if setup.stage_ca:

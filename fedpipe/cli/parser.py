@@ -200,6 +200,14 @@ def _add_client(sub: Any) -> None:
         "(default: the run's model.head_layers+model.tail_layers)",
     )
     p.add_argument(
+        "--privacy",
+        metavar="SPEC",
+        default="",
+        help="this device's own stage-link defences over the run's [privacy], e.g. "
+        "'mechanism=token,activation_noise=0.1,gradient_noise=0.1' or 'decorrelation=0.5' "
+        "or 'off' (default: the run's, or privacy.devices)",
+    )
+    p.add_argument(
         "--supernode-port", type=int, help="this SuperNode's own port (default: a free one)"
     )
     _deprecated(p, "--port", "--supernode-port PORT", dest="supernode_port", type=int)

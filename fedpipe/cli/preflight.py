@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from fedpipe.config import FedpipeConfig, parse_cuts
+from fedpipe.config import FedpipeConfig, PrivacyConfig, parse_cuts
 from fedpipe.data import default_corpus, load_documents, partition, train_eval_split
 from fedpipe.errors import FedpipeError
 from fedpipe.link import link_names, parse_device_profile, parse_link, split_specs
@@ -442,6 +442,7 @@ class ClientSetup:
     stage_cert: str | None = None  # mutual TLS on the stage link: this device's certificate
     stage_key: str | None = None
     cut: str = ""  # this device's head+tail blocks ("" = the run's)
+    privacy: str = ""  # this device's own defences over the run's [privacy] ("" = the run's)
 
 
 def _check_cut(cut: str) -> None:
@@ -450,6 +451,14 @@ def _check_cut(cut: str) -> None:
             raise ValueError(f"--cut {cut!r}: a device runs one cut, such as 2+1")
     except ValueError as exc:
         raise SettingsError(str(exc)) from None
+
+
+def _check_privacy(spec: str) -> None:
+    """The spec's keys and values alone; how they fit the run is checked when it starts."""
+    try:
+        PrivacyConfig().for_device(spec)
+    except ValueError as exc:
+        raise SettingsError(f"--privacy {spec!r}: {exc}") from None
 
 
 def check_client(setup: ClientSetup) -> None:
@@ -461,6 +470,7 @@ def check_client(setup: ClientSetup) -> None:
         )
     check_profiles([setup.profile], "--profile")
     _check_cut(setup.cut)
+    _check_privacy(setup.privacy)
     if setup.data:
         check_data(setup.data, "--data")
     for ca in (setup.superlink_ca, setup.stage_ca):

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, get_type_hints
 
 from fedpipe.config.codecs import check_codec, codec_bits, codec_help, codec_token_groups
+from fedpipe.config.privacy_spec import MECHANISMS, parse_privacy_spec, parse_privacy_specs
 from fedpipe.config.profile_spec import parse_device_profiles
 
 __all__ = [
@@ -545,33 +546,67 @@ class FederatedConfig:
 class PrivacyConfig:
     """Defences on what a device sends (fedpipe.privacy); all off by default.
 
-    Stage link: each token's vector of the activations (and of the output gradients) a device
-    sends up is clipped to L2 norm ``*_clip``, then Gaussian noise of standard deviation
-    ``*_noise * *_clip`` is added to every coordinate. The (epsilon, delta) guarantee is per
-    sample (one training sequence) and is reported per device and round. Adapters: Flower's
-    fixed-clipping DP wrappers (``adapter_dp`` = server | client) with ``adapter_noise`` and
-    ``adapter_clip``.
+    Stage link, by ``mechanism``:
+
+    - ``clip``: each token's vector of the activations (and of the output gradients) a device
+      sends up is clipped to L2 norm ``*_clip``, then Gaussian noise of standard deviation
+      ``*_noise * *_clip`` is added to every coordinate. The (epsilon, delta) guarantee is per
+      sample (one training sequence) and is reported per device and round.
+    - ``token``: no clipping; every coordinate of a token's vector gets Gaussian noise of
+      standard deviation ``*_noise`` times the token's own norm (the same signal-to-noise ratio
+      for every token). An empirical defence: no (epsilon, delta).
+    - ``token-dim``: as ``token``, with the same noise energy spread over the dimensions as the
+      microbatch's own energy is (a dimension that carries more signal gets more noise).
+
+    ``decorrelation`` > 0 trains the device's head to hide which token it read: a distance-
+    correlation penalty (NoPeek) between the tokens and the activations sent up, added to the
+    task loss with this weight. ``devices``: per-device overrides of the device-side keys
+    (fedpipe.config.privacy_spec). Adapters: Flower's fixed-clipping DP wrappers
+    (``adapter_dp`` = server | client) with ``adapter_noise`` and ``adapter_clip``.
     """
 
+    mechanism: str = "clip"  # clip | token | token-dim: how the link's noise is calibrated
     activation_clip: float = 0.0  # per-token L2 norm bound of activations sent up; 0 = off
-    activation_noise: float = 0.0  # noise multiplier: std = activation_noise * activation_clip
+    activation_noise: float = 0.0  # std = noise * clip (clip) or * the token's norm (token)
     gradient_clip: float = 0.0  # per-token L2 norm bound of output gradients sent up; 0 = off
-    gradient_noise: float = 0.0  # noise multiplier: std = gradient_noise * gradient_clip
+    gradient_noise: float = 0.0  # as activation_noise, on the output gradients
+    decorrelation: float = 0.0  # weight of the head's distance-correlation penalty; 0 = off
+    devices: str = ""  # per-device overrides, cycled over simulated devices ("" = the run's)
     delta: float = 1e-5  # the delta of the reported (epsilon, delta)
     adapter_dp: str = "off"  # off | server | client: Flower's fixed-clipping DP on adapters
     adapter_noise: float = 1.0  # Flower's noise_multiplier (with adapter_dp)
     adapter_clip: float = 1.0  # Flower's clipping_norm of a device's adapter update
 
     def __post_init__(self) -> None:
+        _check(
+            self.mechanism in MECHANISMS,
+            f"privacy.mechanism must be one of {', '.join(MECHANISMS)}, got {self.mechanism!r}",
+        )
         for name in ("activation", "gradient"):
             clip, noise = getattr(self, f"{name}_clip"), getattr(self, f"{name}_noise")
             _check(clip >= 0, f"privacy.{name}_clip must be >= 0 (0 = off), got {clip}")
             _check(noise >= 0, f"privacy.{name}_noise must be >= 0, got {noise}")
-            _check(
-                noise == 0 or clip > 0,
-                f"privacy.{name}_noise = {noise} needs privacy.{name}_clip > 0: the noise is "
-                "calibrated to the clipping norm",
-            )
+            if self.mechanism == "clip":
+                _check(
+                    noise == 0 or clip > 0,
+                    f"privacy.{name}_noise = {noise} needs privacy.{name}_clip > 0: the noise "
+                    "is calibrated to the clipping norm (or set privacy.mechanism = token)",
+                )
+            else:
+                _check(
+                    clip == 0,
+                    f"privacy.mechanism = {self.mechanism} scales the noise to each token's own "
+                    f"norm and clips nothing, but privacy.{name}_clip = {clip}: set it to 0",
+                )
+        _check(
+            self.decorrelation >= 0,
+            f"privacy.decorrelation must be >= 0 (0 = off), got {self.decorrelation}",
+        )
+        for entry in parse_privacy_specs(self.devices, "privacy.devices"):
+            try:
+                replace(self, devices="", **entry)
+            except ValueError as exc:
+                raise ValueError(f"privacy.devices entry {entry}: {exc}") from None
         _check(0 < self.delta < 1, f"privacy.delta must be in (0, 1), got {self.delta}")
         _check(
             self.adapter_dp in ("off", "server", "client"),
@@ -581,6 +616,18 @@ class PrivacyConfig:
             self.adapter_noise >= 0, f"privacy.adapter_noise must be >= 0, got {self.adapter_noise}"
         )
         _check(self.adapter_clip > 0, f"privacy.adapter_clip must be > 0, got {self.adapter_clip}")
+
+    @property
+    def link_defended(self) -> bool:
+        """Whether anything is done to the tensors a device sends up (noise or clipping)."""
+        if self.mechanism == "clip":
+            return self.activation_clip > 0 or self.gradient_clip > 0
+        return self.activation_noise > 0 or self.gradient_noise > 0
+
+    def for_device(self, spec: str | dict[str, Any]) -> PrivacyConfig:
+        """The run's settings with a device's own overrides (a spec string or parsed)."""
+        entry = parse_privacy_spec(spec, "--privacy") if isinstance(spec, str) else spec
+        return replace(self, devices="", **entry) if entry else self
 
 
 @dataclass(frozen=True)
@@ -609,12 +656,41 @@ class FedpipeConfig:
             "a round, but federated.aggregation = stack restarts the adapters every round "
             "(nothing to read); use separate, exact or ffa, or set pipeline.freeze = off",
         )
+        for entry in ({}, *parse_privacy_specs(self.privacy.devices, "privacy.devices")):
+            self._check_device_privacy(self.privacy.for_device(entry))
+
+    def _check_device_privacy(self, privacy: PrivacyConfig) -> None:
+        """The device-side defences a device runs (the run's, or its own) fit its pipeline."""
+        clipped = privacy.mechanism == "clip" and privacy.activation_clip > 0
         _check(
-            not (self.pipeline.recompute_head and self.privacy.activation_clip > 0),
+            not (self.pipeline.recompute_head and clipped),
             "pipeline.recompute_head = true cannot be combined with privacy.activation_clip > 0: "
             "the recomputed head would not see the clipping and noise that were sent; "
             "turn one of them off",
         )
+        _check(
+            not (self.pipeline.recompute_head and privacy.decorrelation > 0),
+            "pipeline.recompute_head = true cannot be combined with privacy.decorrelation > 0: "
+            "the penalty needs the head's forward graph, which recompute drops; "
+            "turn one of them off",
+        )
+        _check(
+            self.pipeline.device_trains or privacy.decorrelation == 0,
+            "privacy.decorrelation > 0 trains the device's head, but pipeline.device_trains = "
+            "false freezes it: turn one of them off",
+        )
+
+    def for_device_privacy(self, spec: str | dict[str, Any]) -> FedpipeConfig:
+        """A copy whose ``privacy`` has a device's own overrides (checked against the pipeline)."""
+        privacy = self.privacy.for_device(spec)
+        return self if privacy == self.privacy else replace(self, privacy=privacy)
+
+    def device_privacy(self, partition: int) -> dict[str, Any]:
+        """Simulated device ``partition``'s overrides: ``privacy.devices`` cycled ({} = none)."""
+        entries = parse_privacy_specs(self.privacy.devices, "privacy.devices")
+        if partition < 0 or not entries:
+            return {}
+        return entries[partition % len(entries)]
 
     def _check_cuts(self) -> None:
         """Mode "two" varies only the head; every simulated device's cut must be offered."""

@@ -106,6 +106,7 @@ class _StepState:
     total_tokens: int
     schedule: Schedule
     heads: dict[int, torch.Tensor] = field(default_factory=dict)  # mb -> head output (graph)
+    penalties: dict[int, torch.Tensor] = field(default_factory=dict)  # mb -> head penalty
     loss_sums: list[float] = field(default_factory=list)
     done: set[Action] = field(default_factory=set)
     server_s: float = 0.0
@@ -131,6 +132,7 @@ class DeviceRuntime:
         frozen_head: bool = False,
         recompute_head: bool = False,
         transform_up: Callable[[Kind, torch.Tensor], torch.Tensor] | None = None,
+        head_penalty: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None,
     ) -> None:
         self.head = head
         self.tail = tail
@@ -150,6 +152,9 @@ class DeviceRuntime:
         # Privacy defences (fedpipe.privacy): applied to ACTIVATION and OUTPUT_GRAD tensors of
         # training steps just before sending; training continues from what was sent.
         self.transform_up = transform_up
+        # A loss term on the head's output, (input_ids, output, 1/microbatches) -> scalar, in
+        # the head's graph (privacy.decorrelation); its gradient joins the server's on backward.
+        self.head_penalty = head_penalty
         make_schedule(schedule, microbatches, has_tail=tail is not None)  # validate early
 
     def train_step(self, batch: dict[str, torch.Tensor], *, step: int) -> StepResult:
@@ -176,6 +181,7 @@ class DeviceRuntime:
             return self._walk(state)
         except BaseException:
             state.heads.clear()  # the graphs of microbatches whose backward never came
+            state.penalties.clear()
             self._clear_grads()
             log.warning("step %d failed; its gradients and stashed activations are dropped", step)
             raise
@@ -271,6 +277,9 @@ class DeviceRuntime:
         keep_graph = not (self.frozen_head or self.recompute_head)
         with self._compute(f"F{mb}", "device"), torch.set_grad_enabled(keep_graph):
             h = self.head(data["input_ids"])  # (b, T, C); frozen or recompute: no graph kept
+            if self.head_penalty is not None and keep_graph:
+                scale = 1.0 / state.schedule.num_microbatches
+                state.penalties[mb] = self.head_penalty(data["input_ids"], h, scale)
             if self.transform_up is not None:  # in the graph: head backward sees what was sent
                 h = self.transform_up(Kind.ACTIVATION, h)
         state.heads[mb] = h
@@ -312,7 +321,11 @@ class DeviceRuntime:
         with self._compute(f"B{mb}", "device"):
             if self.recompute_head:  # the same forward again, this time with its graph
                 head = self.head(state.microbatches[mb]["input_ids"])
-            head.backward(reply.tensor)
+            penalty = state.penalties.pop(mb, None)
+            if penalty is None:
+                head.backward(reply.tensor)
+            else:  # one backward through the head for both (the graph is freed after it)
+                torch.autograd.backward([head, penalty], [reply.tensor, None])
 
     def _server_span(self, name: str, mb: int, reply: StageMsg, state: _StepState) -> None:
         """Record the server's compute for this reply (placed just before its receipt)."""

@@ -34,7 +34,7 @@ from fedpipe.lora.aggregation import BaseFold, split_deltas
 from fedpipe.lora.freezing import freeze_blocks
 from fedpipe.models import load_config, model_family, model_fingerprint, resolve_model
 from fedpipe.models.cache import write_atomic
-from fedpipe.privacy import LinkDefence
+from fedpipe.privacy import Decorrelation, LinkDefence
 from fedpipe.split import SplitTerms, build_device_stages, split_layout
 from fedpipe.trace import Tracer
 from fedpipe.wire.link_client import StageClient, StageSession
@@ -126,7 +126,9 @@ class RoundReport:
     wall_s: float = 0.0
     peak_rss_mb: float = 0.0  # the process's peak resident memory so far (ru_maxrss)
     plan: dict[str, str | int | float] = field(default_factory=dict)  # pipeline.plan = auto
-    privacy: dict[str, float] = field(default_factory=dict)  # LinkAccountant.report(), if noised
+    # The device's own defences' figures (LinkAccountant.report(), the head's dCor); sent in a
+    # record of their own, not with the metrics (devices may run different defences)
+    privacy: dict[str, float] = field(default_factory=dict)
     # pipeline.delta: activation rows sent as differences / whole, and whether the server
     # resumed the device's cache from its last round (None: no delta coding)
     delta_rows: tuple[int, int] = (0, 0)
@@ -151,7 +153,6 @@ class RoundReport:
             "wall-s": self.wall_s,
             "peak-rss-mb": self.peak_rss_mb,
             "stash-peak": max((s.stash_peak for s in self.steps), default=0),
-            **self.privacy,
             **self._delta_metrics(),
         }
 
@@ -187,6 +188,9 @@ class DeviceTrainer:
         self.tracer = Tracer()
         # Clipping and noise on what goes up the stage link; None (the default) sends as is.
         self.defence = LinkDefence.from_config(config.privacy)
+        # privacy.decorrelation: the head learns to hide its tokens (a penalty beside the loss)
+        weight = config.privacy.decorrelation
+        self.decorrelation = Decorrelation(weight) if weight > 0 else None
         slowdown = profile.compute_slowdown if profile else 1.0
         self.throttle = ComputeThrottle(slowdown, RealClock()) if slowdown > 1.0 else None
         self.planner = DevicePlanner(self) if config.pipeline.plan == "auto" else None
@@ -419,6 +423,7 @@ class DeviceTrainer:
             frozen_head=self.frozen,
             recompute_head=cfg.pipeline.recompute_head,
             transform_up=self.defence,
+            head_penalty=self.decorrelation,
         )
         return session, runtime
 
@@ -461,6 +466,9 @@ class DeviceTrainer:
             report.delta_reset_reason = session.delta_reset_reason
         report.wall_s = time.perf_counter() - start
         report.peak_rss_mb = peak_rss_mb()
+        dcor = self.decorrelation.take_mean() if self.decorrelation is not None else None
+        if dcor is not None:  # the head's mean distance correlation with its tokens this round
+            report.privacy["privacy-decorrelation"] = dcor
         return report
 
     def _train_steps(

@@ -13,13 +13,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message
 from flwr.clientapp import ClientApp
 
 from fedpipe.config import format_cut
 from fedpipe.fl.adapter_codec import adapter_codec_mod
 from fedpipe.fl.adapter_dp import adapter_clipping_mod
 from fedpipe.fl.device_work import DeviceWork, RunSettings, run_settings
+from fedpipe.fl.replies import train_content
 
 __all__ = ["client_app"]
 
@@ -100,6 +101,7 @@ def client_train(msg: Message, context: Context) -> Message:
         stage_key=str(node.get("stage-key", "")),
         cut=str(node.get("cut", "")),  # `fedpipe client --cut`; else federated.device_cuts
         delta_dir=_delta_dir(node, run),
+        privacy=str(node.get("privacy", "")),  # `fedpipe client --privacy`; else privacy.devices
     )
     config = cast(ConfigRecord, msg.content["config"])
     round_ = int(cast(int, config["fedpipe-round"]))
@@ -121,14 +123,7 @@ def client_train(msg: Message, context: Context) -> Message:
         trace_dir=Path(run.dir) / "traces" if run.dir else None,
         frozen_below=int(cast(int, config.get("fedpipe-frozen-below", 0))),
     )
-    metrics: dict[str, int | float | list[int] | list[float]] = {
-        **report.metrics(),
-        "partition-id": partition,
-    }
-    content = RecordDict(
-        {"arrays": ArrayRecord(work.trainer.adapters()), "metrics": MetricRecord(metrics)}
+    content = train_content(
+        report, work.trainer.adapters(), partition, format_cut(work.trainer.cut)
     )
-    if report.plan:
-        content["plan"] = ConfigRecord(dict(report.plan))
-    content["device"] = ConfigRecord({"cut": format_cut(work.trainer.cut)})
     return Message(content=content, reply_to=msg)

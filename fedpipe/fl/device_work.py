@@ -123,12 +123,16 @@ class DeviceWork:
         stage_key: str = "",
         cut: str = "",
         delta_dir: str = "",
+        privacy: str = "",
     ) -> None:
         # The device's cut: its own (`fedpipe client --cut`), else federated.device_cuts
         # cycled over partitions, else the model's; the server must offer it (model.cuts).
         chosen = parse_cuts(cut, "--cut") or (cfg.device_cut(partition),)
         self.cut = chosen[0]
         cfg = cfg.with_cut(self.cut)
+        # The device's own defences (`fedpipe client --privacy`), else privacy.devices cycled
+        # over partitions, else the run's [privacy].
+        cfg = cfg.for_device_privacy(privacy or cfg.device_privacy(partition))
         self.cfg, self.partition = cfg, partition
         # The device's own files (node config / `fedpipe client` flags), never the server's:
         # the StageServer's CA, and its client certificate and key for mutual TLS.
@@ -203,7 +207,7 @@ class DeviceWork:
                 token=token,
                 proximal_mu=proximal_mu,
             )
-        report.privacy = self._privacy(sampler, (round_ + 1) * steps)
+        report.privacy.update(self._privacy(sampler, (round_ + 1) * steps))
         if trace_dir is not None and trace_dir.parent.is_dir():  # only where the run folder is
             path = trace_dir / f"device-{self.partition}-round-{round_}.json"
             self.trainer.tracer.write(path, pid=f"device {self.partition}")

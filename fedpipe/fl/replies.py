@@ -7,8 +7,11 @@ honest device of the run sends, and a reply that is anything else is that device
 - **arrays**: exactly the adapter keys of the cut the device declares (one the server offers),
   each of the global adapter's shape, finite; never a folded base delta (``*.base_delta``: only
   the ServerApp folds them) and never a key no cut holds;
-- **metrics**: the keys a fedpipe device sends (:data:`METRIC_KEYS`, plus the privacy and delta
-  coding ones its settings add), each a finite number;
+- **metrics**: the keys a fedpipe device sends (:data:`METRIC_KEYS`, plus the delta coding ones
+  its settings add), each a finite number;
+- **privacy**: the figures of the device's own stage-link defences (:data:`PRIVACY_KEYS`), each
+  a finite number, in a record of their own: devices may run different defences, and Flower
+  aggregates a round's metrics only when every device sends the same keys;
 - **the weight** ``num-examples``: a whole number from 0 to what the round lets a device train
   (``train.batch_size x train.local_steps``); a claim past it is refused, not trusted.
 """
@@ -21,12 +24,20 @@ from dataclasses import dataclass
 from typing import cast
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
 from fedpipe.config import FedpipeConfig, format_cut
+from fedpipe.edge.trainer import RoundReport
 from fedpipe.lora.aggregation import DELTA_SUFFIX, adapter_block
 
-__all__ = ["METRIC_KEYS", "ReplyRules", "check_reply", "device_keys"]
+__all__ = [
+    "METRIC_KEYS",
+    "PRIVACY_KEYS",
+    "ReplyRules",
+    "check_reply",
+    "device_keys",
+    "train_content",
+]
 
 # What every fedpipe device reports (fedpipe.edge.trainer.RoundReport.metrics, the ClientApp).
 METRIC_KEYS = frozenset(
@@ -44,16 +55,18 @@ METRIC_KEYS = frozenset(
         "partition-id",
     }
 )
-# What settings add: stage-link privacy (LinkAccountant.report) and delta coding.
-_OPTIONAL_KEYS = frozenset(
+# What settings add: delta coding.
+_OPTIONAL_KEYS = frozenset({"delta-hit-rate", "delta-resumed"})
+# The reply's "privacy" record: LinkAccountant.report and, under privacy.decorrelation, the
+# head's mean distance correlation with its tokens.
+PRIVACY_KEYS = frozenset(
     {
         "privacy-releases",
         "privacy-delta",
         "privacy-epsilon",
         "privacy-epsilon-activations",
         "privacy-epsilon-gradients",
-        "delta-hit-rate",
-        "delta-resumed",
+        "privacy-decorrelation",
     }
 )
 
@@ -102,7 +115,7 @@ def _problem(reply: Message, rules: ReplyRules) -> str:
     arrays, metrics = content.get("arrays"), content.get("metrics")
     if not isinstance(arrays, ArrayRecord) or not isinstance(metrics, MetricRecord):
         return "the reply has no adapters ('arrays') or no metrics ('metrics')"
-    why = _metrics_problem(metrics, rules.max_examples)
+    why = _metrics_problem(metrics, rules.max_examples) or _privacy_problem(content)
     if why:
         return why
     device = content.get("device", ConfigRecord())
@@ -131,6 +144,37 @@ def _metrics_problem(metrics: MetricRecord, max_examples: int) -> str:
             "(train.batch_size x train.local_steps)"
         )
     return ""
+
+
+def _privacy_problem(content: RecordDict) -> str:
+    if "privacy" not in content:
+        return ""
+    record = content["privacy"]
+    if not isinstance(record, ConfigRecord):
+        return "its 'privacy' record is not a ConfigRecord"
+    extra = sorted(set(record.keys()) - PRIVACY_KEYS)
+    if extra:
+        return f"its privacy record carries keys no fedpipe device sends: {', '.join(extra[:5])}"
+    for key, value in record.items():
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return f"privacy figure {key} is {value!r}, not a finite number"
+        if not math.isfinite(float(value)):
+            return f"privacy figure {key} is {value!r}, not a finite number"
+    return ""
+
+
+def train_content(
+    report: RoundReport, adapters: dict[str, torch.Tensor], partition: int, cut: str
+) -> RecordDict:
+    """A device's train reply: adapters, metrics, and its plan, privacy figures and cut."""
+    metrics = MetricRecord({**report.metrics(), "partition-id": partition})
+    content = RecordDict({"arrays": ArrayRecord(adapters), "metrics": metrics})
+    if report.plan:
+        content["plan"] = ConfigRecord(dict(report.plan))
+    if report.privacy:
+        content["privacy"] = ConfigRecord(dict(report.privacy))
+    content["device"] = ConfigRecord({"cut": cut})
+    return content
 
 
 def _arrays_problem(arrays: ArrayRecord, expected: Mapping[str, tuple[int, ...]], cut: str) -> str:

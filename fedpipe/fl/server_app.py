@@ -207,6 +207,8 @@ class Rounds:
             metrics.pop("partition_id", None)  # in the device fields already
             if "plan" in reply.content:  # pipeline.plan = auto: the device's plan and its times
                 metrics["plan"] = dict(cast(ConfigRecord, reply.content["plan"]))
+            if "privacy" in reply.content:  # the device's own defences' figures
+                metrics |= _snake_case(dict(cast(ConfigRecord, reply.content["privacy"])))
             record = cast(ConfigRecord, reply.content.get("device", ConfigRecord()))
             if "cut" in record:  # head+tail blocks the device ran (model.cuts)
                 metrics["cut"] = str(record["cut"])
@@ -353,7 +355,8 @@ def _log_privacy(round_: int, ok: list[Message]) -> None:
     """The stage link's worst (largest) epsilon over the round's devices, when one is noised."""
     worst: dict[str, float] = {}
     for reply in ok:
-        for key, value in reply.content["metrics"].items():
+        record = cast(ConfigRecord, reply.content.get("privacy", ConfigRecord()))
+        for key, value in record.items():
             if key.startswith("privacy-epsilon"):
                 worst[key] = max(worst.get(key, 0.0), float(cast(float, value)))
     if worst:

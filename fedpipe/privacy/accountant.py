@@ -67,7 +67,10 @@ class LinkAccountant:
 
     @classmethod
     def from_config(cls, cfg: PrivacyConfig, *, seq_len: int) -> LinkAccountant | None:
-        """None when no channel is noised (then no guarantee applies)."""
+        """None when no channel is noised, or the mechanism bounds nothing (then no guarantee
+        applies: ``token`` and ``token-dim`` scale the noise to the token, unclipped)."""
+        if cfg.mechanism != "clip":
+            return None
         act = cfg.activation_noise if cfg.activation_clip > 0 else 0.0
         grad = cfg.gradient_noise if cfg.gradient_clip > 0 else 0.0
         if act == 0 and grad == 0:

@@ -12,6 +12,15 @@ per-sample bound would be spent on that one token and shrink every other token t
 per-token bound keeps every position on one scale. Noise of standard deviation
 ``noise * clip`` is then added to every coordinate.
 
+Two other mechanisms (``privacy.mechanism``) clip nothing and scale the noise to each token
+instead (:class:`TokenNoise`): ``token`` adds noise of standard deviation ``noise`` times the
+token's own norm to each coordinate (the clip mechanism's formula, with the token's norm in
+place of the clip); ``token-dim`` spreads the same noise energy over the dimensions as the
+microbatch's energy is spread, so that every dimension keeps the same signal-to-noise ratio.
+Neither bounds a token's influence, so neither has an (epsilon, delta); both keep the first
+token's large vector (which the model's later blocks rely on) at its size, where clipping at a
+typical token's norm shrinks it.
+
 The noise is drawn from a generator seeded by the operating system, never from the run's
 ``model.seed``: the server knows the run config, and noise it could regenerate would protect
 nothing. (Tests pass a seed explicitly.)
@@ -27,7 +36,7 @@ from torch import Tensor
 from fedpipe.config import PrivacyConfig
 from fedpipe.messages import Kind
 
-__all__ = ["ChannelNoise", "LinkDefence", "clip_per_token"]
+__all__ = ["ChannelNoise", "LinkDefence", "TokenNoise", "clip_per_token"]
 
 _EPS = 1e-12
 
@@ -62,6 +71,43 @@ class ChannelNoise:
         return clipped + (draw * self.std).to(device=x.device, dtype=x.dtype)  # a constant
 
 
+class TokenNoise:
+    """Gaussian noise scaled to each token's own norm (``token``), and per dimension to the
+    microbatch's energy (``token-dim``); nothing is clipped.
+
+    For a token vector ``x_t`` (C values) the noise on dimension ``d`` has standard deviation
+    ``noise * |x_t| * sqrt(C) * q_d``: ``q_d = 1 / sqrt(C)`` (``token``: ``noise * |x_t|`` on
+    every coordinate), or ``q_d`` the root mean square of ``x[:, d] / |x|`` over the tensor's
+    tokens (``token-dim``). Either way ``sum_d q_d^2 = 1``, so a token's noise has expected norm
+    ``noise * sqrt(C) * |x_t|`` under both. The scale is computed from the values without a
+    graph: the noise is a constant added to the tensor.
+    """
+
+    def __init__(self, noise: float, generator: torch.Generator, *, per_dim: bool) -> None:
+        if noise < 0:
+            raise ValueError(f"need noise >= 0, got {noise}")
+        self.noise, self.generator, self.per_dim = noise, generator, per_dim
+
+    def scale(self, x: Tensor) -> Tensor:
+        """(..., C) standard deviations of the noise on ``x`` (before the multiplier)."""
+        x = x.detach().float()
+        norms = x.norm(dim=-1, keepdim=True)  # (..., 1)
+        if not self.per_dim:
+            return norms.expand_as(x)
+        share = (x / (norms + _EPS)).reshape(-1, x.shape[-1]).pow(2).mean(dim=0)  # (C,)
+        return norms * (share * x.shape[-1]).sqrt()
+
+    def __call__(self, x: Tensor) -> Tensor:
+        if self.noise == 0:
+            return x
+        draw = torch.randn(x.shape, generator=self.generator, dtype=torch.float32)
+        noise = draw * self.scale(x).cpu() * self.noise
+        return x + noise.to(device=x.device, dtype=x.dtype)  # a constant
+
+
+Channel = ChannelNoise | TokenNoise
+
+
 class LinkDefence:
     """The device runtime's ``transform_up``: defends activations and output gradients.
 
@@ -73,10 +119,10 @@ class LinkDefence:
     def __init__(
         self,
         *,
-        activations: ChannelNoise | None = None,
-        gradients: ChannelNoise | None = None,
+        activations: Channel | None = None,
+        gradients: Channel | None = None,
     ) -> None:
-        self.channels: dict[Kind, ChannelNoise] = {}
+        self.channels: dict[Kind, Channel] = {}
         if activations is not None:
             self.channels[Kind.ACTIVATION] = activations
         if gradients is not None:
@@ -85,10 +131,18 @@ class LinkDefence:
     @classmethod
     def from_config(cls, cfg: PrivacyConfig, *, seed: int | None = None) -> LinkDefence | None:
         """The defence ``cfg`` asks for, or None when the stage link is undefended (default)."""
-        if cfg.activation_clip == 0 and cfg.gradient_clip == 0:
+        if not cfg.link_defended:
             return None
         generator = torch.Generator().manual_seed(secrets.randbits(63) if seed is None else seed)
-        act = grad = None
+        act: Channel | None = None
+        grad: Channel | None = None
+        if cfg.mechanism != "clip":
+            per_dim = cfg.mechanism == "token-dim"
+            if cfg.activation_noise > 0:
+                act = TokenNoise(cfg.activation_noise, generator, per_dim=per_dim)
+            if cfg.gradient_noise > 0:
+                grad = TokenNoise(cfg.gradient_noise, generator, per_dim=per_dim)
+            return cls(activations=act, gradients=grad)
         if cfg.activation_clip > 0:
             act = ChannelNoise(cfg.activation_clip, cfg.activation_noise, generator)
         if cfg.gradient_clip > 0:

@@ -35,10 +35,12 @@ FROZEN = (
     "federated.aggregation",  # exact/stack fold base deltas that the others would drop
     # The stage link's (epsilon, delta) is accounted over every round with one mechanism: a
     # changed clip or noise would misprice the rounds already run.
+    "privacy.mechanism",
     "privacy.activation_clip",
     "privacy.activation_noise",
     "privacy.gradient_clip",
     "privacy.gradient_noise",
+    "privacy.devices",
     "privacy.delta",
 )
 

@@ -61,3 +61,58 @@ def test_defaults_off_traffic_is_bit_identical_and_defences_reach_the_server() -
     # Noise: the server sees other values than the undefended device sent.
     noised = _tiny_run({"privacy.activation_clip": clip_a, "privacy.activation_noise": 1.0})
     assert not _same(noised[Kind.ACTIVATION], default[Kind.ACTIVATION])
+
+
+def test_token_noise_reaches_the_server_scaled_to_each_token() -> None:
+    """The first step's activations come from the same adapters in both runs: what the server
+    received differs from the undefended run's by noise of ``noise * |x_t|`` per coordinate,
+    the first token's large vector included (nothing is clipped)."""
+    default = _tiny_run({})
+    noised = _tiny_run({"privacy.mechanism": "token", "privacy.activation_noise": 0.1})
+    for mb in (0, 1):
+        clean, sent = default[Kind.ACTIVATION][(0, mb)], noised[Kind.ACTIVATION][(0, mb)]
+        norms = clean.norm(dim=-1)
+        per_coord = (sent - clean).pow(2).mean(dim=(0, 2)).sqrt() / norms.mean(dim=0)
+        assert torch.allclose(per_coord, torch.full_like(per_coord, 0.1), rtol=0.35), per_coord
+    # the server computed on what it received: its outputs, and so the gradients, moved too
+    assert not _same(noised[Kind.OUTPUT_GRAD], default[Kind.OUTPUT_GRAD])
+    clear = _tiny_run({"privacy.mechanism": "token", "privacy.gradient_noise": 0.0})
+    assert _same(clear[Kind.ACTIVATION], default[Kind.ACTIVATION])  # strength 0: untouched
+
+
+def test_the_decorrelation_penalty_trains_the_head_through_the_pipelined_path() -> None:
+    """Over loopback gRPC, the penalty's gradient joins the server's in the head's backward:
+    the trained head's outputs tell its tokens apart less than an undefended run's head does."""
+    from fedpipe_bench.privacy_traffic import RunResult
+
+    from fedpipe.privacy import distance_correlation
+
+    def run(extra: dict[str, float]) -> tuple[float, RunResult]:
+        cfg = load_config(
+            None,
+            {
+                "model.name": "tiny-llama",
+                "train.batch_size": 4,
+                "train.seq_len": 16,
+                "train.lr": 1e-2,
+                "pipeline.microbatches": 2,
+                "pipeline.schedule": "gpipe",
+                **extra,
+            },
+        )
+        gen = torch.Generator().manual_seed(0)
+        batches = []
+        for _ in range(4):
+            ids = torch.randint(0, 256, (4, 16), generator=gen)
+            batches.append({"input_ids": ids, "labels": ids.clone()})
+        result = record_training(cfg, resolve_model("tiny-llama"), batches, batches[0]["input_ids"])
+        ids = torch.cat([b["input_ids"] for b in batches])
+        with torch.no_grad():
+            hidden = result.released.head(ids)
+        return float(distance_correlation(ids.reshape(-1), hidden.reshape(-1, 64))), result
+
+    plain, plain_run = run({})
+    hidden, hidden_run = run({"privacy.decorrelation": 10.0})
+    assert plain_run.decorrelation is None  # nothing penalised, nothing reported
+    assert hidden_run.decorrelation is not None and 0 < hidden_run.decorrelation <= 1
+    assert hidden < plain - 0.1, (plain, hidden)

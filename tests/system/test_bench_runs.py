@@ -17,7 +17,7 @@ from types import ModuleType
 
 import pytest
 from fedpipe_bench.pipeline import round_robin
-from fedpipe_bench.privacy import DEFENCE, QUICK, run_privacy_bench
+from fedpipe_bench.privacy import QUICK, run_privacy_bench
 from fedpipe_bench.quality import RUNS, run_quality_bench
 
 from fedpipe.cli.main import main
@@ -154,6 +154,7 @@ ROW_KEYS = {
     "head_layers",
     "defence",
     "strength",
+    "attacker",
     "reconstruction_acc",
     "label_acc",
     "eval_loss",
@@ -161,23 +162,41 @@ ROW_KEYS = {
 }
 
 
-def test_quick_bench_attacks_work_and_the_json_has_the_contract() -> None:
+def test_quick_bench_attacks_work_and_the_json_has_the_contract(tmp_path: Path) -> None:
     report = run_privacy_bench(QUICK)
     json.dumps(report)  # one JSON object, as --json prints it
     rows = report["rows"]
-    assert len(rows) == len(QUICK.cuts) * (1 + len(QUICK.strengths))
+    assert len(rows) == len(QUICK.cuts) * (1 + len(QUICK.settings)) * 2  # x fixed, adaptive
     for row in rows:
         assert ROW_KEYS <= row.keys()
         assert 0 <= row["reconstruction_acc"] <= 1 and 0 <= row["label_acc"] <= 1
-    plain = next(r for r in rows if r["defence"] == "none")
+    assert report["settings"]["held_out"].startswith("the run's evaluator's")
+
+    def row(defence: str, attacker: str) -> dict:  # type: ignore[type-arg]
+        return next(r for r in rows if r["defence"] == defence and r["attacker"] == attacker)
+
+    plain = row("none", "fixed")
     # The attacks are real: far above chance and above always guessing the commonest token.
     assert plain["reconstruction_acc"] > max(0.5, 20 * report["chance_acc"])
     assert plain["reconstruction_acc"] > report["majority_token_acc"] + 0.3
     assert plain["label_acc"] > report["majority_token_acc"] + 0.3
     assert plain["epsilon"] is None  # no noise, no guarantee
-    defended = next(r for r in rows if r["defence"] == DEFENCE)
-    assert defended["epsilon"] is not None and defended["epsilon"] > 0
-    assert defended["reconstruction_acc"] < plain["reconstruction_acc"]
+    clipped = row("clip", "fixed")
+    assert clipped["epsilon"] is not None and clipped["epsilon"] > 0
+    assert clipped["reconstruction_acc"] < plain["reconstruction_acc"]
+    # The adaptive attacker refits to the defence it knows and beats the one that ignores it.
+    for defence in ("clip", "token-dim"):
+        fixed, adaptive = row(defence, "fixed"), row(defence, "adaptive")
+        assert adaptive["reconstruction_acc"] > fixed["reconstruction_acc"], defence
+        assert adaptive["eval_loss"] == fixed["eval_loss"]  # one training run, two attackers
+    assert row("token-dim", "fixed")["epsilon"] is None  # nothing bounded: no epsilon
+    both = row("decorrelation+token-dim", "adaptive")
+    assert both["head_dcor"] is not None and 0 < both["head_dcor"] <= 1
+    # The Pareto plot the bench writes, from its own report.
+    from fedpipe_bench.privacy_plot import write_pareto
+
+    path = write_pareto(report, tmp_path / "pareto.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 # -- bench server ---------------------------------------------------------------------------------

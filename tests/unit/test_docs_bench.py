@@ -195,3 +195,73 @@ def test_the_readme_quickstart_holds_two_commands_the_second_runs_test_sh() -> N
     assert len(lines) == 2
     assert "fedpipe simulate --config examples/demo.toml" in lines[0]
     assert lines[1].endswith("bash scripts/test.sh")
+
+
+def _privacy_row(defence: str, strength: float, attacker: str, rec: float, cost: float) -> dict:  # type: ignore[type-arg]
+    return {
+        "head_layers": 1,
+        "defence": defence,
+        "strength": strength,
+        "decorrelation": 10.0 if defence.startswith("decorrelation") else 0.0,
+        "attacker": attacker,
+        "reconstruction_acc": rec,
+        "label_acc": rec,
+        "label_prior_acc": 0.4,
+        "eval_loss": 3.0 * (1 + cost / 100),
+        "eval_loss_cost_pct": cost,
+        "epsilon": 900.0 if defence == "clip" else None,
+    }
+
+
+PRIVACY = {
+    "model": "default",
+    "chance_acc": 2e-5,
+    "majority_token_acc": 0.05,
+    "rows": [
+        _privacy_row(defence, strength, attacker, rec, cost)
+        for defence, strength, rec, cost in (
+            ("none", 0.0, 0.95, 0.0),
+            ("clip", 0.03, 0.8, 1.0),
+            ("clip", 0.1, 0.4, 15.0),
+            ("decorrelation+token-dim", 0.03, 0.85, 2.5),
+        )
+        for attacker in ("fixed", "adaptive")
+    ],
+    "halves_both_within_2pct": [],
+    "best_within_2pct": [
+        {
+            "head_layers": 1,
+            "defence": "clip",
+            "strength": 0.03,
+            "decorrelation": 0.0,
+            "worse_attack_keeps": 0.842,
+            "eval_loss_cost_pct": 1.0,
+        }
+    ],
+}
+
+
+def test_the_privacy_tables_name_the_attacker_and_the_best_trade_off(tmp_path: Path) -> None:
+    write(tmp_path, "privacy", record(PRIVACY, command="fedpipe bench privacy --json"))
+    text = rb.render("privacy", tmp_path)
+    row = "| 1 | clip | 0.030 | adaptive | 0.800 | 0.800 | 0.400 | 3.0300 | +1.0% | 900.000 |"
+    assert row in text
+    assert "| 1 | decorrelation+token-dim | 0.030 (weight 10.000) | fixed |" in text
+    assert "no setting halves both attacks within 2% held-out loss" in text
+    assert "| 1 | clip | 0.030 | 84% | +1.0% |" in text
+
+
+def test_the_privacy_plot_is_drawn_from_the_record_at_build_time(tmp_path: Path) -> None:
+    import base64
+
+    data = tmp_path / "benchmarks" / "data"
+    write(data, "privacy", record(PRIVACY, command="fedpipe bench privacy --json"))
+    out = mkdocs_hooks.expand_page("<!-- fedpipe:plot privacy -->\n", data, Path("."))
+    found = re.search(r'src="data:image/svg\+xml;base64,([^"]+)"', out)
+    assert found is not None
+    svg = base64.b64decode(found.group(1)).decode()
+    assert svg.lstrip().startswith("<?xml") and "<svg" in svg
+    assert "(benchmarks/data/privacy.json)" in out  # its source, as under a table
+    assert "No plot yet" in rb.render_plot("privacy", tmp_path / "empty")
+    with pytest.raises(ValueError, match="no plot for bench 'pipeline'"):
+        rb.render_plot("pipeline", data)

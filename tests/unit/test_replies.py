@@ -49,7 +49,25 @@ def _reply(arrays: dict[str, torch.Tensor], metrics: dict[str, Any], cut: str = 
 def test_an_honest_reply_passes() -> None:
     arrays, metrics = _honest()
     assert check_reply(_reply(arrays, metrics), _rules()) == ""
-    assert check_reply(_reply(arrays, metrics | {"privacy-epsilon": 3.0}), _rules()) == ""
+    with_privacy = _reply(arrays, metrics)
+    with_privacy.content["privacy"] = ConfigRecord({"privacy-epsilon": 3.0})
+    assert check_reply(with_privacy, _rules()) == ""
+
+
+def test_privacy_figures_travel_apart_from_the_metrics_and_are_checked() -> None:
+    """Devices may run different defences: their figures are not in the metrics (Flower
+    aggregates those only when all devices send the same keys) but in a record of their own."""
+    arrays, metrics = _honest()
+    why = check_reply(_reply(arrays, metrics | {"privacy-epsilon": 3.0}), _rules())
+    assert "metrics carry keys no fedpipe device sends: privacy-epsilon" in why
+    for record, expected in (
+        ({"privacy-epsilon": float("nan")}, "privacy figure privacy-epsilon is nan"),
+        ({"privacy-decorrelation": "low"}, "privacy figure privacy-decorrelation is 'low'"),
+        ({"privacy-leak": 1.0}, "privacy record carries keys no fedpipe device sends"),
+    ):
+        reply = _reply(arrays, metrics)
+        reply.content["privacy"] = ConfigRecord(record)
+        assert expected in check_reply(reply, _rules()), record
 
 
 def test_a_device_of_another_offered_cut_holds_its_own_blocks() -> None:
