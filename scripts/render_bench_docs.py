@@ -466,8 +466,11 @@ def _strength(row: dict[str, Any]) -> str:
     if row.get("defence") == "none":
         return "–"
     text = num(row.get("strength"))
-    if row.get("defence") == "decorrelation+token-dim":
+    parts = str(row.get("defence")).split("+")
+    if len(parts) > 1 and "decorrelation" in parts[1:]:
         text += f" (weight {num(row.get('decorrelation'))})"
+    if len(parts) > 1 and "label-resample" in parts[1:]:
+        text += f" (rate {num(row.get('label_resample'))})"
     return text
 
 

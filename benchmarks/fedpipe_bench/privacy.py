@@ -17,13 +17,16 @@ run's evaluator uses (``federated.eval_fraction`` of the documents, seeded by ``
 of the rest, the device's books are its private text and the other books the server's public
 text. Held-out loss is fedpipe's evaluator's: clean activations through the trained model.
 
-Defences (``privacy.*``; strengths are the noise multiplier, or the penalty's weight):
+Defences (``privacy.*``; a strength is the noise multiplier, the penalty's weight or the rate):
 
 - ``clip``: per-token clipping at the median token norm the undefended run sent (activations
   and output gradients each), then isotropic Gaussian noise of ``strength * clip``;
+  ``clip-activations`` the same on the activations only;
 - ``token`` / ``token-dim``: noise scaled to each token (and dimension), nothing clipped;
 - ``decorrelation``: the head trained against a distance-correlation penalty (NoPeek);
-- ``decorrelation+token-dim``: both (the penalty's weight given as ``decorrelation``).
+- ``label-resample``: the gradient sent up taken against labels drawn from the device's own
+  prediction at that rate;
+- combinations joined with ``+`` (the second part's strength in its own column).
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ from fedpipe.edge.runtime import split_batch
 from fedpipe.messages import Kind
 from fedpipe.models import load_config as load_hf_config
 from fedpipe.models import load_tokenizer, resolve_model
-from fedpipe.privacy import LinkAccountant, LinkDefence, releases_so_far
+from fedpipe.privacy import LabelResample, LinkAccountant, LinkDefence, releases_so_far
 from fedpipe.split import HeadStage, MiddleStage, TailStage, build_stage, split_layout
 from fedpipe_bench.privacy_attacks import (
     LabelAttack,
@@ -72,33 +75,40 @@ _ATTACKER_SEED = 1234  # the attacker's own noise draws (the device's come from 
 
 @dataclass(frozen=True)
 class Setting:
-    """One defence at one strength, as the bench sets it in ``[privacy]``."""
+    """One defence at one strength, as the bench sets it in ``[privacy]``.
 
-    defence: str  # none | clip | token | token-dim | decorrelation | decorrelation+token-dim
-    strength: float = 0.0  # noise multiplier; decorrelation alone: the penalty's weight
-    decorrelation: float = 0.0  # the penalty's weight beside noise (decorrelation+token-dim)
+    ``defence`` joins parts with ``+``: ``clip`` (both channels) or ``clip-activations``,
+    ``token``, ``token-dim`` (noise at the multiplier ``strength``), ``decorrelation`` (alone:
+    weight ``strength``) and ``label-resample`` (alone: rate ``strength``). Beside noise, the
+    penalty's weight and the resampling rate are ``decorrelation`` and ``label_resample``.
+    """
+
+    defence: str
+    strength: float = 0.0
+    decorrelation: float = 0.0
+    label_resample: float = 0.0
 
     def overrides(self, clips: tuple[float, float]) -> dict[str, Any]:
         """``privacy.*`` of this setting; ``clips`` are the undefended run's median norms."""
-        s = self.strength
-        if self.defence == "none":
-            return {}
-        if self.defence == "clip":
-            return {
-                "mechanism": "clip",
-                "activation_clip": clips[0],
-                "activation_noise": s,
-                "gradient_clip": clips[1],
-                "gradient_noise": s,
-            }
-        if self.defence in ("token", "token-dim"):
-            return {"mechanism": self.defence, "activation_noise": s, "gradient_noise": s}
-        if self.defence == "decorrelation":
-            return {"decorrelation": s}
-        if self.defence == "decorrelation+token-dim":
-            noise = {"mechanism": "token-dim", "activation_noise": s, "gradient_noise": s}
-            return {"decorrelation": self.decorrelation, **noise}
-        raise ValueError(f"unknown defence {self.defence!r}")
+        s, out = self.strength, {}
+        parts = self.defence.split("+")
+        noise = parts[0] not in ("decorrelation", "label-resample")
+        for part in parts:
+            if part == "none":
+                continue
+            if part in ("clip", "clip-activations"):
+                out |= {"mechanism": "clip", "activation_clip": clips[0], "activation_noise": s}
+                if part == "clip":
+                    out |= {"gradient_clip": clips[1], "gradient_noise": s}
+            elif part in ("token", "token-dim"):
+                out |= {"mechanism": part, "activation_noise": s, "gradient_noise": s}
+            elif part == "decorrelation":
+                out["decorrelation"] = self.decorrelation if noise else s
+            elif part == "label-resample":
+                out["label_resample"] = self.label_resample if noise else s
+            else:
+                raise ValueError(f"unknown defence {part!r} in {self.defence!r}")
+        return out
 
 
 @dataclass(frozen=True)
@@ -115,10 +125,13 @@ class BenchSize:
     cuts: tuple[int, ...]
     settings: tuple[Setting, ...]  # the defended rows (an undefended run comes first)
     lr: float = 2e-3
+    # Deeper cuts, each run undefended and with these settings only (a sample of the sweep)
+    deeper_cuts: tuple[int, ...] = ()
+    deeper_settings: tuple[Setting, ...] = ()
 
 
-def _sweep(defence: str, strengths: tuple[float, ...], weight: float = 0.0) -> list[Setting]:
-    return [Setting(defence, s, weight) for s in strengths]
+def _sweep(defence: str, strengths: tuple[float, ...], **beside: float) -> list[Setting]:
+    return [Setting(defence, s, **beside) for s in strengths]
 
 
 DEFAULT = BenchSize(
@@ -135,8 +148,12 @@ DEFAULT = BenchSize(
         *_sweep("token", (0.01, 0.03, 0.1)),
         *_sweep("token-dim", (0.01, 0.03, 0.1)),
         *_sweep("decorrelation", (1.0, 10.0, 100.0)),
-        *_sweep("decorrelation+token-dim", (0.01, 0.03), weight=10.0),
+        *_sweep("label-resample", (0.5, 0.7, 0.9)),
+        *_sweep("clip-activations+label-resample", (0.03, 0.1), label_resample=0.7),
+        Setting("decorrelation+token-dim", 0.03, decorrelation=10.0),
     ),
+    deeper_cuts=(2,),
+    deeper_settings=(Setting("clip", 0.03), Setting("clip", 0.1), Setting("label-resample", 0.7)),
 )
 QUICK = BenchSize(
     "tiny-llama",
@@ -150,7 +167,8 @@ QUICK = BenchSize(
     (
         Setting("clip", 0.3),
         Setting("token-dim", 0.3),
-        Setting("decorrelation+token-dim", 0.3, 1.0),
+        Setting("label-resample", 0.7),
+        Setting("decorrelation+token-dim", 0.3, decorrelation=1.0),
     ),
 )
 
@@ -278,6 +296,9 @@ class _Attacker:
     tail: TailStage
 
 
+Features = list[tuple[Tensor, Prior, Tensor]]  # per message: (d, prior, true next tokens)
+
+
 @dataclass
 class _Traffic:
     """Stage-link traffic with the token ids behind it (recorded, or the attacker's own)."""
@@ -285,6 +306,14 @@ class _Traffic:
     activations: list[tuple[Tensor, Tensor]]  # (activation (b, T, C), ids (b, T))
     grads: list[tuple[Tensor, Tensor, Tensor]]  # (output (b, T, C), grad (b, T, C), ids)
     tokens: int  # the label count per step (the device's divisor)
+
+    def features(self, tail: TailStage) -> Features:
+        """The label attack's input for every gradient, read through ``tail``."""
+        out = []
+        for output, grad, ids in self.grads:
+            d, prior = label_features(tail, output, grad, self.tokens)
+            out.append((d, prior, ids[:, 1:].reshape(-1)))
+        return out
 
 
 def _recorded(run: RunResult, size: BenchSize) -> _Traffic:
@@ -298,13 +327,20 @@ def _recorded(run: RunResult, size: BenchSize) -> _Traffic:
 
 
 @torch.no_grad()
-def _simulated(
-    run: RunResult, ids: Tensor, outputs: Tensor, defence: LinkDefence | None, size: BenchSize
-) -> _Traffic:
+def _simulated(run: RunResult, cfg: FedpipeConfig, ids: Tensor, size: BenchSize) -> _Traffic:
     """What a device holding the released adapters would send for ``ids`` (the attacker's
-    public text), defended as the run's devices are (with the attacker's noise)."""
+    public text), defended as the run's devices are, with the attacker's own random draws."""
+    privacy = cfg.privacy
+    defence = LinkDefence.from_config(privacy, seed=_ATTACKER_SEED)
+    resample = (
+        LabelResample(privacy.label_resample, seed=_ATTACKER_SEED)
+        if privacy.label_resample > 0
+        else None
+    )
     rows = _rows_per_message(size)
     tail = cast(TailStage, run.released.tail)
+    outputs = run.released.public_outputs
+    assert outputs is not None
     acts = []
     for part in ids.split(rows):
         hidden = run.released.head(part)
@@ -312,7 +348,14 @@ def _simulated(
             hidden = defence(Kind.ACTIVATION, hidden)
         acts.append((hidden, part))
     with torch.enable_grad():
-        public = PublicGradients.of(tail, outputs, ids, size.batch_size)
+        public = PublicGradients.of(
+            tail,
+            outputs,
+            ids,
+            size.batch_size,
+            relabel=resample.relabel if resample else None,
+            scale=1.0 / (1.0 - resample.rate) if resample else 1.0,
+        )
     grads = []
     for out, grad, part in zip(
         outputs.split(rows), public.grads.split(rows), ids.split(rows), strict=True
@@ -323,40 +366,46 @@ def _simulated(
     return _Traffic(acts, grads, public.tokens)
 
 
-def _accuracy(traffic: _Traffic, attacker: _Attacker) -> dict[str, float]:
-    """Accuracy of both attacks on ``traffic`` (and of the label prior alone)."""
+def _reconstruction_acc(traffic: _Traffic, attack: ReconstructionAttack) -> float:
     hits = total = 0
     for activation, ids in traffic.activations:
-        hits += int((attacker.reconstruction.predict(activation) == ids).sum())
+        hits += int((attack.predict(activation) == ids).sum())
         total += ids.numel()
-    rec = hits / max(total, 1)
+    return hits / max(total, 1)
+
+
+def _label_acc(features: Features, attack: LabelAttack) -> tuple[float, float]:
+    """(attack accuracy, accuracy of the prior's top guess alone)."""
     hits = prior_hits = total = 0
-    for output, grad, ids in traffic.grads:
-        d, prior = label_features(attacker.tail, output, grad, traffic.tokens)
-        truth = ids[:, 1:].reshape(-1)
-        hits += int((attacker.label.predict(d, prior) == truth).sum())
+    for d, prior, truth in features:
+        hits += int((attack.predict(d, prior) == truth).sum())
         prior_hits += int((prior.indices[:, 0] == truth).sum())
         total += truth.numel()
+    return hits / max(total, 1), prior_hits / max(total, 1)
+
+
+def _accuracy(traffic: _Traffic, attacker: _Attacker) -> dict[str, float]:
+    """Accuracy of both attacks on ``traffic`` (and of the label prior alone)."""
+    label, prior = _label_acc(traffic.features(attacker.tail), attacker.label)
     return {
-        "reconstruction_acc": rec,
-        "label_acc": hits / max(total, 1),
-        "label_prior_acc": prior_hits / max(total, 1),
+        "reconstruction_acc": _reconstruction_acc(traffic, attacker.reconstruction),
+        "label_acc": label,
+        "label_prior_acc": prior,
     }
 
 
-def _refit(traffic: _Traffic, head: HeadStage, tail: TailStage) -> _Attacker:
-    """Both attacks fitted on ``traffic`` (the attacker knows the ids: its own text)."""
-    ids = torch.cat([i for _, i in traffic.activations])
-    hidden = torch.cat([a for a, _ in traffic.activations])
-    reconstruction = ReconstructionAttack.fit(head, ids, hidden)
-    feats, priors, labels = [], [], []
-    for output, grad, part in traffic.grads:
-        d, prior = label_features(tail, output, grad, traffic.tokens)
-        feats.append(d)
-        priors.append(prior)
-        labels.append(part[:, 1:].reshape(-1))
-    label = LabelAttack.fit(tail, torch.cat(feats), Prior.cat(priors), torch.cat(labels))
-    return _Attacker(reconstruction, label, tail)
+def _fit_label(tail: TailStage, features: Features) -> LabelAttack:
+    return LabelAttack.fit(
+        tail,
+        torch.cat([d for d, _, _ in features]),
+        Prior.cat([p for _, p, _ in features]),
+        torch.cat([t for _, _, t in features]),
+    )
+
+
+def _fit_reconstruction(head: HeadStage, activations: list[tuple[Tensor, Tensor]]) -> Any:
+    ids = torch.cat([i for _, i in activations])
+    return ReconstructionAttack.fit(head, ids, torch.cat([a for a, _ in activations]))
 
 
 def _adaptive(
@@ -365,29 +414,31 @@ def _adaptive(
     """The attacker after the round.
 
     It simulates a device that holds the released adapters and runs the run's defence (with
-    the attacker's own noise draws) on its public text. Per attack, it compares a refit on
+    the attacker's own random draws) on its public text. Per attack, it compares a refit on
     that traffic with the fixed attack, both fitted on three quarters of the public text and
     scored on the last quarter's simulated traffic, and keeps the better, fitted on all of it.
     It never sees the private ids.
     """
-    defence = LinkDefence.from_config(cfg.privacy, seed=_ATTACKER_SEED)
-    outputs = run.released.public_outputs
-    assert outputs is not None
-    traffic = _simulated(run, data.public, outputs, defence, size)
-    cut = len(traffic.activations) * 3 // 4
-    fit = _Traffic(traffic.activations[:cut], traffic.grads[:cut], traffic.tokens)
-    check = _Traffic(traffic.activations[cut:], traffic.grads[cut:], traffic.tokens)
+    traffic = _simulated(run, cfg, data.public, size)
     tail = cast(TailStage, run.released.tail)
-    fixed = _Attacker(base.reconstruction, base.label, base.tail)
-    refit_acc = _accuracy(check, _refit(fit, base.head, tail))
-    fixed_acc = _accuracy(check, base.fixed_on(data.public, cut * _rows_per_message(size)))
-    whole = _refit(traffic, base.head, tail)
-    refit_rec = refit_acc["reconstruction_acc"] >= fixed_acc["reconstruction_acc"]
-    refit_label = refit_acc["label_acc"] >= fixed_acc["label_acc"]
+    features = traffic.features(tail)  # read once, used for every fit and check below
+    cut = len(traffic.activations) * 3 // 4
+    check = _Traffic(traffic.activations[cut:], traffic.grads[cut:], traffic.tokens)
+    fixed = base.fixed_on(data.public, cut * _rows_per_message(size))
+
+    refit = _fit_reconstruction(base.head, traffic.activations[:cut])
+    use_refit_rec = _reconstruction_acc(check, refit) >= _reconstruction_acc(
+        check, fixed.reconstruction
+    )
+    refit_label, _ = _label_acc(features[cut:], _fit_label(tail, features[:cut]))
+    fixed_label, _ = _label_acc(check.features(base.tail), fixed.label)
+    use_refit_label = refit_label >= fixed_label
     return _Attacker(
-        whole.reconstruction if refit_rec else fixed.reconstruction,
-        whole.label if refit_label else fixed.label,
-        tail if refit_label else base.tail,
+        _fit_reconstruction(base.head, traffic.activations)
+        if use_refit_rec
+        else base.reconstruction,
+        _fit_label(tail, features) if use_refit_label else base.label,
+        tail if use_refit_label else base.tail,
     )
 
 
@@ -406,6 +457,7 @@ def _rows(
         "defence": setting.defence,
         "strength": setting.strength,
         "decorrelation": cfg.privacy.decorrelation,
+        "label_resample": cfg.privacy.label_resample,
         "mechanism": cfg.privacy.mechanism if cfg.privacy.link_defended else None,
         "activation_clip": cfg.privacy.activation_clip or None,
         "gradient_clip": cfg.privacy.gradient_clip or None,
@@ -420,9 +472,10 @@ def _rows(
         "wall_s": wall_s,
     }
     accountant = LinkAccountant.from_config(cfg.privacy, seq_len=size.seq_len)
-    if accountant is not None:
-        common["epsilon"] = accountant.epsilon(data.releases, ("activations", "gradients"))
-        common["epsilon_activations"] = accountant.epsilon(data.releases, ("activations",))
+    if accountant is not None:  # epsilon: both channels, only where both are noised
+        report = accountant.report(data.releases)
+        common["epsilon"] = report.get("privacy-epsilon")
+        common["epsilon_activations"] = report.get("privacy-epsilon-activations")
     traffic = _recorded(run, size)
     fixed = _Attacker(base.reconstruction, base.label, base.tail)
     adaptive = _adaptive(cfg, run, base, data, size)
@@ -432,12 +485,14 @@ def _rows(
     ]
 
 
-def _cut_rows(size: BenchSize, folder: Path, data: _Data, head_layers: int) -> list[dict[str, Any]]:
+def _cut_rows(
+    size: BenchSize, folder: Path, data: _Data, head_layers: int, settings: tuple[Setting, ...]
+) -> list[dict[str, Any]]:
     cfg = _config(size, head_layers)
     base = _base(cfg, folder, data)
     clips = (0.0, 0.0)
     rows: list[dict[str, Any]] = []
-    for setting in (Setting("none"), *size.settings):
+    for setting in (Setting("none"), *settings):
         privacy = replace(cfg.privacy, **setting.overrides(clips))
         run_cfg = replace(cfg, privacy=privacy)
         start = time.perf_counter()
@@ -540,7 +595,9 @@ def run_privacy_bench(size: BenchSize = DEFAULT) -> dict[str, Any]:
     folder = resolve_model(size.model)
     data = _data(size, folder)
     start = time.perf_counter()
-    rows = [row for cut in size.cuts for row in _cut_rows(size, folder, data, cut)]
+    plan = [(cut, size.settings) for cut in size.cuts]
+    plan += [(cut, size.deeper_settings) for cut in size.deeper_cuts]
+    rows = [row for cut, settings in plan for row in _cut_rows(size, folder, data, cut, settings)]
     vocab = int(load_hf_config(folder).vocab_size)
     flat = torch.cat([b["input_ids"].reshape(-1) for b in data.batches])
     return {

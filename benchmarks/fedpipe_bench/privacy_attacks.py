@@ -154,16 +154,30 @@ class PublicGradients:
     tokens: int  # label count per step (the device's divisor)
 
     @classmethod
-    def of(cls, tail: TailStage, x: Tensor, ids: Tensor, batch_size: int) -> PublicGradients:
-        """Per chunk of ``batch_size`` rows (one step's worth), scaled as a device scales."""
+    def of(
+        cls,
+        tail: TailStage,
+        x: Tensor,
+        ids: Tensor,
+        batch_size: int,
+        *,
+        relabel: Callable[[Tensor, Tensor], Tensor] | None = None,
+        scale: float = 1.0,
+    ) -> PublicGradients:
+        """Per chunk of ``batch_size`` rows (one step's worth), scaled as a device scales.
+
+        ``relabel(logits, ids)``: the labels the gradient is taken against, as a device with
+        ``privacy.label_resample`` draws them (its gradient then times ``scale``); ``labels``
+        stay the true ones, which the attacker fits to."""
         tokens = batch_size * (ids.shape[1] - 1)
         pulls, grads, priors = [], [], []
         for xs, chunk in zip(x.split(batch_size), ids.split(batch_size), strict=True):
             leaf = xs.detach().float().requires_grad_(True)
             logits = tail.logits(leaf)  # (b, T, V)
             flat = logits[:, :-1].reshape(-1, logits.shape[-1])
-            loss = F.cross_entropy(flat, chunk[:, 1:].reshape(-1), reduction="sum")
-            (grad,) = torch.autograd.grad(loss / tokens, leaf, retain_graph=True)
+            told = chunk if relabel is None else relabel(logits, chunk)
+            loss = F.cross_entropy(flat, told[:, 1:].reshape(-1), reduction="sum")
+            (grad,) = torch.autograd.grad(loss * (scale / tokens), leaf, retain_graph=True)
             probs = torch.softmax(logits.detach(), dim=-1)
             probs[:, -1] = 0.0
             (pull,) = torch.autograd.grad(logits, leaf, probs)

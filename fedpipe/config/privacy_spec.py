@@ -31,6 +31,7 @@ DEVICE_KEYS: dict[str, type] = {
     "gradient_clip": float,
     "gradient_noise": float,
     "decorrelation": float,
+    "label_resample": float,
 }
 # What ``off`` stands for: no device-side defence at all.
 OFF: dict[str, Any] = {
@@ -40,6 +41,7 @@ OFF: dict[str, Any] = {
     "gradient_clip": 0.0,
     "gradient_noise": 0.0,
     "decorrelation": 0.0,
+    "label_resample": 0.0,
 }
 
 

@@ -560,9 +560,11 @@ class PrivacyConfig:
 
     ``decorrelation`` > 0 trains the device's head to hide which token it read: a distance-
     correlation penalty (NoPeek) between the tokens and the activations sent up, added to the
-    task loss with this weight. ``devices``: per-device overrides of the device-side keys
-    (fedpipe.config.privacy_spec). Adapters: Flower's fixed-clipping DP wrappers
-    (``adapter_dp`` = server | client) with ``adapter_noise`` and ``adapter_clip``.
+    task loss with this weight. ``label_resample`` = r: the gradient sent up is taken against
+    labels a share r of which are drawn from the device's own prediction (randomized response;
+    unbiased, the tail trains on the true labels). ``devices``: per-device overrides of the
+    device-side keys (fedpipe.config.privacy_spec). Adapters: Flower's fixed-clipping DP
+    wrappers (``adapter_dp`` = server | client) with ``adapter_noise`` and ``adapter_clip``.
     """
 
     mechanism: str = "clip"  # clip | token | token-dim: how the link's noise is calibrated
@@ -571,6 +573,7 @@ class PrivacyConfig:
     gradient_clip: float = 0.0  # per-token L2 norm bound of output gradients sent up; 0 = off
     gradient_noise: float = 0.0  # as activation_noise, on the output gradients
     decorrelation: float = 0.0  # weight of the head's distance-correlation penalty; 0 = off
+    label_resample: float = 0.0  # share of positions whose upward gradient uses a drawn label
     devices: str = ""  # per-device overrides, cycled over simulated devices ("" = the run's)
     delta: float = 1e-5  # the delta of the reported (epsilon, delta)
     adapter_dp: str = "off"  # off | server | client: Flower's fixed-clipping DP on adapters
@@ -601,6 +604,10 @@ class PrivacyConfig:
         _check(
             self.decorrelation >= 0,
             f"privacy.decorrelation must be >= 0 (0 = off), got {self.decorrelation}",
+        )
+        _check(
+            0 <= self.label_resample < 1,
+            f"privacy.label_resample must be in [0, 1) (0 = off), got {self.label_resample}",
         )
         for entry in parse_privacy_specs(self.devices, "privacy.devices"):
             try:
@@ -673,6 +680,12 @@ class FedpipeConfig:
             "pipeline.recompute_head = true cannot be combined with privacy.decorrelation > 0: "
             "the penalty needs the head's forward graph, which recompute drops; "
             "turn one of them off",
+        )
+        _check(
+            self.model.split == "u" or privacy.label_resample == 0,
+            "privacy.label_resample > 0 resamples the labels of the gradient a device's tail "
+            f"sends up, but model.split = {self.model.split!r} sends the labels themselves to "
+            "the server: use model.split = u or set label_resample = 0",
         )
         _check(
             self.pipeline.device_trains or privacy.decorrelation == 0,

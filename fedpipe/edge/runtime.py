@@ -62,6 +62,10 @@ class Throttle(Protocol):
     def run(self) -> AbstractContextManager[object]: ...
 
 
+# (tail, its input x (a leaf), labels, the step's token count) -> (loss sum, gradient to send up)
+TailStep = Callable[[nn.Module, torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+
+
 @dataclass
 class StepResult:
     """What one pipelined step did, for metrics and benchmarks."""
@@ -133,6 +137,7 @@ class DeviceRuntime:
         recompute_head: bool = False,
         transform_up: Callable[[Kind, torch.Tensor], torch.Tensor] | None = None,
         head_penalty: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None,
+        tail_step: TailStep | None = None,
     ) -> None:
         self.head = head
         self.tail = tail
@@ -155,6 +160,9 @@ class DeviceRuntime:
         # A loss term on the head's output, (input_ids, output, 1/microbatches) -> scalar, in
         # the head's graph (privacy.decorrelation); its gradient joins the server's on backward.
         self.head_penalty = head_penalty
+        # The tail's loss and the gradient to send up, when they differ (privacy.label_resample):
+        # (tail, x, labels, step tokens) -> (loss sum, gradient); it runs the tail's backward.
+        self.tail_step = tail_step
         make_schedule(schedule, microbatches, has_tail=tail is not None)  # validate early
 
     def train_step(self, batch: dict[str, torch.Tensor], *, step: int) -> StepResult:
@@ -299,10 +307,15 @@ class DeviceRuntime:
         with self._compute(f"T{mb}", "device"):
             assert reply.tensor is not None, "OUTPUT replies always carry the middle's output"
             x = reply.tensor.detach().requires_grad_(True)  # (b, T, C), a leaf
-            loss_sum, _ = self.tail(x, state.microbatches[mb]["labels"])
-            (loss_sum / max(state.total_tokens, 1)).backward()
+            labels = state.microbatches[mb]["labels"]
+            grad: torch.Tensor | None
+            if self.tail_step is not None:
+                loss_sum, grad = self.tail_step(self.tail, x, labels, state.total_tokens)
+            else:
+                loss_sum, _ = self.tail(x, labels)
+                (loss_sum / max(state.total_tokens, 1)).backward()
+                grad = x.grad
         state.loss_sums.append(float(loss_sum.detach()))
-        grad = x.grad
         if self.transform_up is not None and grad is not None:
             grad = self.transform_up(Kind.OUTPUT_GRAD, grad)
         self.channel.send(StageMsg(Kind.OUTPUT_GRAD, state.step, mb, tensor=grad))

@@ -34,7 +34,7 @@ from fedpipe.lora.aggregation import BaseFold, split_deltas
 from fedpipe.lora.freezing import freeze_blocks
 from fedpipe.models import load_config, model_family, model_fingerprint, resolve_model
 from fedpipe.models.cache import write_atomic
-from fedpipe.privacy import Decorrelation, LinkDefence
+from fedpipe.privacy import Decorrelation, LabelResample, LinkDefence
 from fedpipe.split import SplitTerms, build_device_stages, split_layout
 from fedpipe.trace import Tracer
 from fedpipe.wire.link_client import StageClient, StageSession
@@ -191,6 +191,9 @@ class DeviceTrainer:
         # privacy.decorrelation: the head learns to hide its tokens (a penalty beside the loss)
         weight = config.privacy.decorrelation
         self.decorrelation = Decorrelation(weight) if weight > 0 else None
+        # privacy.label_resample: the gradient sent up lies about a share of the labels
+        rate = config.privacy.label_resample
+        self.label_resample = LabelResample(rate) if rate > 0 else None
         slowdown = profile.compute_slowdown if profile else 1.0
         self.throttle = ComputeThrottle(slowdown, RealClock()) if slowdown > 1.0 else None
         self.planner = DevicePlanner(self) if config.pipeline.plan == "auto" else None
@@ -424,6 +427,7 @@ class DeviceTrainer:
             recompute_head=cfg.pipeline.recompute_head,
             transform_up=self.defence,
             head_penalty=self.decorrelation,
+            tail_step=self.label_resample,
         )
         return session, runtime
 

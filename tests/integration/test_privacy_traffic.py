@@ -116,3 +116,15 @@ def test_the_decorrelation_penalty_trains_the_head_through_the_pipelined_path() 
     assert plain_run.decorrelation is None  # nothing penalised, nothing reported
     assert hidden_run.decorrelation is not None and 0 < hidden_run.decorrelation <= 1
     assert hidden < plain - 0.1, (plain, hidden)
+
+
+def test_resampled_labels_change_only_the_gradients_sent_up() -> None:
+    """Step 0 runs on the same adapters in both runs: the activations and the server's outputs
+    are bit for bit the undefended run's, the output gradients are not (some labels lie)."""
+    default = _tiny_run({})
+    resampled = _tiny_run({"privacy.label_resample": 0.5})
+    for mb in (0, 1):
+        key = (0, mb)
+        assert torch.equal(resampled[Kind.ACTIVATION][key], default[Kind.ACTIVATION][key])
+        assert torch.equal(resampled[Kind.OUTPUT][key], default[Kind.OUTPUT][key])
+        assert not torch.equal(resampled[Kind.OUTPUT_GRAD][key], default[Kind.OUTPUT_GRAD][key])

@@ -166,6 +166,7 @@ def test_quick_bench_attacks_work_and_the_json_has_the_contract(tmp_path: Path) 
     report = run_privacy_bench(QUICK)
     json.dumps(report)  # one JSON object, as --json prints it
     rows = report["rows"]
+    assert not QUICK.deeper_cuts
     assert len(rows) == len(QUICK.cuts) * (1 + len(QUICK.settings)) * 2  # x fixed, adaptive
     for row in rows:
         assert ROW_KEYS <= row.keys()
@@ -190,6 +191,10 @@ def test_quick_bench_attacks_work_and_the_json_has_the_contract(tmp_path: Path) 
         assert adaptive["reconstruction_acc"] > fixed["reconstruction_acc"], defence
         assert adaptive["eval_loss"] == fixed["eval_loss"]  # one training run, two attackers
     assert row("token-dim", "fixed")["epsilon"] is None  # nothing bounded: no epsilon
+    # Resampled labels: the gradients no longer tell the labels, the activations still do.
+    resampled = row("label-resample", "adaptive")
+    assert resampled["label_acc"] < 0.6 * row("none", "adaptive")["label_acc"]
+    assert resampled["reconstruction_acc"] > 0.9 * row("none", "adaptive")["reconstruction_acc"]
     both = row("decorrelation+token-dim", "adaptive")
     assert both["head_dcor"] is not None and 0 < both["head_dcor"] <= 1
     # The Pareto plot the bench writes, from its own report.

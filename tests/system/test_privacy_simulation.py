@@ -3,7 +3,7 @@
 Flower's simulation engine runs three devices of the tiny model for one round, each with its
 own defence from ``privacy.devices`` on top of the run's ``[privacy]`` (none): per-token
 clipping with noise (the only one with an epsilon), noise scaled to each token and dimension,
-and the head's decorrelation penalty. Every device trains and is aggregated, the round's
+and the head's decorrelation penalty with resampled labels. Every device trains and is aggregated, the round's
 evaluation is finite, and the summary reports each device's own privacy figures.
 """
 
@@ -18,7 +18,7 @@ from fedpipe.launch.run import simulate
 DEFENCES = (
     "activation_clip=2,activation_noise=0.05,gradient_clip=0.01,gradient_noise=0.05",
     "mechanism=token-dim,activation_noise=0.05,gradient_noise=0.05",
-    "decorrelation=1",
+    "decorrelation=1,label_resample=0.5",
 )
 SETTINGS = {
     "model.name": "tiny-llama",

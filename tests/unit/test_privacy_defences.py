@@ -11,11 +11,13 @@ from fedpipe.config.privacy_spec import OFF, parse_privacy_spec, parse_privacy_s
 from fedpipe.messages import Kind
 from fedpipe.privacy import (
     Decorrelation,
+    LabelResample,
     LinkAccountant,
     LinkDefence,
     TokenNoise,
     distance_correlation,
 )
+from fedpipe.split.stages import shifted_loss_sum
 
 
 # -- settings ----------------------------------------------------------------------------------
@@ -206,3 +208,68 @@ def test_the_penalty_has_a_gradient_that_lowers_it() -> None:
     assert penalty.take_mean() is None  # reset by the call before
     with pytest.raises(ValueError, match="weight > 0"):
         Decorrelation(0.0)
+
+
+# -- resampled labels --------------------------------------------------------------------------
+class _ToyTail(torch.nn.Module):
+    """A tail with the stage's interface: ``logits(x)``, and the loss through ``forward``."""
+
+    def __init__(self, width: int = 8, vocab: int = 5) -> None:
+        super().__init__()
+        self.head = torch.nn.Linear(width, vocab)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x)
+
+
+def test_resampled_labels_replace_the_asked_share_with_draws_from_the_prediction() -> None:
+    resample = LabelResample(0.7, seed=0)
+    logits = torch.full((64, 33, 5), -20.0)
+    logits[..., 3] = 20.0  # the model is sure of token 3 everywhere
+    labels = torch.randint(0, 3, (64, 33), generator=torch.Generator().manual_seed(1))
+    labels[:, 20:] = -100  # padding: never a label, never resampled
+    out = resample.relabel(logits, labels)
+    assert torch.equal(out[:, 0], labels[:, 0]) and bool((out[:, 20:] == -100).all())
+    changed = out[:, 1:20] != labels[:, 1:20]
+    assert float(changed.float().mean()) == pytest.approx(0.7, abs=0.05)
+    assert bool((out[:, 1:20][changed] == 3).all())  # drawn from the prediction
+    with pytest.raises(ValueError, match="0 < rate < 1"):
+        LabelResample(1.0)
+
+
+def test_the_gradient_sent_up_is_unbiased_and_the_tail_trains_on_the_true_labels() -> None:
+    torch.manual_seed(0)
+    tail = _ToyTail()
+    x0 = torch.randn(4, 6, 8)
+    labels = torch.randint(0, 5, (4, 6))
+    tokens = 4 * 5
+    # the true gradients, by plain autograd
+    x = x0.clone().requires_grad_(True)
+    loss, _ = shifted_loss_sum(tail.logits(x), labels)
+    (loss / tokens).backward()
+    true_x, true_w = x.grad.clone(), tail.head.weight.grad.clone()
+    tail.zero_grad()
+    resample = LabelResample(0.5, seed=0)
+    sent_sum = torch.zeros_like(x0)
+    draws = 2000
+    for _ in range(draws):
+        x = x0.clone().requires_grad_(True)
+        loss_sum, sent = resample(tail, x, labels, tokens)
+        sent_sum += sent
+        assert float(loss_sum) == pytest.approx(float(loss), rel=1e-6)  # the true loss
+    # the tail's own gradient: the true one, every call
+    torch.testing.assert_close(tail.head.weight.grad / draws, true_w, rtol=1e-4, atol=1e-6)
+    mean = sent_sum / draws
+    assert float((mean - true_x).norm() / true_x.norm()) < 0.05  # unbiased, up to sampling
+    assert not torch.allclose(sent, true_x)  # one draw lies about some labels
+
+
+def test_label_resampling_needs_the_u_split_and_a_rate_below_one() -> None:
+    with pytest.raises(ValueError, match=r"privacy.label_resample must be in \[0, 1\)"):
+        load_config(None, {"privacy.label_resample": 1.0})
+    with pytest.raises(ValueError, match="model.split = 'two' sends the labels themselves"):
+        load_config(
+            None,
+            {"model.split": "two", "model.tail_layers": 0, "privacy.label_resample": 0.5},
+        )
+    assert load_config(None, {"privacy.label_resample": 0.5}).privacy.label_resample == 0.5
