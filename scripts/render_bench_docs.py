@@ -458,6 +458,18 @@ def _privacy(r: dict[str, Any]) -> list[Table]:
         ]
         headers = ["head blocks", "defence", "strength", "worse attack keeps", "cost"]
         tables.append((f"Against the adaptive attacker, {verdict}; the best found", headers, rows))
+    spread: dict[tuple[Any, Any], list[dict[str, Any]]] = {}
+    for s in r.get("spread", []):  # the same setting, other draws of the device's noise
+        spread.setdefault((s.get("defence"), s.get("strength")), []).append(s)
+    if spread:
+        rows = []
+        for (defence, strength), runs in spread.items():
+            costs = [x["eval_loss_cost_pct"] for x in runs if "eval_loss_cost_pct" in x]
+            seeds = ", ".join(str(x.get("device_seed")) for x in runs)
+            span = f"{min(costs):+.1f}% to {max(costs):+.1f}%" if costs else "–"
+            rows.append([defence, num(strength), seeds, span])
+        headers = ["defence", "strength", "device seeds", "cost"]
+        tables.append(("The cost again with other draws of the device's noise", headers, rows))
     return tables
 
 
@@ -467,9 +479,9 @@ def _strength(row: dict[str, Any]) -> str:
         return "–"
     text = num(row.get("strength"))
     parts = str(row.get("defence")).split("+")
-    if len(parts) > 1 and "decorrelation" in parts[1:]:
+    if len(parts) > 1 and "decorrelation" in parts:  # with noise: strength is the noise's
         text += f" (weight {num(row.get('decorrelation'))})"
-    if len(parts) > 1 and "label-resample" in parts[1:]:
+    if len(parts) > 1 and "label-resample" in parts:
         text += f" (rate {num(row.get('label_resample'))})"
     return text
 

@@ -70,7 +70,9 @@ __all__ = ["DEFAULT", "QUICK", "BenchSize", "Setting", "run_privacy_bench"]
 log = logging.getLogger(__name__)
 
 ATTACKERS = ("fixed", "adaptive")
-_ATTACKER_SEED = 1234  # the attacker's own noise draws (the device's come from the OS)
+_ATTACKER_SEED = 1234  # the attacker's own random draws
+_NOISE = ("clip", "clip-activations", "token", "token-dim")  # the parts that add noise
+_DEVICE_SEED = 0  # the device's draws, seeded here for repeatable rows (a real device: the OS)
 
 
 @dataclass(frozen=True)
@@ -78,9 +80,10 @@ class Setting:
     """One defence at one strength, as the bench sets it in ``[privacy]``.
 
     ``defence`` joins parts with ``+``: ``clip`` (both channels) or ``clip-activations``,
-    ``token``, ``token-dim`` (noise at the multiplier ``strength``), ``decorrelation`` (alone:
-    weight ``strength``) and ``label-resample`` (alone: rate ``strength``). Beside noise, the
-    penalty's weight and the resampling rate are ``decorrelation`` and ``label_resample``.
+    ``token``, ``token-dim`` (noise at the multiplier ``strength``), ``decorrelation`` (without
+    noise: weight ``strength``) and ``label-resample`` (without noise: rate ``strength``).
+    Beside noise, the penalty's weight and the rate are ``decorrelation`` and
+    ``label_resample``.
     """
 
     defence: str
@@ -92,7 +95,7 @@ class Setting:
         """``privacy.*`` of this setting; ``clips`` are the undefended run's median norms."""
         s, out = self.strength, {}
         parts = self.defence.split("+")
-        noise = parts[0] not in ("decorrelation", "label-resample")
+        noise = any(p in _NOISE for p in parts)  # then strength is the noise multiplier
         for part in parts:
             if part == "none":
                 continue
@@ -128,6 +131,10 @@ class BenchSize:
     # Deeper cuts, each run undefended and with these settings only (a sample of the sweep)
     deeper_cuts: tuple[int, ...] = ()
     deeper_settings: tuple[Setting, ...] = ()
+    # Settings trained again with other device seeds (first cut, no attacks): how much the
+    # held-out loss moves from one draw of the device's noise to the next
+    spread: tuple[Setting, ...] = ()
+    spread_seeds: tuple[int, ...] = (1, 2, 3)
 
 
 def _sweep(defence: str, strengths: tuple[float, ...], **beside: float) -> list[Setting]:
@@ -154,6 +161,7 @@ DEFAULT = BenchSize(
     ),
     deeper_cuts=(2,),
     deeper_settings=(Setting("clip", 0.03), Setting("clip", 0.1), Setting("label-resample", 0.7)),
+    spread=(Setting("clip", 0.03), Setting("label-resample", 0.7)),
 )
 QUICK = BenchSize(
     "tiny-llama",
@@ -170,6 +178,8 @@ QUICK = BenchSize(
         Setting("label-resample", 0.7),
         Setting("decorrelation+token-dim", 0.3, decorrelation=1.0),
     ),
+    spread=(Setting("clip", 0.3),),
+    spread_seeds=(1, 2),
 )
 
 
@@ -487,7 +497,8 @@ def _rows(
 
 def _cut_rows(
     size: BenchSize, folder: Path, data: _Data, head_layers: int, settings: tuple[Setting, ...]
-) -> list[dict[str, Any]]:
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The attacked rows of one cut, and the repeats of ``size.spread`` (first cut only)."""
     cfg = _config(size, head_layers)
     base = _base(cfg, folder, data)
     clips = (0.0, 0.0)
@@ -496,7 +507,14 @@ def _cut_rows(
         privacy = replace(cfg.privacy, **setting.overrides(clips))
         run_cfg = replace(cfg, privacy=privacy)
         start = time.perf_counter()
-        run = record_training(run_cfg, folder, data.batches, data.held_out, public=data.public)
+        run = record_training(
+            run_cfg,
+            folder,
+            data.batches,
+            data.held_out,
+            public=data.public,
+            defence_seed=_DEVICE_SEED,
+        )
         wall = time.perf_counter() - start
         if setting.defence == "none":  # the clip defence's norms: what this run sent
             clips = (
@@ -506,13 +524,44 @@ def _cut_rows(
         rows += _rows(size, run_cfg, data, base, run, setting, wall)
         for row in rows[-2:]:
             _progress(row)
-    for row in rows:
-        none = next(r for r in rows if r["defence"] == "none" and r["attacker"] == row["attacker"])
+    spread = []
+    if head_layers == size.cuts[0]:
+        for setting in size.spread:
+            spread += _spread_rows(size, cfg, folder, data, setting, clips)
+    for row in rows + spread:
+        none = next(r for r in rows if r["defence"] == "none")  # one run for both attackers
         row["eval_loss_cost_pct"] = (
             100.0 * (row["eval_loss"] - none["eval_loss"]) / none["eval_loss"]
         )
         gain = base.eval_loss - none["eval_loss"]  # what training bought, undefended
         row["training_gain_kept"] = (base.eval_loss - row["eval_loss"]) / gain if gain else None
+    return rows, spread
+
+
+def _spread_rows(
+    size: BenchSize,
+    cfg: FedpipeConfig,
+    folder: Path,
+    data: _Data,
+    setting: Setting,
+    clips: tuple[float, float],
+) -> list[dict[str, Any]]:
+    """``setting`` trained again with each of ``size.spread_seeds`` (held-out loss only)."""
+    run_cfg = replace(cfg, privacy=replace(cfg.privacy, **setting.overrides(clips)))
+    rows = []
+    for seed in size.spread_seeds:
+        run = record_training(run_cfg, folder, data.batches, data.held_out, defence_seed=seed)
+        rows.append(
+            {
+                "head_layers": cfg.model.head_layers,
+                "defence": setting.defence,
+                "strength": setting.strength,
+                "device_seed": seed,
+                "eval_loss": run.eval_loss,
+            }
+        )
+        log.info("head %d, %s %.3g, device seed %d: eval loss %.4f", cfg.model.head_layers,
+                 setting.defence, setting.strength, seed, run.eval_loss)  # fmt: skip
     return rows
 
 
@@ -597,7 +646,11 @@ def run_privacy_bench(size: BenchSize = DEFAULT) -> dict[str, Any]:
     start = time.perf_counter()
     plan = [(cut, size.settings) for cut in size.cuts]
     plan += [(cut, size.deeper_settings) for cut in size.deeper_cuts]
-    rows = [row for cut, settings in plan for row in _cut_rows(size, folder, data, cut, settings)]
+    rows, spread = [], []
+    for cut, settings in plan:
+        attacked, repeats = _cut_rows(size, folder, data, cut, settings)
+        rows += attacked
+        spread += repeats
     vocab = int(load_hf_config(folder).vocab_size)
     flat = torch.cat([b["input_ids"].reshape(-1) for b in data.batches])
     return {
@@ -605,6 +658,7 @@ def run_privacy_bench(size: BenchSize = DEFAULT) -> dict[str, Any]:
         "rows": rows,
         "halves_both_within_2pct": _verdict(rows),
         "best_within_2pct": _best(rows),
+        "spread": spread,
         "chance_acc": 1.0 / vocab,
         "majority_token_acc": float(flat.bincount().max()) / flat.numel(),
         "settings": {
@@ -613,6 +667,8 @@ def run_privacy_bench(size: BenchSize = DEFAULT) -> dict[str, Any]:
             "microbatches": size.microbatches,
             "steps": size.steps,
             "lr": size.lr,
+            "device_seed": _DEVICE_SEED,
+            "attacker_seed": _ATTACKER_SEED,
             "public_blocks": int(data.public.shape[0]),
             "eval_blocks": int(data.held_out.shape[0]),
             "held_out": (

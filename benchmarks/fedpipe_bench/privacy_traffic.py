@@ -143,9 +143,9 @@ def record_training(
     server.start()
     try:
         trainer = DeviceTrainer(cfg, device_id=tap.device_id, folder=folder)
-        if trainer.defence is not None and defence_seed is not None:
-            for channel in trainer.defence.channels.values():
-                channel.generator.manual_seed(defence_seed)
+        if defence_seed is not None:  # repeatable draws (a real device's come from the OS)
+            for generator in _generators(trainer):
+                generator.manual_seed(defence_seed)
         with StageClient(server.address) as client:
             report = trainer.train_round(client, batches, round_=0)
         examples = sum(int(b["input_ids"].shape[0]) for b in batches)
@@ -189,6 +189,16 @@ def _server_outputs(
                     assert reply.tensor is not None
                     outputs.append(reply.tensor.float())
     return torch.cat(outputs)
+
+
+def _generators(trainer: DeviceTrainer) -> list[torch.Generator]:
+    """The random generators of the device's defences (noise, penalty sampling, labels)."""
+    out = [c.generator for c in trainer.defence.channels.values()] if trainer.defence else []
+    if trainer.decorrelation is not None:
+        out.append(trainer.decorrelation.generator)
+    if trainer.label_resample is not None:
+        out.append(trainer.label_resample.generator)
+    return out
 
 
 class _DefendedHead(nn.Module):

@@ -197,6 +197,10 @@ def test_quick_bench_attacks_work_and_the_json_has_the_contract(tmp_path: Path) 
     assert resampled["reconstruction_acc"] > 0.9 * row("none", "adaptive")["reconstruction_acc"]
     both = row("decorrelation+token-dim", "adaptive")
     assert both["head_dcor"] is not None and 0 < both["head_dcor"] <= 1
+    # The same setting with other draws of the device's noise: the cost's spread, no attacks.
+    assert [s["device_seed"] for s in report["spread"]] == list(QUICK.spread_seeds)
+    for repeat in report["spread"]:
+        assert "eval_loss_cost_pct" in repeat and "reconstruction_acc" not in repeat
     # The Pareto plot the bench writes, from its own report.
     from fedpipe_bench.privacy_plot import write_pareto
 

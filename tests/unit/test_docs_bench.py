@@ -228,6 +228,10 @@ PRIVACY = {
         for attacker in ("fixed", "adaptive")
     ],
     "halves_both_within_2pct": [],
+    "spread": [
+        {"defence": "clip", "strength": 0.03, "device_seed": 1, "eval_loss_cost_pct": 0.5},
+        {"defence": "clip", "strength": 0.03, "device_seed": 2, "eval_loss_cost_pct": 3.25},
+    ],
     "best_within_2pct": [
         {
             "head_layers": 1,
@@ -249,6 +253,7 @@ def test_the_privacy_tables_name_the_attacker_and_the_best_trade_off(tmp_path: P
     assert "| 1 | decorrelation+token-dim | 0.030 (weight 10.000) | fixed |" in text
     assert "no setting halves both attacks within 2% held-out loss" in text
     assert "| 1 | clip | 0.030 | 84% | +1.0% |" in text
+    assert "| clip | 0.030 | 1, 2 | +0.5% to +3.2% |" in text
 
 
 def test_the_privacy_plot_is_drawn_from_the_record_at_build_time(tmp_path: Path) -> None:
