@@ -72,6 +72,7 @@ log = logging.getLogger(__name__)
 ATTACKERS = ("fixed", "adaptive")
 _ATTACKER_SEED = 1234  # the attacker's own random draws
 _NOISE = ("clip", "clip-activations", "token", "token-dim")  # the parts that add noise
+_PRIOR_ONLY = 1e6  # a prior weight at which the model's own prediction decides alone
 _DEVICE_SEED = 0  # the device's draws, seeded here for repeatable rows (a real device: the OS)
 
 
@@ -425,9 +426,9 @@ def _adaptive(
 
     It simulates a device that holds the released adapters and runs the run's defence (with
     the attacker's own random draws) on its public text. Per attack, it compares a refit on
-    that traffic with the fixed attack, both fitted on three quarters of the public text and
-    scored on the last quarter's simulated traffic, and keeps the better, fitted on all of it.
-    It never sees the private ids.
+    that traffic with the fixed attack (and, for labels, the model's prior alone), each fitted
+    on three quarters of the public text and scored on the last quarter's simulated traffic,
+    and keeps the best, fitted on all of it. It never sees the private ids.
     """
     traffic = _simulated(run, cfg, data.public, size)
     tail = cast(TailStage, run.released.tail)
@@ -440,16 +441,27 @@ def _adaptive(
     use_refit_rec = _reconstruction_acc(check, refit) >= _reconstruction_acc(
         check, fixed.reconstruction
     )
-    refit_label, _ = _label_acc(features[cut:], _fit_label(tail, features[:cut]))
-    fixed_label, _ = _label_acc(check.features(base.tail), fixed.label)
-    use_refit_label = refit_label >= fixed_label
-    return _Attacker(
+    # Label candidates: refit on this traffic, the fixed attack, or the model's prior alone
+    # (where the gradients mislead: a weight so large that the prior decides)
+    refit_fit = _fit_label(tail, features[:cut])
+    prior_only = replace(refit_fit, prior_weight=_PRIOR_ONLY)
+    scores = {
+        "refit": _label_acc(features[cut:], refit_fit)[0],
+        "fixed": _label_acc(check.features(base.tail), fixed.label)[0],
+        "prior": _label_acc(features[cut:], prior_only)[0],
+    }
+    choice = max(scores, key=lambda k: (scores[k], k == "refit"))
+    reconstruction = (
         _fit_reconstruction(base.head, traffic.activations)
         if use_refit_rec
-        else base.reconstruction,
-        _fit_label(tail, features) if use_refit_label else base.label,
-        tail if use_refit_label else base.tail,
+        else base.reconstruction
     )
+    if choice == "fixed":
+        return _Attacker(reconstruction, base.label, base.tail)
+    label = _fit_label(tail, features)
+    if choice == "prior":
+        label = replace(label, prior_weight=_PRIOR_ONLY)
+    return _Attacker(reconstruction, label, tail)
 
 
 def _rows(
