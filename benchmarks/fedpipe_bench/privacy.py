@@ -162,7 +162,7 @@ DEFAULT = BenchSize(
     ),
     deeper_cuts=(2,),
     deeper_settings=(Setting("clip", 0.03), Setting("clip", 0.1), Setting("label-resample", 0.7)),
-    spread=(Setting("clip", 0.03), Setting("label-resample", 0.7)),
+    spread=(Setting("clip", 0.03), Setting("token-dim", 0.03), Setting("label-resample", 0.7)),
 )
 QUICK = BenchSize(
     "tiny-llama",
