@@ -150,7 +150,7 @@ DEFAULT = BenchSize(
     16,
     64,
     16,
-    (1, 2),
+    (1,),
     (
         *_sweep("clip", (0.01, 0.03, 0.1)),
         *_sweep("token", (0.01, 0.03, 0.1)),
@@ -161,7 +161,12 @@ DEFAULT = BenchSize(
         Setting("decorrelation+token-dim", 0.03, decorrelation=10.0),
     ),
     deeper_cuts=(2,),
-    deeper_settings=(Setting("clip", 0.03), Setting("clip", 0.1), Setting("label-resample", 0.7)),
+    deeper_settings=(
+        Setting("clip", 0.03),
+        Setting("clip", 0.1),
+        Setting("token-dim", 0.03),
+        Setting("label-resample", 0.7),
+    ),
     spread=(Setting("clip", 0.03), Setting("token-dim", 0.03), Setting("label-resample", 0.7)),
 )
 QUICK = BenchSize(
