@@ -47,7 +47,7 @@ def pareto_figure(report: dict[str, Any], cut: int | None = None) -> Any:
     cut = cuts[0] if cut is None else cut
     curves = _curves(rows, cut)
     none = curves.pop("none", [])
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), sharex=True)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 5), sharex=True)
     for ax, (key, title) in zip(axes, _PANELS, strict=True):
         for name, points in sorted(curves.items()):
             xs = [float(p["eval_loss_cost_pct"]) for p in points]
@@ -61,14 +61,17 @@ def pareto_figure(report: dict[str, Any], cut: int | None = None) -> Any:
             ax.plot([0.0], [base], marker="*", markersize=12, color="black", label="none")
             ax.axhline(base / 2, color="grey", linestyle="--", linewidth=0.8)
         ax.axvline(2.0, color="grey", linestyle="--", linewidth=0.8)
+        ax.set_xscale("symlog", linthresh=2.0)  # linear to 2%, then logarithmic: the far
+        # costs (a ruined model) leave room for the ones that matter
         ax.set_title(f"{title} (adaptive attacker)")
-        ax.set_xlabel("held-out loss cost, % over undefended")
+        ax.set_xlabel("held-out loss cost, % over undefended (linear to 2, then log)")
         ax.set_ylabel("attack accuracy")
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
-    axes[1].legend(fontsize=8, loc="best")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8)
     fig.suptitle(f"{report.get('model')}, {cut} head block(s): privacy against loss")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
     return fig
 
 
