@@ -17,6 +17,8 @@ The README's one result sits between ``<!-- fedpipe:readme-result -->`` and
 from __future__ import annotations
 
 import argparse
+import base64
+import importlib
 import json
 import math
 import re
@@ -739,10 +741,7 @@ def render_plot(name: str, data_dir: Path = DATA_DIR, link: str = "data/") -> st
     record = load_record(name, data_dir)
     if record is None:
         return '!!! note "No plot yet"\n    Nothing has been recorded for this bench.\n'
-    import base64
-    import importlib
-
-    module, function = PLOTS[name]
+    module, function = PLOTS[name]  # imported here: matplotlib only for a page with a plot
     svg = getattr(importlib.import_module(module), function)(record["result"])
     data = base64.b64encode(svg.encode()).decode()
     image = f'<img alt="{name} plot" src="data:image/svg+xml;base64,{data}">'

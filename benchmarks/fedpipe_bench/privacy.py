@@ -419,7 +419,9 @@ def _fit_label(tail: TailStage, features: Features) -> LabelAttack:
     )
 
 
-def _fit_reconstruction(head: HeadStage, activations: list[tuple[Tensor, Tensor]]) -> Any:
+def _fit_reconstruction(
+    head: HeadStage, activations: list[tuple[Tensor, Tensor]]
+) -> ReconstructionAttack:
     ids = torch.cat([i for _, i in activations])
     return ReconstructionAttack.fit(head, ids, torch.cat([a for a, _ in activations]))
 

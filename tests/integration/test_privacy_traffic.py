@@ -3,30 +3,34 @@
 from __future__ import annotations
 
 import torch
-from fedpipe_bench.privacy_traffic import record_training
+from fedpipe_bench.privacy_traffic import RunResult, record_training
 
 from fedpipe.config import FedpipeConfig, PrivacyConfig, load_config
 from fedpipe.messages import Kind
 from fedpipe.models import resolve_model
 
 
-def _tiny_run(privacy: dict[str, float]) -> dict[Kind, dict[tuple[int, int], torch.Tensor]]:
+def _record(settings: dict[str, float], steps: int = 2) -> RunResult:
+    """``steps`` steps of the tiny model on seeded random tokens, tapped at the server."""
     overrides = {
         "model.name": "tiny-llama",
         "train.batch_size": 4,
         "train.seq_len": 16,
         "pipeline.microbatches": 2,
         "pipeline.schedule": "gpipe",
-        **privacy,
+        **settings,
     }
     cfg = load_config(None, overrides)
     gen = torch.Generator().manual_seed(0)
     batches = []
-    for _ in range(2):
+    for _ in range(steps):
         ids = torch.randint(0, 256, (4, 16), generator=gen)
         batches.append({"input_ids": ids, "labels": ids.clone()})
-    run = record_training(cfg, resolve_model("tiny-llama"), batches, batches[0]["input_ids"])
-    tap = run.tap
+    return record_training(cfg, resolve_model("tiny-llama"), batches, batches[0]["input_ids"])
+
+
+def _tiny_run(privacy: dict[str, float]) -> dict[Kind, dict[tuple[int, int], torch.Tensor]]:
+    tap = _record(privacy).tap
     return {
         Kind.ACTIVATION: tap.activations,
         Kind.OUTPUT: tap.outputs,
@@ -83,30 +87,11 @@ def test_token_noise_reaches_the_server_scaled_to_each_token() -> None:
 def test_the_decorrelation_penalty_trains_the_head_through_the_pipelined_path() -> None:
     """Over loopback gRPC, the penalty's gradient joins the server's in the head's backward:
     the trained head's outputs tell its tokens apart less than an undefended run's head does."""
-    from fedpipe_bench.privacy_traffic import RunResult
-
     from fedpipe.privacy import distance_correlation
 
     def run(extra: dict[str, float]) -> tuple[float, RunResult]:
-        cfg = load_config(
-            None,
-            {
-                "model.name": "tiny-llama",
-                "train.batch_size": 4,
-                "train.seq_len": 16,
-                "train.lr": 1e-2,
-                "pipeline.microbatches": 2,
-                "pipeline.schedule": "gpipe",
-                **extra,
-            },
-        )
-        gen = torch.Generator().manual_seed(0)
-        batches = []
-        for _ in range(4):
-            ids = torch.randint(0, 256, (4, 16), generator=gen)
-            batches.append({"input_ids": ids, "labels": ids.clone()})
-        result = record_training(cfg, resolve_model("tiny-llama"), batches, batches[0]["input_ids"])
-        ids = torch.cat([b["input_ids"] for b in batches])
+        result = _record({"train.lr": 1e-2, **extra}, steps=4)
+        ids = torch.cat([b["input_ids"] for b in result.batches])
         with torch.no_grad():
             hidden = result.released.head(ids)
         return float(distance_correlation(ids.reshape(-1), hidden.reshape(-1, 64))), result
