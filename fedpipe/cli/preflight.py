@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from fedpipe.config import FedpipeConfig, PrivacyConfig, parse_cuts
+from fedpipe.config.privacy_spec import parse_privacy_spec
 from fedpipe.data import default_corpus, load_documents, partition, train_eval_split
 from fedpipe.errors import FedpipeError
 from fedpipe.link import link_names, parse_device_profile, parse_link, split_specs
@@ -456,7 +457,11 @@ def _check_cut(cut: str) -> None:
 def _check_privacy(spec: str) -> None:
     """The spec's keys and values alone; how they fit the run is checked when it starts."""
     try:
-        PrivacyConfig().for_device(spec)
+        entry = parse_privacy_spec(spec, "--privacy")  # its messages name the flag and spec
+    except ValueError as exc:
+        raise SettingsError(str(exc)) from None
+    try:
+        PrivacyConfig().for_device(entry)
     except ValueError as exc:
         raise SettingsError(f"--privacy {spec!r}: {exc}") from None
 
