@@ -13,10 +13,11 @@ free port and runs `flwr run` against it, instead of the detached SuperLink on p
 39091 that `flwr run` otherwise starts and leaves behind, and instead of
 `flwr.simulation.run_simulation`, which gives apps an empty run config.
 
-Ray's head node waits for each process it starts to write its port into a file; on a small
-or busy machine that wait can time out, and the simulation engine then crashes before any
-ClientApp ran. `ray_start_timed_out` tells that failure from a run's outcome and log, and
-`stop_processes_under` stops what such a start left behind, so a caller can try once more.
+Ray's head node waits for each process it starts (GCS server, raylet, ...); on a small or
+busy machine that wait can time out, and Flower's simulation engine then crashes while it
+builds its Ray backend, before any ClientApp ran. `engine_start_failure` tells that failure
+from a run's outcome and log and gives Ray's reason, and `stop_processes_under` stops what
+such a start left behind, so a caller can try once more.
 
 Every process gets a private ``FLWR_HOME``, no telemetry, no update check and no runtime
 dependency installation (otherwise Flower runs `uv sync` and downloads CUDA torch).
@@ -58,12 +59,12 @@ __all__ = [
     "FlwrRunResult",
     "ManagedProcess",
     "ProcessStartError",
+    "engine_start_failure",
     "flower_env",
     "flower_processes_under",
     "flwr_run",
     "format_config_args",
     "free_port",
-    "ray_start_timed_out",
     "run_simulation_engine",
     "start_superlink",
     "start_supernode",
@@ -78,11 +79,11 @@ logger = logging.getLogger(__name__)
 
 _RUN_ID = re.compile(r"Successfully started run (\d+)")
 _CONNECTION = "fedpipe"
-# Ray's error when a process of its head node (GCS server, raylet, ...) did not write its port
-# file in time: <session dir>/<name>_port_<node id, 28 bytes in hex>.
-_RAY_NODE_TIMEOUT = "The current node timed out during startup"
-_RAY_PORT_TIMEOUT = re.compile(r"Timed out waiting for file \S*/[a-z_]+_port_[0-9a-f]{56}\b")
-_ENGINE_CRASHED = "Simulation Runtime crashed"  # Flower: its Ray backend could not be built
+# Flower's simulation runtime, when building its Ray backend raised: it logs "An exception
+# occured!! <the exception>" (its spelling), then raises "Simulation Runtime crashed."
+_ENGINE_CRASHED = "Simulation Runtime crashed"
+_ENGINE_EXCEPTION = re.compile(r"An exception occured!! (.+)")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 class FlowerRunError(RuntimeError):
@@ -138,7 +139,8 @@ def write_flower_app(
 
 @dataclass(frozen=True)
 class FlwrRunResult:
-    """What one `flwr run` left behind: its run id, final status, output and timing."""
+    """What one `flwr run` left behind: its run id, final status (and the SuperLink's details
+    of it, e.g. why it failed), output and timing."""
 
     run_id: int | None
     status: str
@@ -146,10 +148,23 @@ class FlwrRunResult:
     output: str
     log_path: Path
     wall_s: float
+    details: str = ""
 
     @property
     def completed(self) -> bool:
         return self.status == "finished:completed"
+
+    @property
+    def first_exception(self) -> str | None:
+        """The first exception raised in the run's log (its type and message, the last line of
+        the first traceback), or None: what went wrong first, for a one-line report."""
+        in_traceback = False
+        for line in _ANSI.sub("", self.output).splitlines():
+            if "Traceback (most recent call last):" in line:
+                in_traceback = True
+            elif in_traceback and line.strip() and not line[0].isspace():
+                return line.strip()
+        return None
 
 
 def write_connection(
@@ -215,12 +230,15 @@ def flwr_run(
         _flwr_quiet(["stop", str(run_id), _CONNECTION], run_env)  # don't leave it running
     if returncode == -2:
         raise KeyboardInterrupt
-    status = _run_status(run_id, run_env) if run_id is not None else "not-started"
-    result = FlwrRunResult(run_id, status, returncode, output, log_path, time.monotonic() - start)
+    status, details = _run_status(run_id, run_env) if run_id is not None else ("not-started", "")
+    result = FlwrRunResult(
+        run_id, status, returncode, output, log_path, time.monotonic() - start, details
+    )
     if check and (returncode != 0 or (stream and not result.completed)):
         tail = "\n".join(output.splitlines()[-40:])
         raise FlowerRunError(
-            f"flwr run of {app_dir} on {superlink}: rc={returncode}, status={status!r}, "
+            f"flwr run of {app_dir} on {superlink}: rc={returncode}, status={status!r}"
+            f"{f' ({details})' if details else ''}, "
             f"after {result.wall_s:.1f} s (timeout {timeout_s:.0f} s); log {log_path}:\n{tail}"
         )
     return result
@@ -258,14 +276,15 @@ def _flwr_quiet(args: Sequence[str], env: Mapping[str, str]) -> str:
     return done.stdout
 
 
-def _run_status(run_id: int, env: Mapping[str, str]) -> str:
-    """The run's status text (``finished:completed``...) from `flwr ls`, or ``unknown``."""
+def _run_status(run_id: int, env: Mapping[str, str]) -> tuple[str, str]:
+    """The run's status text (``finished:completed``...) from `flwr ls`, or ``unknown``, and
+    the SuperLink's details of it (why a run failed; often empty)."""
     args = ["ls", _CONNECTION, "--run-id", str(run_id), "--format", "json"]
     try:
-        payload = json.loads(_flwr_quiet(args, env))
-        return str(payload["runs"][0]["status"])
+        run = json.loads(_flwr_quiet(args, env))["runs"][0]
+        return str(run["status"]), str(run.get("status-details") or "")
     except (json.JSONDecodeError, KeyError, IndexError, subprocess.TimeoutExpired):
-        return "unknown"
+        return "unknown", ""
 
 
 def run_simulation_engine(
@@ -303,22 +322,19 @@ def run_simulation_engine(
         link.stop()
 
 
-def ray_start_timed_out(result: FlwrRunResult) -> bool:
-    """Whether a simulation run failed because Ray timed out starting (a slow or busy machine).
+def engine_start_failure(result: FlwrRunResult) -> str | None:
+    """Why Flower's simulation engine could not start, or None when it started (or the run was
+    stopped by our timeout, or completed).
 
-    Read from the run's outcome (not completed, not stopped by our timeout) and its log: Flower
-    says its simulation runtime crashed, and Ray that a port file of its head node never came,
-    or that the node timed out starting (its raylet or GCS too slow on a loaded machine).
+    Read from the run's outcome and its log: Flower says its simulation runtime crashed, which
+    it does only when building its Ray backend raised (ClientApp errors become error replies),
+    and names the exception, e.g. Ray's "Timed out waiting for file .../gcs_server_port_..."
+    or "The current node timed out during startup" on a slow or busy machine.
     """
-    return (
-        not result.completed
-        and result.returncode != -1
-        and _ENGINE_CRASHED in result.output
-        and (
-            _RAY_PORT_TIMEOUT.search(result.output) is not None
-            or _RAY_NODE_TIMEOUT in result.output
-        )
-    )
+    if result.completed or result.returncode == -1 or _ENGINE_CRASHED not in result.output:
+        return None
+    found = _ENGINE_EXCEPTION.search(_ANSI.sub("", result.output))
+    return found.group(1).strip() if found else "Flower's simulation runtime crashed"
 
 
 def stop_processes_under(root: str | Path, *, grace_s: float = 10.0) -> list[int]:

@@ -31,8 +31,8 @@ from fedpipe.config import FedpipeConfig
 from fedpipe.fl.device_work import RUN_DEFAULTS
 from fedpipe.launch.engines import (
     FlwrRunResult,
+    engine_start_failure,
     flwr_run,
-    ray_start_timed_out,
     run_simulation_engine,
     stop_processes_under,
     write_flower_app,
@@ -112,8 +112,9 @@ def simulate(
     are late. On resume, ``explicit`` names the settings given anew (None: all of
     ``config``); the rest come from the run folder. The summary's ``ok`` and ``problems``
     say whether the run did all it should (see :func:`fedpipe.runs.summary.judge`); a
-    timeout is one of them. When Ray timed out starting the engine, it is started once more
-    (said in one line on stderr, and in the summary's ``flower_run.retried_after``).
+    timeout is one of them. When the simulation engine crashed starting (Ray timed out starting
+    on a busy machine, or another failure of Ray's start), it is started once more (said in
+    one line on stderr with Ray's reason, and in the summary's ``flower_run.retried_after``).
 
     ``client_app`` (``"package.module:attribute"``) chooses the ClientApp the simulated
     devices run, e.g. fedpipe's own (``fedpipe.fl.client_app:client_app``) called inside a
@@ -203,7 +204,8 @@ class _SimulationAttempt:
 def _simulate_with_one_retry(
     attempt: _SimulationAttempt, timeout_s: float
 ) -> tuple[FlwrRunResult, FlwrRunResult | None]:
-    """Run the simulation; once more if Ray timed out starting, before the run trained a round.
+    """Run the simulation; once more if its engine crashed starting, before the run trained a
+    round.
 
     Returns the result that counts and the failed first one (None when there was no retry).
     Before the second start, the first one's processes are stopped and the records its
@@ -213,11 +215,12 @@ def _simulate_with_one_retry(
     folder, deadline = attempt.folder, time.monotonic() + timeout_s
     mark = _FolderMark.of(folder)
     first = attempt(folder.path / "flower", timeout_s)
-    if not ray_start_timed_out(first) or mark.round_written(folder):
+    reason = engine_start_failure(first)
+    if reason is None or mark.round_written(folder):
         return first, None
     print(
-        "fedpipe: Ray timed out starting Flower's simulation engine (a slow or busy machine); "
-        f"starting it once more (first attempt's log: {first.log_path})",
+        f"fedpipe: Flower's simulation engine did not start ({_shorter(reason)}); starting it "
+        f"once more (first attempt's log: {first.log_path})",
         file=sys.stderr,
         flush=True,
     )
@@ -274,6 +277,13 @@ class _FolderMark:
             path.unlink()
 
 
+def _shorter(text: str, limit: int = 240) -> str:
+    """``text`` on one line of at most ``limit`` characters (Ray's and Flower's reasons can run
+    over several lines)."""
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
 def _before_a_round(record: dict[str, Any], start_round: object) -> bool:
     """A record a ServerApp writes before its first round trained: its start, waits for
     devices, the evaluation of the round it starts from, and progress with no step done."""
@@ -309,7 +319,7 @@ def _finish(
 ) -> dict[str, Any]:
     """The summary with the run's verdict (``ok``, ``problems``), written and returned.
 
-    ``retried``: a first start of the simulation engine whose Ray start timed out;
+    ``retried``: a first start of the simulation engine that crashed starting;
     ``replicas``: the StageServer replicas the run had (where they served, what they asked
     Ray for).
     """
@@ -320,13 +330,14 @@ def _finish(
     summary["flower_run"] = {
         "run_id": result.run_id,
         "status": result.status,
+        "details": result.details,
         "log": str(result.log_path),
     }
     if retried is not None:
         summary["flower_run"]["retried_after"] = {
             "run_id": retried.run_id,
             "status": retried.status,
-            "reason": "Ray timed out starting",
+            "reason": engine_start_failure(retried),
             "log": str(retried.log_path),
         }
     fed = config.federated
@@ -334,9 +345,12 @@ def _finish(
     if result.returncode == -1:
         problems.insert(0, f"the run reached --timeout ({timeout_s:g} s) and was stopped")
     elif not result.completed:
+        why = f": {_shorter(result.details, 160)}" if result.details else ""
+        if (first := result.first_exception) is not None:
+            why += f"; first exception in its log: {_shorter(first, 200)}"
         problems.insert(
             0,
-            f"Flower's run ended as {result.status!r} (flwr rc {result.returncode}); "
+            f"Flower's run ended as {result.status!r} (flwr rc {result.returncode}){why}; "
             f"its log: {result.log_path}",
         )
     summary["problems"], summary["ok"] = problems, not problems

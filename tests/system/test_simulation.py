@@ -393,8 +393,9 @@ def test_timeout_ends_the_run_with_a_summary(
             client_app=client_app,
         )
     assert_no_flower_under(tmp_path)
+    problems = summary["problems"]  # all of them in the message: the why of another ending
     assert not summary["ok"]
-    assert summary["problems"][0] == "the run reached --timeout (45 s) and was stopped"
+    assert problems[0] == "the run reached --timeout (45 s) and was stopped", problems
     written = json.loads((tmp_path / "late" / "summary.json").read_text())
     assert written["problems"] == summary["problems"]
     assert _report(written, tmp_path / "late") == 1

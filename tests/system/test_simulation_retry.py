@@ -1,4 +1,4 @@
-"""`fedpipe simulate` starts Flower's simulation engine once more when Ray timed out starting.
+"""`fedpipe simulate` starts Flower's simulation engine once more when it crashed starting.
 
 Real simulations of the tiny model. A test harness (a ``sitecustomize`` on the
 PYTHONPATH of the processes the run starts; not a fedpipe setting) makes the first N Ray head
@@ -39,7 +39,7 @@ SMALL = {
     "federated.num_devices": 2,
     "federated.rounds": 1,
 }
-RETRY_LINE = "fedpipe: Ray timed out starting Flower's simulation engine"
+RETRY_LINE = "fedpipe: Flower's simulation engine did not start (Timed out waiting for file "
 
 # Patches ray._private.node.wait_for_persisted_port when Ray imports it (Ray is imported only
 # by the simulation process and its workers, so nothing is loaded early).
@@ -151,7 +151,9 @@ class TestThreeRuns:
         assert summary["ok"], summary["problems"]
         assert summary["flower_run"]["status"] == "finished:completed"
         first = summary["flower_run"]["retried_after"]
-        assert first["status"] == "finished:failed" and first["reason"] == "Ray timed out starting"
+        assert first["status"] == "finished:failed"
+        assert first["reason"].startswith("Timed out waiting for file "), first
+        assert first["reason"].split("/")[-1].startswith("gcs_server_port_")
         first_log = Path(first["log"]).read_text()
         assert "Timed out waiting for file" in first_log and "gcs_server_port_" in first_log
         assert f"first attempt's log: {first['log']}" in retried["stderr"]
@@ -194,5 +196,11 @@ class TestThreeRuns:
         assert not summary["ok"]
         assert summary["flower_run"]["status"] == "finished:failed"
         assert summary["problems"][0].startswith("Flower's run ended as 'finished:failed'")
+        # the line says why: the SuperLink's details and the log's first exception (Ray's)
+        assert summary["flower_run"]["details"].startswith("Simulation failed with exception")
+        assert (
+            "; first exception in its log: RuntimeError: Timed out waiting for file "
+            in (summary["problems"][0])
+        )
         assert "Timed out waiting for file" in Path(summary["flower_run"]["log"]).read_text()
         assert twice["left"] == []

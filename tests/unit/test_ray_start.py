@@ -1,4 +1,4 @@
-"""Telling a Ray start that timed out from other simulation outcomes, on real `flwr run` logs.
+"""Telling an engine that crashed starting from other simulation outcomes, on real `flwr run` logs.
 
 The logs in ``flower_logs/`` were written by real runs on a 2-core machine:
 ``ray-start-timed-out.log``: `fedpipe simulate` (tiny-llama, 2 devices) while its GCS server was
@@ -7,6 +7,9 @@ the toy app of tests/integration with an out-dir its ClientApps cannot create (R
 the run failed); ``completed.log``: the toy app run to completion;
 ``ray-node-timed-out.log``: a simulation test of the suite on a machine loaded by other work,
 whose Ray node timed out starting (its raylet or GCS too slow).
+
+Whatever Ray's start raised, the reason given is Ray's own message (a failure not seen before is
+made from a real log with only the exception's text changed).
 
 And what a retry takes back from a run folder: the records a ServerApp writes before any round,
 never a round.
@@ -19,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from fedpipe.launch.engines import FlwrRunResult, ray_start_timed_out
+from fedpipe.launch.engines import FlwrRunResult, engine_start_failure
 from fedpipe.launch.run import _FolderMark
 from fedpipe.runs.folder import RunFolder
 
@@ -31,9 +34,32 @@ def _result(log: str, status: str, returncode: int = 0) -> FlwrRunResult:
     return FlwrRunResult(1, status, returncode, path.read_text(), path, 60.0)
 
 
-@pytest.mark.parametrize("log", ["ray-start-timed-out.log", "ray-node-timed-out.log"])
-def test_a_ray_start_that_timed_out_is_recognised(log: str) -> None:
-    assert ray_start_timed_out(_result(log, "finished:failed"))
+def _raised_in(log: str) -> str:
+    """The exception Ray raised in a crash log (after Flower's "An exception occured!! ")."""
+    line = next(line for line in log.splitlines() if "An exception occured!! " in line)
+    return line.split("An exception occured!! ", 1)[1].strip()
+
+
+@pytest.mark.parametrize(
+    ("log", "reason"),
+    [
+        ("ray-start-timed-out.log", "Timed out waiting for file /tmp/ray/session_"),
+        ("ray-node-timed-out.log", "The current node timed out during startup. This could"),
+    ],
+)
+def test_an_engine_that_crashed_starting_is_recognised_with_rays_reason(
+    log: str, reason: str
+) -> None:
+    assert (engine_start_failure(_result(log, "finished:failed")) or "").startswith(reason)
+
+
+def test_a_ray_start_failure_not_seen_before_is_recognised_too() -> None:
+    text = (LOGS / "ray-node-timed-out.log").read_text()
+    other = "Failed to connect to GCS at address 192.0.2.2:6379 within 60 seconds."
+    result = FlwrRunResult(
+        1, "finished:failed", 0, text.replace(_raised_in(text), other), LOGS / "x.log", 60.0
+    )
+    assert engine_start_failure(result) == other
 
 
 @pytest.mark.parametrize(
@@ -46,17 +72,19 @@ def test_a_ray_start_that_timed_out_is_recognised(log: str) -> None:
     ],
     ids=["app-failed", "completed", "completed-with-that-text", "our-timeout"],
 )
-def test_other_outcomes_are_not_a_ray_start_timeout(log: str, status: str, returncode: int) -> None:
-    assert not ray_start_timed_out(_result(log, status, returncode))
+def test_other_outcomes_are_not_an_engine_that_did_not_start(
+    log: str, status: str, returncode: int
+) -> None:
+    assert engine_start_failure(_result(log, status, returncode)) is None
 
 
-def test_the_ray_timeout_text_alone_is_not_enough() -> None:
+def test_rays_text_alone_is_not_enough() -> None:
     """Ray's message without Flower's crash of its simulation runtime (e.g. an app that logs
     it) is not an engine that failed to start."""
     text = (LOGS / "ray-start-timed-out.log").read_text()
     kept = "\n".join(line for line in text.splitlines() if "Simulation Runtime crashed" not in line)
     result = FlwrRunResult(1, "finished:failed", 0, kept, LOGS / "x.log", 60.0)
-    assert not ray_start_timed_out(result)
+    assert engine_start_failure(result) is None
 
 
 def _write(folder: RunFolder, *records: dict[str, object]) -> None:
@@ -120,3 +148,20 @@ def test_progress_with_no_step_done_is_not_a_round(tmp_path: Path) -> None:
     assert not mark.round_written(folder)
     _write(folder, {**waiting, "devices": [{"node_id": 1, "steps_done": 1}]})
     assert mark.round_written(folder)
+
+
+@pytest.mark.parametrize(
+    ("log", "first"),
+    [
+        ("ray-start-timed-out.log", "RuntimeError: Timed out waiting for file /tmp/ray/session_"),
+        ("ray-node-timed-out.log", "Exception: The current node timed out during startup."),
+        ("client-app-failed.log", "ray.exceptions.RayTaskError(ClientAppException): "),
+    ],
+)
+def test_a_failed_runs_first_exception_is_read_from_its_log(log: str, first: str) -> None:
+    """The one-line report of a failed run names what was raised first (colours stripped)."""
+    assert (_result(log, "finished:failed").first_exception or "").startswith(first)
+
+
+def test_a_run_without_a_traceback_has_no_first_exception() -> None:
+    assert _result("completed.log", "finished:completed").first_exception is None
