@@ -328,8 +328,9 @@ def engine_start_failure(result: FlwrRunResult) -> str | None:
 
     Read from the run's outcome and its log: Flower says its simulation runtime crashed, which
     it does when building its Ray backend (or starting its own threads) raised, never for a
-    ClientApp's error (those become error replies), and names the exception, e.g. Ray's "Timed out waiting for file .../gcs_server_port_..."
-    or "The current node timed out during startup" on a slow or busy machine.
+    ClientApp's error (those become error replies), and names the exception, e.g. Ray's
+    "Timed out waiting for file .../gcs_server_port_..." or "The current node timed out during
+    startup" on a slow or busy machine.
     """
     if result.completed or result.returncode == -1 or _ENGINE_CRASHED not in result.output:
         return None
