@@ -1,4 +1,5 @@
-"""Errors fedpipe raises across layers; the transport maps each to a gRPC status code."""
+"""Errors fedpipe raises across layers; the transport maps each to a gRPC status code. And
+`one_line`, how a reason from elsewhere (Ray, Flower, a device) is put in a one-line report."""
 
 from __future__ import annotations
 
@@ -17,7 +18,15 @@ __all__ = [
     "StreamReplacedError",
     "TensorFormatError",
     "UnknownSessionError",
+    "one_line",
 ]
+
+
+def one_line(text: str, limit: int) -> str:
+    """``text`` on one line (whitespace runs collapsed) of at most ``limit`` characters, cut
+    with ``...``: reasons from Ray, Flower or a device can run over many lines."""
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 class FedpipeError(Exception):

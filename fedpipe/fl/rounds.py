@@ -38,6 +38,7 @@ from typing import Any, cast
 from flwr.app import ConfigRecord, Message, MessageType
 from flwr.serverapp import Grid
 
+from fedpipe.errors import one_line
 from fedpipe.fl.progress import DeviceProgress, RoundWatch
 
 __all__ = ["DeviceBook", "RoundGrid", "StopRun", "clean_reason"]
@@ -105,9 +106,7 @@ _IDENTITY = re.compile(r"^\[partition (-?\d+) \(([^)]*)\)\]\s*")
 def clean_reason(reason: str) -> str:
     """Flower's ``<class '...ClientAppException'>:<'\\nException ... Message: why'>`` -> ``why``."""
     match = _FLOWER_WRAPPED.search(reason)
-    text = match.group(1) if match else reason
-    text = " ".join(text.split())
-    return text if len(text) <= 400 else text[:397] + "..."
+    return one_line(match.group(1) if match else reason, 400)
 
 
 def identity_from_reason(reason: str) -> tuple[DeviceInfo | None, str]:

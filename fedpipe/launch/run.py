@@ -28,6 +28,7 @@ from typing import Any
 
 from fedpipe.auth.secret_files import create_secret_file, read_secret_file
 from fedpipe.config import FedpipeConfig
+from fedpipe.errors import one_line
 from fedpipe.fl.device_work import RUN_DEFAULTS
 from fedpipe.launch.engines import (
     FlwrRunResult,
@@ -219,7 +220,7 @@ def _simulate_with_one_retry(
     if reason is None or mark.round_written(folder):
         return first, None
     print(
-        f"fedpipe: Flower's simulation engine did not start ({_shorter(reason)}); starting it "
+        f"fedpipe: Flower's simulation engine did not start ({one_line(reason, 240)}); starting it "
         f"once more (first attempt's log: {first.log_path})",
         file=sys.stderr,
         flush=True,
@@ -275,13 +276,6 @@ class _FolderMark:
             os.truncate(folder.metrics_path, self.metrics_bytes)
         for path in set(_files(folder.path / "tensorboard")) - self.board_files:
             path.unlink()
-
-
-def _shorter(text: str, limit: int = 240) -> str:
-    """``text`` on one line of at most ``limit`` characters (Ray's and Flower's reasons can run
-    over several lines)."""
-    line = " ".join(text.split())
-    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def _before_a_round(record: dict[str, Any], start_round: object) -> bool:
@@ -345,9 +339,9 @@ def _finish(
     if result.returncode == -1:
         problems.insert(0, f"the run reached --timeout ({timeout_s:g} s) and was stopped")
     elif not result.completed:
-        why = f": {_shorter(result.details, 160)}" if result.details else ""
+        why = f": {one_line(result.details, 160)}" if result.details else ""
         if (first := result.first_exception) is not None:
-            why += f"; first exception in its log: {_shorter(first, 200)}"
+            why += f"; first exception in its log: {one_line(first, 200)}"
         problems.insert(
             0,
             f"Flower's run ended as {result.status!r} (flwr rc {result.returncode}){why}; "
