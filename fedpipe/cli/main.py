@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import math
 import shlex
 import sys
 import time
@@ -128,6 +129,13 @@ def main(argv: list[str] | None = None) -> int:
             )
             return EXIT_SETTINGS
         args.name = time.strftime("run-%Y%m%d-%H%M%S")  # known here, for the resume hint
+    timeout = getattr(args, "timeout", None)
+    if timeout is not None and not 0 < timeout < math.inf:
+        print(
+            f"fedpipe: error: --timeout must be a number of seconds > 0, got {timeout:g}",
+            file=sys.stderr,
+        )
+        return EXIT_SETTINGS
     try:
         if hasattr(args, "set"):  # settings first, before the command's heavy imports
             config_from_args(args)

@@ -111,6 +111,18 @@ def test_resume_needs_the_run_name(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--resume needs --name NAME" in _error_line(capsys, ["simulate", "--resume"])
 
 
+@pytest.mark.parametrize("command", ["simulate", "run"])
+@pytest.mark.parametrize("value", ["0", "-5", "inf", "nan"])
+def test_a_timeout_that_is_not_a_positive_time_is_refused(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, command: str, value: str
+) -> None:
+    """Refused before a run folder is made (a zero timeout used to start a run and stop it)."""
+    argv = [command, "--timeout", value, "--runs-dir", str(tmp_path), "--name", "t"]
+    line = _error_line(capsys, argv)
+    assert line == f"fedpipe: error: --timeout must be a number of seconds > 0, got {value}"
+    assert not (tmp_path / "t").exists()
+
+
 def test_unknown_profile_and_strategy(capsys: pytest.CaptureFixture[str]) -> None:
     line = _error_line(capsys, ["simulate", "--profiles", "phone-lte,rpi-wify"])
     assert "'rpi-wify'" in line and "did you mean 'rpi-wifi'" in line
