@@ -57,6 +57,17 @@ def node_config(setup: ClientSetup) -> dict[str, Any]:
     return config
 
 
+def own_settings(setup: ClientSetup) -> str:
+    """This device's own settings for its start-up line (a profile other than loopback, its cut
+    and its privacy spec), so the user sees what the device will run with; "" when none."""
+    own = [
+        ("profile", setup.profile if setup.profile != "loopback" else None),
+        ("cut", setup.cut),
+        ("privacy", setup.privacy),
+    ]
+    return ", ".join(f"{key} {value}" for key, value in own if value)
+
+
 def cmd_client(args: argparse.Namespace) -> int:
     setup = client_setup(args)
     check_client(setup)
@@ -75,10 +86,11 @@ def cmd_client(args: argparse.Namespace) -> int:
         auth_key=setup.auth_key,
         workdir=args.workdir,
     )
+    own = own_settings(setup)
     print(
         f"fedpipe: SuperNode pid {node.pid} (port {node.address.rsplit(':', 1)[1]}) connected to "
-        f"{setup.superlink} as partition {setup.partition_id}/{setup.num_partitions} "
-        f"(log {node.log_path})",
+        f"{setup.superlink} as partition {setup.partition_id}/{setup.num_partitions}"
+        f"{f'; {own}' if own else ''} (log {node.log_path})",
         file=sys.stderr,
         flush=True,
     )

@@ -124,6 +124,20 @@ def test_fedpipe_client_privacy_flag_reaches_the_node_config_and_is_checked() ->
         check_client(client_setup(args))
 
 
+def test_fedpipe_clients_start_up_line_names_its_own_settings() -> None:
+    """A device's --privacy (and cut, profile) is said when it starts: nothing else confirms a
+    defence that reports no figure (label_resample alone)."""
+    from fedpipe.cli.client import client_setup, own_settings
+    from fedpipe.cli.parser import build_parser
+
+    base = ["client", "--superlink", "127.0.0.1:9"]
+    assert own_settings(client_setup(build_parser().parse_args(base))) == ""
+    args = [*base, "--privacy", "label_resample=0.5", "--cut", "2+1", "--profile", "phone-lte"]
+    assert own_settings(client_setup(build_parser().parse_args(args))) == (
+        "profile phone-lte, cut 2+1, privacy label_resample=0.5"
+    )
+
+
 # -- token-scaled noise ------------------------------------------------------------------------
 def test_token_noise_is_scaled_to_each_token_and_clips_nothing() -> None:
     gen = torch.Generator().manual_seed(0)
