@@ -36,8 +36,12 @@ def test_recompute_trains_the_same_adapters_and_reports_memory() -> None:
                 report = trainer.train_round(client, batches, round_=round_)
             runtime.commit_round(round_, {f"d{round_}": 1.0})
             adapters[recompute], metrics[recompute] = trainer.adapters(), report.metrics()
+        # The same up to float rounding: the recomputed head runs without a graph first, and
+        # AdamW divides by sqrt(v), so a last-bit difference in a small gradient can move an
+        # element by ~1e-6 (seen once under load: 1 of 512 elements, 1.8e-6; on a quiet run
+        # they are equal). The two steps move the adapters by up to 2e-2, 2000x atol.
         for key, value in adapters[False].items():
-            torch.testing.assert_close(adapters[True][key], value, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(adapters[True][key], value, rtol=1e-4, atol=1e-5)
         assert adapters[False] != {} and any(
             not torch.equal(v, DeviceTrainer(_config(False), device_id="x").adapters()[k])
             for k, v in adapters[False].items()
