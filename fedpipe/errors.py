@@ -5,6 +5,7 @@ from __future__ import annotations
 
 __all__ = [
     "AuthError",
+    "CorruptMessageError",
     "FedpipeError",
     "IdleTimeoutError",
     "InvalidRequestError",
@@ -86,3 +87,8 @@ class SplitMismatchError(FedpipeError):
 
 class TensorFormatError(ValueError):
     """A tensor message that cannot be decoded as expected (bad codec, shape, or byte count)."""
+
+
+class CorruptMessageError(TensorFormatError):
+    """A stage-link message whose bytes do not match the checksum its sender set: it was
+    corrupted between the sender's encoder and this receiver (DATA_LOSS), not computed wrong."""

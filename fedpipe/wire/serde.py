@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import math
+import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import cast
 
+import crc32c
 import torch
 from google.protobuf.message import DecodeError
 
-from fedpipe.errors import InvalidRequestError, TensorFormatError
+from fedpipe.errors import CorruptMessageError, InvalidRequestError, TensorFormatError
 from fedpipe.messages import Kind, StageMsg
 from fedpipe.proto import stage_pb2 as pb
 from fedpipe.split.agreement import SplitInfo, SplitLike
@@ -32,6 +35,7 @@ __all__ = [
     "msg_from_wire",
     "msg_to_proto",
     "msg_to_wire",
+    "seal",
     "wire_header",
     "wire_nbytes",
 ]
@@ -243,11 +247,17 @@ def _check_label_values(
 # built and read by hand around the tensor's ``data`` field: ``msg_to_wire`` writes the tensor
 # bytes straight from the tensor into the frame (one copy), and ``msg_from_wire`` parses every
 # other field with protobuf while the tensor wraps its slice of the received frame (no copy).
-# Peers that use the generated stubs interoperate: the bytes are a valid StageMessage.
+# Every frame ends with its ``checksum`` field: the CRC32C of all the bytes before it, so that a
+# frame corrupted anywhere between the two encoders is refused as such before it is read.
+# Peers that use the generated stubs interoperate: the bytes are a valid StageMessage, and
+# ``seal`` sets the checksum on a message they build.
 _TENSOR_FIELD = 5  # StageMessage.tensor
 _DATA_FIELD = 3  # Tensor.data
+_CHECKSUM_FIELD = 14  # StageMessage.checksum (fixed32)
 _LEN = 2  # wire type of length-delimited fields
+_FIXED32 = 5  # wire type of fixed32 fields
 _FIXED = {1: 8, 5: 4}  # wire type -> bytes of fixed-size fields
+_Field = tuple[int, int, int, int]  # (number, start of its tag, start of its value, end)
 
 
 def _varint(value: int) -> bytes:
@@ -257,6 +267,9 @@ def _varint(value: int) -> bytes:
         value >>= 7
     out.append(value)
     return bytes(out)
+
+
+_CHECKSUM_TAG = _varint(_CHECKSUM_FIELD << 3 | _FIXED32)
 
 
 def _read_varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
@@ -270,7 +283,7 @@ def _read_varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
     raise TensorFormatError("malformed stage message: a truncated or overlong varint")
 
 
-def _fields(buf: memoryview, pos: int, end: int) -> list[tuple[int, int, int, int]]:
+def _fields(buf: memoryview, pos: int, end: int) -> list[_Field]:
     """(field number, start of its tag, start of its value, end) of every field in a span."""
     out = []
     while pos < end:
@@ -293,6 +306,28 @@ def _fields(buf: memoryview, pos: int, end: int) -> list[tuple[int, int, int, in
     return out
 
 
+def _crc(parts: Sequence[bytes | memoryview]) -> int:
+    """CRC32C over ``parts`` in order, as if they were one buffer (no copy is made)."""
+    value = 0
+    for part in parts:
+        value = crc32c.crc32c(part, value=value)
+    return value
+
+
+def _sealed(parts: list[bytes | memoryview]) -> bytes:
+    """``parts`` joined into one frame with its checksum field appended."""
+    checksum = struct.pack("<I", _crc(parts))
+    return b"".join((*parts, _CHECKSUM_TAG, checksum))
+
+
+def seal(raw: pb.StageMessage) -> pb.StageMessage:
+    """Set ``raw``'s checksum (in place; returned), for a sender that serialises messages
+    with the generated code: the CRC32C of its encoding without the checksum."""
+    raw.ClearField("checksum")
+    raw.checksum = _crc([raw.SerializeToString()])
+    return raw
+
+
 def msg_to_wire(
     msg: StageMsg,
     *,
@@ -300,7 +335,8 @@ def msg_to_wire(
     codec: str,
     encoded: tuple[pb.Tensor, torch.Tensor] | None = None,
 ) -> bytes:
-    """``msg`` as the bytes of its StageMessage, the float tensor copied once, into the frame.
+    """``msg`` as the bytes of its StageMessage, the float tensor copied once, into the frame,
+    which ends with the checksum of everything before it.
 
     ``encoded`` is the tensor already encoded (``tensor_to_wire``'s meta and wire values), for
     senders that keep state from what they sent (error feedback, delta coding).
@@ -308,7 +344,7 @@ def msg_to_wire(
     tensor = msg.tensor
     head = msg_to_proto(replace(msg, tensor=None, inputs=None), session_id=session_id, codec=codec)
     if tensor is None:
-        return head.SerializeToString()
+        return _sealed([head.SerializeToString()])
     if encoded is None:
         meta = pb.Tensor()
         encoded = meta, tensor_to_wire(tensor, codec, meta)  # meta: all fields but data
@@ -318,7 +354,7 @@ def msg_to_wire(
     data_key = _varint(_DATA_FIELD << 3 | _LEN) + _varint(len(view))
     body_len = len(meta_bytes) + len(data_key) + len(view)
     tensor_key = _varint(_TENSOR_FIELD << 3 | _LEN) + _varint(body_len)
-    return b"".join((head.SerializeToString(), tensor_key, meta_bytes, data_key, view))
+    return _sealed([head.SerializeToString(), tensor_key, meta_bytes, data_key, view])
 
 
 def msg_from_wire(
@@ -330,10 +366,12 @@ def msg_from_wire(
 ) -> StageMsg:
     """Decode a StageMessage's bytes as ``msg_from_proto`` does; the tensor wraps ``frame``.
 
-    The float tensor's data is not copied: the decoded tensor is a view of ``frame`` (keep
-    ``frame`` for nothing else). Any field order a protobuf encoder may produce is accepted.
+    The frame's checksum is checked first: a frame without one, or whose bytes do not match it,
+    raises ``CorruptMessageError`` before any other field is trusted. The float tensor's data is
+    not copied: the decoded tensor is a view of ``frame`` (keep ``frame`` for nothing else).
+    Any field order a protobuf encoder may produce is accepted.
     """
-    raw, data = _split_frame(frame)
+    raw, data = _split_frame(frame, verify=True)
     return msg_from_proto(
         raw,
         hidden_size=hidden_size,
@@ -346,19 +384,56 @@ def msg_from_wire(
 
 def wire_header(frame: bytes) -> pb.StageMessage:
     """The message's ids, kind and scalars, without its tensor's data (for traces and logs)."""
-    return _split_frame(frame)[0]
+    return _split_frame(frame, verify=False)[0]
 
 
-def _split_frame(frame: bytes) -> tuple[pb.StageMessage, memoryview | None]:
+def _split_frame(frame: bytes, *, verify: bool) -> tuple[pb.StageMessage, memoryview | None]:
     """The message without its tensor's data (parsed by protobuf), and that data as a view."""
+    buf = memoryview(frame)
+    fields = _fields(buf, 0, len(buf))
+    if verify:
+        _verify(buf, fields, frame)
     try:
-        return _split_fields(memoryview(frame), frame)
+        return _split_fields(buf, fields, frame)
     except DecodeError as exc:
         raise TensorFormatError(f"malformed stage message: {exc}") from None
 
 
-def _split_fields(buf: memoryview, frame: bytes) -> tuple[pb.StageMessage, memoryview | None]:
-    tensors = [f for f in _fields(buf, 0, len(buf)) if f[0] == _TENSOR_FIELD]
+def _verify(buf: memoryview, fields: list[_Field], frame: bytes) -> None:
+    """Refuse a frame whose checksum is missing or does not match the rest of its bytes."""
+    sums = [f for f in fields if f[0] == _CHECKSUM_FIELD]
+    if len(sums) != 1 or sums[0][3] - sums[0][2] != 4:
+        raise CorruptMessageError(
+            f"stage message of {len(frame)} bytes carries {len(sums)} checksum fields, expected "
+            "one fixed32 (StageMessage.checksum): the bytes were corrupted in transit, or the "
+            "sender does not set it (fedpipe.wire.serde.seal sets it)"
+        )
+    _, start, value, end = sums[0]
+    (sent,) = struct.unpack("<I", buf[value:end])
+    got = _crc([buf[:start], buf[end:]])
+    if got != sent:
+        raise CorruptMessageError(
+            f"{_who(buf, fields, frame)}: its {len(frame)} bytes were corrupted in transit "
+            f"(CRC32C {got:#010x}, the sender's {sent:#010x}); the message was refused "
+            "unread, and the step fails"
+        )
+
+
+def _who(buf: memoryview, fields: list[_Field], frame: bytes) -> str:
+    """What a corrupted frame's header says it is (its fields may be corrupted too)."""
+    try:
+        raw, _ = _split_fields(buf, fields, frame)
+        kind = Kind(raw.kind).name if raw.kind in _KINDS else f"kind {raw.kind}"
+        session = raw.session_id[:8] + "…" if raw.session_id else "no session id"
+        return f"{kind} (session {session}, step {raw.step}, microbatch {raw.microbatch})"
+    except (DecodeError, TensorFormatError, ValueError):
+        return "a stage message whose header is unreadable"
+
+
+def _split_fields(
+    buf: memoryview, fields: list[_Field], frame: bytes
+) -> tuple[pb.StageMessage, memoryview | None]:
+    tensors = [f for f in fields if f[0] == _TENSOR_FIELD]
     if len(tensors) != 1:  # none, or split over several fields: protobuf merges them itself
         return pb.StageMessage.FromString(frame), None
     _, t_start, t_body, t_end = tensors[0]

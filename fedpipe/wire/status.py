@@ -23,6 +23,7 @@ import grpc
 # re-exports them beside the status mapping.
 from fedpipe.errors import (
     AuthError,
+    CorruptMessageError,
     IdleTimeoutError,
     InvalidRequestError,
     MessageTooLargeError,
@@ -37,6 +38,7 @@ from fedpipe.errors import (
 
 __all__ = [
     "AuthError",
+    "CorruptMessageError",
     "IdleTimeoutError",
     "InvalidRequestError",
     "MessageTooLargeError",
@@ -62,6 +64,7 @@ RETRYABLE: tuple[grpc.StatusCode, ...] = (
 # Checked in order; the first matching type wins, anything else is INTERNAL (a server bug: bad
 # input from a peer always raises one of these types).
 _STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
+    (CorruptMessageError, grpc.StatusCode.DATA_LOSS),
     (TensorFormatError, grpc.StatusCode.INVALID_ARGUMENT),
     (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
     (UnknownSessionError, grpc.StatusCode.NOT_FOUND),

@@ -35,7 +35,7 @@ from fedpipe.proto import stage_pb2_grpc as pb_grpc
 from fedpipe.server.stage_server import StageServer
 from fedpipe.wire.channels import SESSION_HEADER
 from fedpipe.wire.control_servicer import adapter_chunks, adapter_from_chunks
-from fedpipe.wire.serde import split_to_proto
+from fedpipe.wire.serde import seal, split_to_proto
 from fedpipe.wire.tensors import labels_to_proto, tensor_to_proto
 
 MB, SEQ, HIDDEN = 2, 16, 64  # tiny-llama: hidden 64, 512 positions, vocab 258
@@ -124,7 +124,7 @@ class _Stream:
 
     def send(self, *msgs: pb.StageMessage) -> None:
         for msg in msgs:
-            self._requests.put(msg)
+            self._requests.put(seal(msg))  # a hostile device computes checksums too
 
     def next(self) -> pb.StageMessage:
         return next(self.call)

@@ -35,7 +35,7 @@ from fedpipe.server.build import build_stage_server
 from fedpipe.server.stage_server import StageServer
 from fedpipe.wire.channels import EXCHANGE_METHOD, SESSION_HEADER
 from fedpipe.wire.control_servicer import adapter_chunks
-from fedpipe.wire.serde import split_to_proto
+from fedpipe.wire.serde import seal, split_to_proto
 from fedpipe.wire.tensors import tensor_to_proto
 
 MB, SEQ, HIDDEN = 2, 16, 64  # tiny-llama: hidden 64, 512 positions
@@ -93,7 +93,7 @@ class _Reader:
 
     def send(self, *msgs: pb.StageMessage) -> None:
         for msg in msgs:
-            self._requests.put(msg.SerializeToString())
+            self._requests.put(seal(msg).SerializeToString())
 
     def next(self) -> pb.StageMessage:
         return pb.StageMessage.FromString(next(self.call))
@@ -110,7 +110,7 @@ class _NeverReads:
         self.chan = grpc.insecure_channel(address, options=_NO_BDP)
         frames: queue.Queue[bytes | None] = queue.Queue()
         for msg in msgs:
-            frames.put(msg.SerializeToString())
+            frames.put(seal(msg).SerializeToString())
         self.call = self.chan.stream_stream(EXCHANGE_METHOD)(
             iter(frames.get, None), metadata=((SESSION_HEADER, session_id),)
         )

@@ -31,7 +31,7 @@ from fedpipe.server.runtime import StageRuntime
 from fedpipe.server.stage_server import StageServer
 from fedpipe.wire.channels import SESSION_HEADER
 from fedpipe.wire.link_client import StageClient
-from fedpipe.wire.serde import split_to_proto
+from fedpipe.wire.serde import seal, split_to_proto
 
 BATCH, SEQ, HIDDEN = 4, 16, 64  # tiny-llama's hidden size is 64
 CONFIG = FedpipeConfig(
@@ -118,7 +118,7 @@ class _RawStream:
         )
 
     def send(self, msg: pb.StageMessage) -> None:
-        self._requests.put(msg)
+        self._requests.put(seal(msg))
 
     def next(self) -> pb.StageMessage:
         return next(self.call)
@@ -199,7 +199,7 @@ def test_half_closed_stream_still_gets_its_replies(stub: pb_grpc.StageLinkStub) 
         _message(pb.ACTIVATION, microbatch=m, tensor=_tensor((2, SEQ, HIDDEN))) for m in range(3)
     ]
     call = stub.Exchange(
-        iter(requests), metadata=((SESSION_HEADER, session_id),), timeout=RPC_TIMEOUT
+        iter(map(seal, requests)), metadata=((SESSION_HEADER, session_id),), timeout=RPC_TIMEOUT
     )
     replies = list(call)  # ends when the server ends the stream, after its replies
     assert [(r.kind, r.microbatch) for r in replies] == [(pb.OUTPUT, m) for m in range(3)]

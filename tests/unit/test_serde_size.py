@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import crc32c
 import pytest
 import torch
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from fedpipe.errors import InvalidRequestError, TensorFormatError
+from fedpipe.errors import CorruptMessageError, InvalidRequestError, TensorFormatError
 from fedpipe.messages import Kind, StageMsg
 from fedpipe.proto import stage_pb2 as pb
 from fedpipe.wire.serde import (
@@ -18,6 +19,7 @@ from fedpipe.wire.serde import (
     msg_from_wire,
     msg_to_proto,
     msg_to_wire,
+    seal,
     wire_header,
     wire_nbytes,
 )
@@ -64,7 +66,7 @@ def test_framed_messages_are_ordinary_stage_messages(codec: str) -> None:
     frame = msg_to_wire(msg, session_id="s1", codec=codec)
     parsed = msg_from_proto(pb.StageMessage.FromString(frame))
     framed = msg_from_wire(frame)
-    reference = msg_to_proto(msg, session_id="s1", codec=codec).SerializeToString()
+    reference = seal(msg_to_proto(msg, session_id="s1", codec=codec)).SerializeToString()
     for decoded in (parsed, framed, msg_from_wire(reference)):
         assert decoded.tensor is not None and decoded.labels is not None
         assert torch.equal(decoded.tensor, parsed.tensor)  # type: ignore[arg-type]
@@ -78,7 +80,8 @@ def test_a_frame_with_its_tensor_split_in_two_fields_decodes_as_protobuf_merges_
     """Protobuf merges repeated message fields (last data wins); the framer falls back to it."""
     first = msg_to_proto(_msg(False), session_id="", codec="fp32").SerializeToString()
     second = pb.StageMessage(tensor=pb.Tensor(data=bytes(2 * 5 * 8 * 4))).SerializeToString()
-    decoded = msg_from_wire(first + second)
+    checksum = pb.StageMessage(checksum=crc32c.crc32c(first + second)).SerializeToString()
+    decoded = msg_from_wire(first + second + checksum)
     assert decoded.tensor is not None and torch.equal(decoded.tensor, torch.zeros(2, 5, 8))
 
 
@@ -88,8 +91,40 @@ def test_a_frame_with_its_tensor_split_in_two_fields_decodes_as_protobuf_merges_
     ids=["tensor-past-end", "truncated", "overlong-varint", "wire-type-7", "data-past-end"],
 )
 def test_malformed_frames_are_refused_as_format_errors(frame: bytes) -> None:
-    with pytest.raises(TensorFormatError, match="malformed stage message"):
+    # The top level is parsed first; what lies inside a field is past the checksum's check.
+    with pytest.raises(TensorFormatError, match="malformed stage message|0 checksum fields"):
         msg_from_wire(frame)
+
+
+@pytest.mark.parametrize("codec", ["fp32", "bf16", "int8", "int4"])
+@pytest.mark.parametrize("where", ["tensor", "header", "checksum"])
+def test_a_frame_corrupted_anywhere_is_refused_as_corrupted_in_transit(
+    codec: str, where: str
+) -> None:
+    """One flipped bit, in the tensor's bytes, the header or the checksum itself, is refused
+    before decoding as corruption (naming the message), never as a diverged computation."""
+    msg = StageMsg(Kind.OUTPUT, 7, 3, tensor=torch.randn(2, 16, 8))
+    frame = bytearray(msg_to_wire(msg, session_id="abcdefgh12345", codec=codec))
+    at = {"tensor": len(frame) - 40, "header": 1, "checksum": len(frame) - 1}[where]
+    frame[at] ^= 0x10
+    with pytest.raises(CorruptMessageError, match="corrupted in transit") as refused:
+        msg_from_wire(bytes(frame))
+    assert "NaN" not in str(refused.value) and "diverged" not in str(refused.value)
+    if where != "header":
+        assert "OUTPUT (session abcdefgh…, step 7, microbatch 3)" in str(refused.value)
+
+
+def test_a_frame_without_its_checksum_is_refused() -> None:
+    raw = msg_to_proto(_msg(False), session_id="s1", codec="fp32")
+    with pytest.raises(CorruptMessageError, match="0 checksum fields"):
+        msg_from_wire(raw.SerializeToString())
+    assert msg_from_wire(seal(raw).SerializeToString()).step == 4  # sealed, it is taken
+
+
+def test_the_checksum_covers_every_byte_before_it() -> None:
+    frame = msg_to_wire(_msg(), session_id="s1", codec="fp32")
+    assert frame[-5] == (14 << 3 | 5)  # the checksum field closes the frame
+    assert int.from_bytes(frame[-4:], "little") == crc32c.crc32c(frame[:-5])
 
 
 def test_a_framed_tensor_is_checked_like_any_other() -> None:
@@ -132,8 +167,8 @@ def _frames(draw: st.DrawFn) -> tuple[bytes, StageMsg | None, str]:
 
 def test_fuzz_frames_decode_when_valid_and_are_refused_with_format_errors_otherwise() -> None:
     """msg_from_wire on generated frames: every frame msg_to_wire wrote decodes to its message;
-    a damaged or random frame decodes or is refused with TensorFormatError/InvalidRequestError,
-    never another exception; both outcomes occur often."""
+    a damaged frame is refused as corrupted (its checksum), a random one with
+    TensorFormatError/InvalidRequestError, never another exception; both outcomes occur often."""
     outcomes = {"decoded": 0, "refused": 0}
 
     @settings(max_examples=150, deadline=None)
@@ -147,6 +182,7 @@ def test_fuzz_frames_decode_when_valid_and_are_refused_with_format_errors_otherw
             event(f"refused ({how})")
             assert sent is None, "a frame msg_to_wire wrote was refused"
             return
+        assert how in ("valid", "random"), f"a {how} frame was decoded"
         outcomes["decoded"] += 1
         event(f"decoded ({how})")
         assert got.wire_bytes == len(frame)
