@@ -300,20 +300,21 @@ class Rounds:
         return kept
 
     def weigh_by_server(self, server_round: int, replies: list[Message]) -> None:
-        """Each reply's weight (``num-examples``) as the StageServer counts it: the steps it
-        applied for the device's session times the rows of a step, never more than the device
-        claims. Without the server's counts (an older server), the checked claims stand."""
+        """Each reply's weight (``num-examples``) as the StageServer counts it: the rows of the
+        microbatches it ran forward and backward in the steps it applied for the device's
+        session (an empty step counts nothing), never more than the device claims. Without the
+        server's counts (an older server), the checked claims stand."""
         rows = self.reply_rules.rows_per_step if self.reply_rules else 0
         status = self.control.round_status(self.offset + server_round) if rows else None
         if status is None:
             return
-        steps = {p.device_id: p.steps_done for p in status}
+        done = {p.device_id: p.rows_done for p in status}
         for reply in replies:
             if reply.has_error():
                 continue
             metrics = cast(MetricRecord, reply.content["metrics"])
             claimed = int(cast(int, metrics["num-examples"]))
-            counted = rows * steps.get(str(reply.metadata.src_node_id), 0)
+            counted = done.get(str(reply.metadata.src_node_id), 0)
             if claimed > counted:
                 log.warning(
                     "round %d: device %s claims %d examples, the StageServer counted %d: "

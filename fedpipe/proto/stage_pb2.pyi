@@ -282,20 +282,24 @@ class RoundStatusRequest(_message.Message):
     def __init__(self, round: _Optional[int] = ...) -> None: ...
 
 class SessionStatus(_message.Message):
-    __slots__ = ("device_id", "steps_done", "opened_s_ago", "first_step_s_ago", "last_step_s_ago", "closed")
+    __slots__ = ("device_id", "steps_done", "opened_s_ago", "first_step_s_ago", "last_step_s_ago", "closed", "rows_done", "tokens_done")
     DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
     STEPS_DONE_FIELD_NUMBER: _ClassVar[int]
     OPENED_S_AGO_FIELD_NUMBER: _ClassVar[int]
     FIRST_STEP_S_AGO_FIELD_NUMBER: _ClassVar[int]
     LAST_STEP_S_AGO_FIELD_NUMBER: _ClassVar[int]
     CLOSED_FIELD_NUMBER: _ClassVar[int]
+    ROWS_DONE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_DONE_FIELD_NUMBER: _ClassVar[int]
     device_id: str
     steps_done: int
     opened_s_ago: float
     first_step_s_ago: float
     last_step_s_ago: float
     closed: bool
-    def __init__(self, device_id: _Optional[str] = ..., steps_done: _Optional[int] = ..., opened_s_ago: _Optional[float] = ..., first_step_s_ago: _Optional[float] = ..., last_step_s_ago: _Optional[float] = ..., closed: _Optional[bool] = ...) -> None: ...
+    rows_done: int
+    tokens_done: int
+    def __init__(self, device_id: _Optional[str] = ..., steps_done: _Optional[int] = ..., opened_s_ago: _Optional[float] = ..., first_step_s_ago: _Optional[float] = ..., last_step_s_ago: _Optional[float] = ..., closed: _Optional[bool] = ..., rows_done: _Optional[int] = ..., tokens_done: _Optional[int] = ...) -> None: ...
 
 class RoundStatusReply(_message.Message):
     __slots__ = ("sessions",)

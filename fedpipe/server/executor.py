@@ -27,6 +27,7 @@ as if they had run by themselves.
 
 from __future__ import annotations
 
+import logging
 import time
 import weakref
 from collections.abc import Sequence
@@ -45,6 +46,8 @@ from fedpipe.server.sessions import SessionInfo
 from fedpipe.server.stash import SavedTensors, Stash
 
 __all__ = ["StageExecutor"]
+
+log = logging.getLogger(__name__)
 
 Work = tuple[SessionInfo, StageMsg]
 Result = StageMsg | Exception
@@ -135,6 +138,7 @@ class StageExecutor:
         self.deferred.failure(info.session_id)
         info.cache.clear()
         info.optimizer.zero_grad(set_to_none=True)
+        info.step_rows = info.step_tokens = 0
 
     def forget(self, info: SessionInfo) -> None:
         """Let go of what the session holds here (it is being dropped)."""
@@ -257,6 +261,8 @@ class StageExecutor:
         info, msg, x = fwd.info, fwd.msg, fwd.group.hidden
         if not msg.forward_only:
             info.microbatches += 1
+            info.step_rows += x.shape[0]  # (B, T, C): its backward comes before STEP_END
+            info.step_tokens += x.shape[0] * x.shape[1]
         if self.mode == "u":
             y, graph = out if isinstance(out, tuple) else (out, out)
             assert isinstance(y, torch.Tensor)
@@ -420,13 +426,23 @@ class StageExecutor:
                 f"STEP_END for step {msg.step}: its weight gradients failed "
                 f"({type(failed).__name__}: {failed})"
             )
+        info.step += 1
+        if info.step_rows == 0:  # no microbatch trained: nothing to apply, nothing counted
+            log.info(
+                "[%s] STEP_END for step %d with no microbatch: not counted",
+                info.device_id,
+                msg.step,
+            )
+            return StageMsg(Kind.STEP_DONE, msg.step)
         info.optimizer.step()
         info.optimizer.zero_grad(set_to_none=True)
         info.cache.clear()
         now = time.monotonic()  # stamped before the count: a reader never sees one without it
         info.first_step_at = info.first_step_at or now
         info.last_step_at = now
-        info.step += 1
+        info.rows_done += info.step_rows
+        info.tokens_done += info.step_tokens
+        info.step_rows = info.step_tokens = 0
         info.steps_done += 1
         return StageMsg(Kind.STEP_DONE, msg.step)
 

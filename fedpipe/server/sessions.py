@@ -71,8 +71,15 @@ class SessionInfo:
     seq_len: int  # declared (or the model's positions): no tensor may have more tokens
     codecs: tuple[str, str] = ("fp32", "")  # the transport's (downlink, gradient) codecs
     step: int = 0
-    steps_done: int = 0
+    steps_done: int = 0  # steps applied that trained at least one microbatch
     microbatches: int = 0  # training forwards computed (a replica's throughput, per round)
+    # The work the server did, as it counts it (never as the device reports it): rows and
+    # tokens of the microbatches that ran forward and backward in this unfinished step, and in
+    # the steps applied so far. A round's weight for the device is ``rows_done``.
+    step_rows: int = 0
+    step_tokens: int = 0
+    rows_done: int = 0
+    tokens_done: int = 0
     # microbatch -> (input, output with its graph | the batched bank's Tape): the executor's
     cache: dict[int, tuple[torch.Tensor, object]] = field(default_factory=dict)
     last_seen: float = field(default_factory=time.monotonic)

@@ -301,6 +301,8 @@ def _progress(info: SessionInfo, now: float) -> SessionProgress:
         first_step_s_ago=now - info.first_step_at if stepped else None,
         last_step_s_ago=now - info.last_step_at if stepped else None,
         closed=info.closed,
+        rows_done=info.rows_done,
+        tokens_done=info.tokens_done,
     )
 
 

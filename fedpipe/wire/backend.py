@@ -92,6 +92,8 @@ class SessionProgress:
     first_step_s_ago: float | None = None
     last_step_s_ago: float | None = None
     closed: bool = False
+    rows_done: int = 0  # rows of the microbatches trained in the steps applied
+    tokens_done: int = 0
 
 
 @dataclass(frozen=True)

@@ -248,4 +248,6 @@ def _session_from_proto(status: pb.SessionStatus) -> SessionProgress:
         first_step_s_ago=status.first_step_s_ago if stepped else None,
         last_step_s_ago=status.last_step_s_ago if stepped else None,
         closed=status.closed,
+        rows_done=status.rows_done,
+        tokens_done=status.tokens_done,
     )

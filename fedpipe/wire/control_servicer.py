@@ -217,4 +217,6 @@ def _session_to_proto(progress: SessionProgress) -> pb.SessionStatus:
         first_step_s_ago=progress.first_step_s_ago or 0.0,
         last_step_s_ago=progress.last_step_s_ago or 0.0,
         closed=progress.closed,
+        rows_done=progress.rows_done,
+        tokens_done=progress.tokens_done,
     )

@@ -16,6 +16,7 @@ from fedpipe.auth.tokens import issue_token
 from fedpipe.config import FedpipeConfig, PipelineConfig, TrainConfig
 from fedpipe.edge.trainer import DeviceTrainer, split_terms
 from fedpipe.fl.progress import RoundWatch, by_device
+from fedpipe.messages import Kind, StageMsg
 from fedpipe.models import resolve_model
 from fedpipe.proto import stage_pb2 as pb
 from fedpipe.proto import stage_pb2_grpc as pb_grpc
@@ -106,3 +107,44 @@ def test_round_status_is_signed_like_every_control_call() -> None:
         stranger.close()
     finally:
         server.stop(grace=None)
+
+
+def test_steps_with_no_microbatch_count_nothing_and_earn_no_merge() -> None:
+    """A device that sends STEP_END without any microbatch gets STEP_DONE for each, but the
+    server counts no step, row or token for it, and its session is not merged at the commit;
+    the honest device's weight is the rows the server trained (steps x batch here)."""
+    folder = resolve_model("tiny-llama")
+    server = build_stage_server(CONFIG, secret=SECRET, port=0, folder=folder).start()
+    control = StageControlClient(server.address, SECRET)
+    try:
+        control.reset_adapter()
+        control.begin_round(1, "run")
+        trainer = DeviceTrainer(CONFIG, device_id="1", folder=folder)
+        with StageClient(server.address) as client:
+            trainer.train_round(client, _batches(2), round_=1, token=_token("1"))
+            with client.open_session(
+                device_id="2",
+                token=_token("2"),
+                round_=1,
+                split=split_terms(CONFIG, folder),
+                timeout_s=20.0,
+            ) as empty:
+                for step in range(3):
+                    empty.send(StageMsg(Kind.STEP_END, step))
+                    assert empty.receive(Kind.STEP_DONE, step, 0).kind is Kind.STEP_DONE
+                status = control.round_status(1)
+            committed = control.commit_round(1, {"1": 2 * BATCH, "2": 3 * BATCH})
+    finally:
+        control.close()
+        server.stop(grace=None)
+
+    assert status is not None
+    sessions = by_device(status)
+    assert (sessions["2"].steps_done, sessions["2"].rows_done, sessions["2"].tokens_done) == (
+        0,
+        0,
+        0,
+    )
+    assert (sessions["1"].steps_done, sessions["1"].rows_done) == (2, 2 * BATCH)
+    assert sessions["1"].tokens_done == 2 * BATCH * SEQ
+    assert committed.merged == 1  # the honest device only
