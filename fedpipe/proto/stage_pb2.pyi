@@ -174,18 +174,20 @@ class OpenSessionRequest(_message.Message):
     def __init__(self, device_id: _Optional[str] = ..., token: _Optional[str] = ..., round: _Optional[int] = ..., uplink_codec: _Optional[_Union[Codec, str]] = ..., downlink_codec: _Optional[_Union[Codec, str]] = ..., microbatch_size: _Optional[int] = ..., seq_len: _Optional[int] = ..., learning_rate: _Optional[float] = ..., weight_decay: _Optional[float] = ..., gradient_codec: _Optional[_Union[Codec, str]] = ..., split: _Optional[_Union[SplitSpec, _Mapping]] = ..., frozen_head: _Optional[bool] = ..., error_feedback: _Optional[bool] = ..., delta_cache_bytes: _Optional[int] = ..., delta_cache_id: _Optional[str] = ..., delta_cache_entries: _Optional[int] = ..., delta_cache_digest: _Optional[bytes] = ..., stochastic_rounding: _Optional[bool] = ..., downlink_codec_name: _Optional[str] = ..., gradient_codec_name: _Optional[str] = ...) -> None: ...
 
 class OpenSessionReply(_message.Message):
-    __slots__ = ("session_id", "split", "max_message_bytes", "delta_resumed", "delta_reset_reason")
+    __slots__ = ("session_id", "split", "max_message_bytes", "delta_resumed", "delta_reset_reason", "stream_key")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SPLIT_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     DELTA_RESUMED_FIELD_NUMBER: _ClassVar[int]
     DELTA_RESET_REASON_FIELD_NUMBER: _ClassVar[int]
+    STREAM_KEY_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     split: SplitSpec
     max_message_bytes: int
     delta_resumed: bool
     delta_reset_reason: str
-    def __init__(self, session_id: _Optional[str] = ..., split: _Optional[_Union[SplitSpec, _Mapping]] = ..., max_message_bytes: _Optional[int] = ..., delta_resumed: _Optional[bool] = ..., delta_reset_reason: _Optional[str] = ...) -> None: ...
+    stream_key: str
+    def __init__(self, session_id: _Optional[str] = ..., split: _Optional[_Union[SplitSpec, _Mapping]] = ..., max_message_bytes: _Optional[int] = ..., delta_resumed: _Optional[bool] = ..., delta_reset_reason: _Optional[str] = ..., stream_key: _Optional[str] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("session_id",)

@@ -27,6 +27,7 @@ other session of the round is discarded, so a device that vanished leaves no tra
 
 from __future__ import annotations
 
+import hmac
 import logging
 import secrets
 import threading
@@ -36,6 +37,7 @@ from collections.abc import Callable
 import torch
 
 from fedpipe.errors import (
+    AuthError,
     IdleTimeoutError,
     InvalidRequestError,
     SessionStateError,
@@ -288,14 +290,26 @@ class StageRuntime:
         log.info("[%s] session %s dropped: %s", info.device_id, info.short, reason)
 
     # -- streams ----------------------------------------------------------------------------
-    def attach(self, session_id: str) -> StreamHandle:
+    def attach(self, session_id: str, stream_key: str | None = None) -> StreamHandle:
         """Start the session's stream; a live older stream ends ABORTED and its step is undone.
+
+        ``stream_key``: what the stream presented (the transport always passes it; only
+        in-process callers, which hold the runtime itself, pass None). A key other than the
+        session's is refused before anything of the session changes, so a client that learnt
+        only the session id cannot end the device's stream.
 
         A device holds at most ``max_device_streams`` streams not yet closed, live or ending
         (a stream the server ended is cancelled if it has not gone within a grace).
         """
         with self._lock:
             info = self.session(session_id)
+            if stream_key is not None and not hmac.compare_digest(
+                stream_key.encode(), info.stream_key.encode()
+            ):
+                raise AuthError(
+                    f"stream for session {info.short} refused: its stream key does not match "
+                    "the one OpenSession gave (send the fedpipe-stream-key it answered)"
+                )
             if info.closed:
                 raise SessionStateError(f"session {info.short} is closed; open a new session")
             open_now = self._device_streams.get(info.device_id, 0)

@@ -9,6 +9,7 @@ refuse a request outside them with the setting that bounds it.
 from __future__ import annotations
 
 import math
+import secrets
 import struct
 import time
 from collections.abc import Callable
@@ -96,6 +97,9 @@ class SessionInfo:
     blocks: tuple[int, ...] | None = None  # the stage's blocks its cut runs (None: all)
     echoes: int = 0  # link probes answered, over all its streams
     held_bytes: int = 0  # drawn from the server's budget for the session itself (delta cache)
+    # The secret a stream of this session must present (OpenSession gives it to the device
+    # alone): the session id, which every message names, is not enough to take a stream over.
+    stream_key: str = field(default_factory=lambda: secrets.token_urlsafe(24), repr=False)
 
     @property
     def short(self) -> str:

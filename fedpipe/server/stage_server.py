@@ -149,7 +149,7 @@ class StageServer:
                 raise
             opened = self._resume_delta(request, options, session_id)
         self._keep_options(session_id, options)
-        return opened
+        return dataclasses.replace(opened, stream_key=self.runtime.session(session_id).stream_key)
 
     def _resume_delta(
         self, request: SessionRequest, options: StreamOptions, session_id: str
@@ -194,9 +194,10 @@ class StageServer:
             )
             options.delta_cache = None
 
-    def attach(self, session_id: str) -> tuple[StreamPort, StreamOptions]:
-        """The session's new stream, and its options (the delta cache goes to the first only)."""
-        handle: StreamHandle = self.runtime.attach(session_id)
+    def attach(self, session_id: str, stream_key: str) -> tuple[StreamPort, StreamOptions]:
+        """The session's new stream, if it presents the session's stream key, and its options
+        (the delta cache goes to the first only)."""
+        handle: StreamHandle = self.runtime.attach(session_id, stream_key)
         with self._options_lock:
             options = self._stream_options.get(session_id, StreamOptions())
             cache, options.delta_cache = options.delta_cache, None

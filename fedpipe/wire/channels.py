@@ -14,6 +14,7 @@ import grpc
 __all__ = [
     "EXCHANGE_METHOD",
     "SESSION_HEADER",
+    "STREAM_KEY_HEADER",
     "channel_options",
     "reconnect_call",
     "secure_channel_credentials",
@@ -22,6 +23,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 SESSION_HEADER = "fedpipe-session-id"
+STREAM_KEY_HEADER = "fedpipe-stream-key"  # the session's stream key, from OpenSessionReply
 # The stream's method, called with bytes both ways: serde frames messages itself (one copy).
 EXCHANGE_METHOD = "/fedpipe.proto.StageLink/Exchange"
 T = TypeVar("T")

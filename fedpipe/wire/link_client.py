@@ -30,6 +30,7 @@ from fedpipe.trace import Tracer
 from fedpipe.wire.channels import (
     EXCHANGE_METHOD,
     SESSION_HEADER,
+    STREAM_KEY_HEADER,
     channel_options,
     reconnect_call,
     secure_channel_credentials,
@@ -243,7 +244,8 @@ class StageSession:
         self._up = DelayLine(link.up, self._clock, self._wire.put, name="uplink")
         self._down = DelayLine(link.down, self._clock, self._file, name="downlink")
         exchange = client.channel.stream_stream(EXCHANGE_METHOD)  # bytes in, bytes out
-        self._call = exchange(self._requests(), metadata=((SESSION_HEADER, self.session_id),))
+        metadata = ((SESSION_HEADER, self.session_id), (STREAM_KEY_HEADER, reply.stream_key))
+        self._call = exchange(self._requests(), metadata=metadata)
         self._threads = [
             threading.Thread(target=self._encode_loop, name="stage-encode", daemon=True),
             threading.Thread(target=self._read_loop, name="stage-read", daemon=True),

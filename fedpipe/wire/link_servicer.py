@@ -22,7 +22,7 @@ from fedpipe.messages import END, Kind, StageMsg
 from fedpipe.proto import stage_pb2 as pb
 from fedpipe.proto import stage_pb2_grpc as pb_grpc
 from fedpipe.wire.backend import SessionRequest, StageBackend, StreamOptions, StreamPort
-from fedpipe.wire.channels import SESSION_HEADER
+from fedpipe.wire.channels import SESSION_HEADER, STREAM_KEY_HEADER
 from fedpipe.wire.serde import MessageBounds, split_info_to_proto
 from fedpipe.wire.status import status_for
 from fedpipe.wire.stream_codec import StreamCodecs, StreamDecoder, StreamEncoder
@@ -135,6 +135,7 @@ class LinkServicer(pb_grpc.StageLinkServicer):
             max_message_bytes=self.backend.max_message_bytes,
             delta_resumed=opened.delta_resumed,
             delta_reset_reason=opened.delta_reset_reason,
+            stream_key=opened.stream_key,
         )
 
     def CloseSession(self, request: pb.CloseSessionRequest, context: grpc.ServicerContext):  # noqa: N802
@@ -157,9 +158,10 @@ class LinkServicer(pb_grpc.StageLinkServicer):
             self.slots.release()
 
     def _exchange(self, request_iterator, context: grpc.ServicerContext) -> Iterator[bytes]:  # type: ignore[no-untyped-def]
-        session_id = dict(context.invocation_metadata()).get(SESSION_HEADER, "")
+        metadata = dict(context.invocation_metadata())
+        session_id = metadata.get(SESSION_HEADER, "")
         try:
-            port, options = self.backend.attach(session_id)
+            port, options = self.backend.attach(session_id, metadata.get(STREAM_KEY_HEADER, ""))
         except Exception as exc:
             context.abort(status_for(exc), str(exc))
         context.add_callback(lambda: port.fail(_Gone()))  # wakes the loop below at once

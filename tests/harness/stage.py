@@ -17,7 +17,7 @@ from fedpipe.server.build import build_stage_server
 from fedpipe.server.runtime import StageRuntime
 from fedpipe.server.stage_server import StageServer
 
-__all__ = ["hold_compute", "stage_server"]
+__all__ = ["StreamKeys", "hold_compute", "stage_server"]
 
 
 @contextmanager
@@ -82,3 +82,21 @@ def hold_compute(
             executor.compute_batch = real  # type: ignore[method-assign]
         else:
             del executor.compute_batch  # the class's method again
+
+
+class StreamKeys:
+    """The stream keys of the sessions a hand-driven test opened: ``open`` records the one
+    OpenSession answered, ``metadata`` is what a stream of that session presents."""
+
+    def __init__(self) -> None:
+        self._keys: dict[str, str] = {}
+
+    def opened(self, reply: Any) -> str:
+        """Record ``reply``'s (an OpenSessionReply) key; its session id."""
+        self._keys[reply.session_id] = reply.stream_key
+        return str(reply.session_id)
+
+    def metadata(self, session_id: str) -> tuple[tuple[str, str], ...]:
+        from fedpipe.wire.channels import SESSION_HEADER, STREAM_KEY_HEADER
+
+        return ((SESSION_HEADER, session_id), (STREAM_KEY_HEADER, self._keys.get(session_id, "")))

@@ -24,7 +24,7 @@ import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from harness.stage import hold_compute, stage_server
+from harness.stage import StreamKeys, hold_compute, stage_server
 from harness.waits import wait_for
 
 from fedpipe.config import FedpipeConfig, ModelConfig, PipelineConfig, ServerConfig, TrainConfig
@@ -33,7 +33,7 @@ from fedpipe.models import resolve_model
 from fedpipe.proto import stage_pb2 as pb
 from fedpipe.proto import stage_pb2_grpc as pb_grpc
 from fedpipe.server.stage_server import StageServer
-from fedpipe.wire.channels import SESSION_HEADER
+from fedpipe.wire.channels import SESSION_HEADER, STREAM_KEY_HEADER
 from fedpipe.wire.control_servicer import adapter_chunks, adapter_from_chunks
 from fedpipe.wire.serde import seal, split_to_proto
 from fedpipe.wire.tensors import labels_to_proto, tensor_to_proto
@@ -53,6 +53,9 @@ def _config(split: str = "u", **server: object) -> FedpipeConfig:
     return FedpipeConfig(
         model=model, pipeline=BASE.pipeline, train=BASE.train, server=ServerConfig(**server)
     )
+
+
+KEYS = StreamKeys()  # the stream key of each session these tests open
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +89,7 @@ def _open(stub: pb_grpc.StageLinkStub, device_id: str, *, mode: str = "u", **kw:
     kw.setdefault("learning_rate", 1e-2)
     kw.setdefault("split", _split(mode))
     request = pb.OpenSessionRequest(device_id=device_id, **kw)  # type: ignore[arg-type]
-    return stub.OpenSession(request, timeout=RPC_TIMEOUT).session_id
+    return KEYS.opened(stub.OpenSession(request, timeout=RPC_TIMEOUT))
 
 
 def _refusal(call: Callable[[], object]) -> grpc.RpcError:
@@ -118,7 +121,7 @@ class _Stream:
         self._requests: queue.Queue[pb.StageMessage | None] = queue.Queue()
         self.call = stub.Exchange(
             iter(self._requests.get, None),
-            metadata=((SESSION_HEADER, session_id),),
+            metadata=KEYS.metadata(session_id),
             timeout=RPC_TIMEOUT,
         )
 
@@ -412,6 +415,41 @@ def test_step_after_a_failed_one_equals_a_clean_step(
         first.close()
     _assert_equal(_adapter(server, failed), _adapter(server, clean))
     assert server.runtime.session(failed).steps_done == 1
+
+
+@pytest.mark.parametrize("presented", ["none", "wrong", "another-session's"])
+def test_a_stream_needs_the_session_key_not_just_its_id(
+    server: StageServer, stub: pb_grpc.StageLinkStub, presented: str
+) -> None:
+    """A client that knows a session's id but not its stream key cannot open a stream of it:
+    UNAUTHENTICATED, and the device's own stream goes on untouched (it is not replaced), so its
+    step completes as if nobody had tried."""
+    victim = _open(stub, f"victim-{presented}")
+    other = _open(stub, f"other-{presented}")
+    key = {"none": "", "wrong": "x" * 32, "another-session's": KEYS.metadata(other)[1][1]}
+    own = _Stream(stub, victim)
+    try:
+        own.send(_msg(pb.ACTIVATION, mb=0, tensor=_values(1)))
+        assert own.next().kind == pb.OUTPUT
+        thief = stub.Exchange(
+            iter([seal(_msg(pb.ACTIVATION, mb=1, tensor=_values(2)))]),
+            metadata=((SESSION_HEADER, victim), (STREAM_KEY_HEADER, key[presented])),
+            timeout=RPC_TIMEOUT,
+        )
+        refused = _refusal(lambda: list(thief))
+        assert refused.code() == S.UNAUTHENTICATED, refused.details()
+        assert "stream key does not match" in refused.details()
+        own.send(_msg(pb.ACTIVATION, mb=1, tensor=_values(2)))
+        assert own.next().kind == pb.OUTPUT  # still the device's stream
+        for m in range(2):
+            own.send(_msg(pb.OUTPUT_GRAD, mb=m, tensor=_values(10 + m)))
+            assert own.next().kind == pb.INPUT_GRAD
+        own.send(_msg(pb.STEP_END))
+        assert own.next().kind == pb.STEP_DONE
+    finally:
+        own.close()
+    assert server.runtime.session(victim).steps_done == 1
+    assert server.runtime.session(victim).streams_opened == 1
 
 
 # -- 3. no client can starve the others ----------------------------------------------------------

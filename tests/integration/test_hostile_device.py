@@ -24,6 +24,7 @@ import psutil
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from harness.stage import StreamKeys
 from harness.waits import wait_for
 
 from fedpipe.config import FedpipeConfig, PipelineConfig, ServerConfig, TrainConfig
@@ -33,7 +34,7 @@ from fedpipe.proto import stage_pb2 as pb
 from fedpipe.proto import stage_pb2_grpc as pb_grpc
 from fedpipe.server.build import build_stage_server
 from fedpipe.server.stage_server import StageServer
-from fedpipe.wire.channels import EXCHANGE_METHOD, SESSION_HEADER
+from fedpipe.wire.channels import EXCHANGE_METHOD
 from fedpipe.wire.control_servicer import adapter_chunks
 from fedpipe.wire.serde import seal, split_to_proto
 from fedpipe.wire.tensors import tensor_to_proto
@@ -48,6 +49,7 @@ BASE = FedpipeConfig(
 # A client that never reads: no BDP probing, so its receive window stays at gRPC's default and a
 # reply larger than that blocks the server's send until the stream is cancelled.
 _NO_BDP = [("grpc.http2.bdp_probe", 0)]
+KEYS = StreamKeys()  # the stream key of each session these tests open
 
 
 def _config(**server: object) -> FedpipeConfig:
@@ -66,7 +68,7 @@ def _serve(folder: Path, **server: object) -> StageServer:
 def _open(stub: pb_grpc.StageLinkStub, device_id: str, **kw: object) -> str:
     split = split_to_proto(split_terms(BASE, resolve_model("tiny-llama")))
     request = pb.OpenSessionRequest(device_id=device_id, learning_rate=1e-2, split=split, **kw)  # type: ignore[arg-type]
-    return stub.OpenSession(request, timeout=RPC_TIMEOUT).session_id
+    return KEYS.opened(stub.OpenSession(request, timeout=RPC_TIMEOUT))
 
 
 def _values(seed: int, shape: tuple[int, ...] = (MB, SEQ, HIDDEN)) -> torch.Tensor:
@@ -87,7 +89,7 @@ class _Reader:
         self._requests: queue.Queue[bytes | None] = queue.Queue()
         self.call = chan.stream_stream(EXCHANGE_METHOD)(
             iter(self._requests.get, None),
-            metadata=((SESSION_HEADER, session_id),),
+            metadata=KEYS.metadata(session_id),
             timeout=RPC_TIMEOUT * 3,
         )
 
@@ -112,7 +114,7 @@ class _NeverReads:
         for msg in msgs:
             frames.put(seal(msg).SerializeToString())
         self.call = self.chan.stream_stream(EXCHANGE_METHOD)(
-            iter(frames.get, None), metadata=((SESSION_HEADER, session_id),)
+            iter(frames.get, None), metadata=KEYS.metadata(session_id)
         )
         self.frames = frames
 

@@ -17,7 +17,7 @@ import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from harness.stage import stage_server
+from harness.stage import StreamKeys, stage_server
 from harness.waits import wait_for
 
 from fedpipe.auth.tokens import issue_token
@@ -29,7 +29,6 @@ from fedpipe.proto import stage_pb2 as pb
 from fedpipe.proto import stage_pb2_grpc as pb_grpc
 from fedpipe.server.runtime import StageRuntime
 from fedpipe.server.stage_server import StageServer
-from fedpipe.wire.channels import SESSION_HEADER
 from fedpipe.wire.link_client import StageClient
 from fedpipe.wire.serde import seal, split_to_proto
 
@@ -47,6 +46,9 @@ Batch = dict[str, torch.Tensor]
 @pytest.fixture(scope="module")
 def folder():  # type: ignore[no-untyped-def]
     return resolve_model("tiny-llama")
+
+
+KEYS = StreamKeys()  # the stream key of each session these tests open
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +94,7 @@ def _split() -> pb.SplitSpec:
 def _open(stub: pb_grpc.StageLinkStub, device_id: str, **kw) -> str:  # type: ignore[no-untyped-def]
     kw.setdefault("split", _split())
     request = pb.OpenSessionRequest(device_id=device_id, learning_rate=1e-2, **kw)
-    return stub.OpenSession(request, timeout=RPC_TIMEOUT).session_id
+    return KEYS.opened(stub.OpenSession(request, timeout=RPC_TIMEOUT))
 
 
 def _tensor(shape: tuple[int, ...], *, data: bytes | None = None) -> pb.Tensor:
@@ -113,7 +115,7 @@ class _RawStream:
         self._requests: queue.Queue[pb.StageMessage | None] = queue.Queue()
         self.call = stub.Exchange(
             iter(self._requests.get, None),
-            metadata=((SESSION_HEADER, session_id),),
+            metadata=KEYS.metadata(session_id),
             timeout=RPC_TIMEOUT,
         )
 
@@ -199,7 +201,7 @@ def test_half_closed_stream_still_gets_its_replies(stub: pb_grpc.StageLinkStub) 
         _message(pb.ACTIVATION, microbatch=m, tensor=_tensor((2, SEQ, HIDDEN))) for m in range(3)
     ]
     call = stub.Exchange(
-        iter(map(seal, requests)), metadata=((SESSION_HEADER, session_id),), timeout=RPC_TIMEOUT
+        iter(map(seal, requests)), metadata=KEYS.metadata(session_id), timeout=RPC_TIMEOUT
     )
     replies = list(call)  # ends when the server ends the stream, after its replies
     assert [(r.kind, r.microbatch) for r in replies] == [(pb.OUTPUT, m) for m in range(3)]
