@@ -85,8 +85,8 @@ class TappedRuntime:
     def __init__(self, runtime: StageRuntime, tap: Tap) -> None:
         self._runtime, self._tap = runtime, tap
 
-    def attach(self, session_id: str) -> _TappedHandle:
-        return _TappedHandle(self._runtime.attach(session_id), self._tap)
+    def attach(self, session_id: str, stream_key: str | None = None) -> _TappedHandle:
+        return _TappedHandle(self._runtime.attach(session_id, stream_key), self._tap)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._runtime, name)
