@@ -35,6 +35,7 @@ from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Any
 
+import crc32c
 import grpc
 import torch
 
@@ -45,6 +46,7 @@ from fedpipe.server.sessions import RuntimeLimits
 from fedpipe.server.stage_server import StageServer
 from fedpipe.wire.channels import channel_options
 from fedpipe.wire.link_client import StageClient
+from fedpipe.wire.serde import msg_to_wire
 
 MICROBATCH, SEQ_LEN = 8, 512  # a SmolLM2-135M activation: 8 x 512 x 576 fp32
 CODEC = "fp32"
@@ -106,6 +108,19 @@ def _stage_trial(
     return seconds
 
 
+def _checksum_seconds(tensor: torch.Tensor, trials: int) -> tuple[float, int]:
+    """Median seconds of one CRC32C over a real ECHO frame of ``tensor`` (what each of the
+    four checks of a round trip reads: the device seals, the server checks, the server seals
+    its reply, the device checks), and the frame's size."""
+    frame = msg_to_wire(StageMsg(Kind.ECHO, 0, 0, tensor=tensor), session_id="s" * 32, codec=CODEC)
+    times = []
+    for _ in range(max(5, trials)):
+        start = time.perf_counter()
+        crc32c.crc32c(frame)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), len(frame)
+
+
 def _plain_trial(channel: grpc.Channel, payload: bytes, n: int) -> float:
     """Seconds to send ``payload`` and receive it back, ``n`` round trips one after another."""
     sends: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
@@ -148,6 +163,7 @@ def run(messages: int = 8, trials: int = 5, model: str = "default") -> dict[str,
         client.close()
         plain_server.stop(grace=None)
         server.stop(grace=None)
+    crc_s, frame_bytes = _checksum_seconds(tensor, trials)
     moved_mb = 2 * messages * len(payload) / 1e6
     stage_mbs = moved_mb / statistics.median(tally.seconds)
     plain_mbs = moved_mb / statistics.median(plain)
@@ -156,6 +172,10 @@ def run(messages: int = 8, trials: int = 5, model: str = "default") -> dict[str,
         "stage_mb_per_s": round(stage_mbs, 1),
         "plain_grpc_mb_per_s": round(plain_mbs, 1),
         "message_mb": round(len(payload) / 1e6, 2),
+        # The checksums' share of the stage link's time: 4 CRC32C per round trip.
+        "checksum_ms_per_frame": round(crc_s * 1e3, 3),
+        "checksum_gb_per_s": round(frame_bytes / crc_s / 1e9, 1),
+        "checksum_share": round(4 * messages * crc_s / statistics.median(tally.seconds), 4),
         "shape": list(tensor.shape),
         "codec": CODEC,
         "model": model,

@@ -632,6 +632,9 @@ BENCHES: dict[str, Bench] = {
     "codec": Bench("python benchmarks/codec_bench.py", _codec, ("--repeats", "--batch")),
     "batch": Bench("python benchmarks/batch_bench.py --reps 5", _batch, ("--sessions",)),
     "load": Bench("python benchmarks/load_bench.py --json", _load, ("--devices", "--steps")),
+    "stress": Bench(
+        "python benchmarks/stress_bench.py --json", _generic, ("--devices", "--steps", "--seconds")
+    ),
     "step-end": Bench("python benchmarks/step_end_bench.py", _step_end),
     "gpu-check": Bench("python benchmarks/gpu_check.py", _gpu_check, ("--devices", "--steps")),
     "aggregation-residual": Bench("python benchmarks/aggregation_residual.py", _generic),

@@ -477,11 +477,13 @@ def _from_bytes(
     """A tensor over ``data``, a fresh ``bytes`` only this tensor holds (no copy under upb).
 
     torch warns that ``bytes`` is read-only; nothing else sees these bytes, so writing is safe.
-    (torch.frombuffer rejects empty buffers.)
+    Except one byte: CPython hands out one shared ``bytes`` object per byte value (so does
+    upb for a 1-byte field), and writing through a tensor over it would change that byte
+    everywhere in the process; it is copied. (torch.frombuffer rejects empty buffers.)
     """
     if len(data) == 0:
         return torch.zeros(shape, dtype=wire_dtype)
-    if not _FRESH_BYTES:
+    if not _FRESH_BYTES or len(data) == 1:
         return torch.frombuffer(bytearray(data), dtype=wire_dtype).reshape(shape)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given buffer is not writable")

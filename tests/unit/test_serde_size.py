@@ -195,3 +195,16 @@ def test_fuzz_frames_decode_when_valid_and_are_refused_with_format_errors_otherw
 
     decode()
     assert outcomes["decoded"] >= 20 and outcomes["refused"] >= 20, outcomes
+
+
+def test_writing_a_one_byte_tensor_leaves_the_process_wide_byte_alone() -> None:
+    """CPython (and upb, for a 1-byte field) share one ``bytes`` object per byte value: a
+    tensor decoded over it must be a copy, or writing to it would change that byte in every
+    ``bytes`` of length one in the process."""
+    from fedpipe.wire.tensors import _from_bytes
+
+    field = pb.Tensor(data=bytes([7])).data  # what upb hands a decoder: the shared object
+    assert field is bytes([7])
+    t = _from_bytes(field, torch.int8, (1,))
+    t.add_(1)
+    assert bytes([7]) == b"\x07" and field[0] == 7

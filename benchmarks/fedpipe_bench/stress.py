@@ -1,0 +1,242 @@
+"""The stage link under stress: every reply, under an oversubscribed CPU, equals its unloaded run.
+
+    python benchmarks/stress_bench.py [--devices 12] [--steps 3] [--seconds 600] [--json]
+
+One StageServer (its own process, loopback, tiny-llama) and ``--devices`` emulated devices
+(threads with real :class:`StageClient` sessions), each on its own mix of the wire's codecs
+(every codec of :data:`fedpipe.config.codecs.CODECS` and the token-grouped int4, up and down)
+and, for every other device, an emulated link (its delay line and throttles). First each device
+runs alone on an idle machine: the hash of every reply it gets (outputs, input gradients, an
+evaluation forward after its last step) is its reference. Then, for ``--seconds``, round after
+round, all devices run at once while ``--burners`` processes spin on the cores, and every
+device's hash is compared with its reference. A corrupted, crossed, lost or reordered byte in
+any reply changes the hash; a frame whose checksum does not match is refused by the receiver
+(:class:`fedpipe.errors.CorruptMessageError`), and is counted as such.
+
+Prints one JSON object with ``--json``: ``rounds``, ``messages`` (stage-link messages both
+ways), ``payload_mb`` (encoded bytes both ways), ``mismatched`` (device runs whose
+hash differed from the reference), ``corrupted`` (runs that failed on a refused frame),
+``failed`` (runs that failed otherwise, with their errors), ``seconds`` and ``clean``.
+Messages and bytes are the devices' sessions' own counts of encoded frames.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from fedpipe.config.codecs import CODECS
+from fedpipe.errors import CorruptMessageError
+from fedpipe.launch.processes import with_parent_death_signal
+from fedpipe.messages import Kind, StageMsg
+from fedpipe.wire.link_client import StageClient
+from fedpipe_bench.load import LoadDevice, LoadShape, ServerProcess, _tensor, device_split
+
+__all__ = ["DeviceMix", "StressReport", "device_mixes", "run_stress"]
+
+log = logging.getLogger(__name__)
+
+WIRE_CODECS: tuple[str, ...] = (*CODECS, "int4t")
+# A fast emulated link: its delay line and throttles run, without making the rounds long.
+EMULATED_LINK = "up=400,down=800,rtt=4ms"
+
+
+@dataclass(frozen=True)
+class DeviceMix:
+    """One emulated device's wire: its codecs each way and its link (None: no emulation)."""
+
+    uplink: str
+    downlink: str
+    link: str | None
+
+
+def device_mixes(devices: int) -> list[DeviceMix]:
+    """``devices`` mixes that cover every codec up and down, half of them over a link."""
+    n = len(WIRE_CODECS)
+    return [
+        DeviceMix(WIRE_CODECS[i % n], WIRE_CODECS[(i + 2) % n], EMULATED_LINK if i % 2 else None)
+        for i in range(devices)
+    ]
+
+
+@dataclass
+class StressReport:
+    devices: int
+    steps: int
+    rounds: int = 0
+    messages: int = 0
+    payload_mb: float = 0.0
+    mismatched: list[str] = field(default_factory=list)
+    corrupted: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    burners: int = 0
+    cores: int = 0
+
+    @property
+    def clean(self) -> bool:
+        return not (self.mismatched or self.corrupted or self.failed)
+
+    def as_dict(self) -> dict[str, object]:
+        return {**self.__dict__, "clean": self.clean}
+
+
+@dataclass
+class _Run:
+    digest: str = ""
+    messages: int = 0
+    payload_bytes: int = 0
+
+
+def _device_run(address: str, mix: DeviceMix, seed: int, steps: int, round_: int) -> _Run:
+    """One device's session: ``steps`` steps and an evaluation forward, every reply hashed."""
+    digest, shape = hashlib.sha256(), LoadShape()
+    with StageClient(address) as client:
+        session = client.open_session(
+            device_id=f"stress-{seed}-r{round_}",
+            round_=round_,
+            lr=1e-2,
+            uplink_codec=mix.uplink,
+            downlink_codec=mix.downlink,
+            gradient_codec=mix.downlink,
+            link=mix.link,
+            link_seed=seed,
+            microbatch_size=shape.rows,
+            seq_len=shape.tokens,
+            split=device_split(),
+        )
+        with session:
+            device = LoadDevice(session, seed, shape, digest=digest)
+            for step in range(steps):
+                device.step(step)
+                device.confirm()
+            probe = _tensor(shape, seed, -1)
+            session.send(StageMsg(Kind.ACTIVATION, steps, 0, tensor=probe, forward_only=True))
+            device._hash(session.receive(Kind.OUTPUT, steps, 0))
+            stats = session.stats  # as the session counted them on the wire
+    return _Run(
+        digest.hexdigest(),
+        stats.messages_up + stats.messages_down,
+        stats.bytes_up + stats.bytes_down,
+    )
+
+
+def _burn() -> None:  # pragma: no cover - runs in the burner processes
+    while True:
+        pass
+
+
+class Burners:
+    """``count`` processes that spin on the cores until stopped (by their PIDs)."""
+
+    def __init__(self, count: int) -> None:
+        code = "from fedpipe_bench.stress import _burn; _burn()"
+        self.procs = [
+            subprocess.Popen(with_parent_death_signal([sys.executable, "-c", code]))
+            for _ in range(count)
+        ]
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+
+
+def _round(
+    address: str, mixes: list[DeviceMix], steps: int, round_: int, report: StressReport
+) -> dict[int, _Run]:
+    """Every device at once in ``round_``; the runs that finished, failures recorded."""
+    runs: dict[int, _Run] = {}
+    with ThreadPoolExecutor(len(mixes)) as pool:
+        futures = {
+            i: pool.submit(_device_run, address, mix, i, steps, round_)
+            for i, mix in enumerate(mixes)
+        }
+        for i, future in futures.items():
+            try:
+                runs[i] = future.result(timeout=600)
+            except CorruptMessageError as exc:
+                report.corrupted.append(f"round {round_} device {i}: {exc}")
+            except Exception as exc:  # noqa: BLE001 - the report names every failure
+                cause = exc.__cause__ if isinstance(exc.__cause__, CorruptMessageError) else None
+                target = report.corrupted if cause or "corrupted in transit" in str(exc) else None
+                (target if target is not None else report.failed).append(
+                    f"round {round_} device {i}: {type(exc).__name__}: {exc}"
+                )
+    return runs
+
+
+def run_stress(
+    devices: int = 12, steps: int = 3, seconds: float = 600.0, burners: int | None = None
+) -> StressReport:
+    """References on an idle machine, then loaded rounds for ``seconds`` (at least one)."""
+    cores = multiprocessing.cpu_count()
+    burners = 2 * cores if burners is None else burners
+    report = StressReport(devices, steps, burners=burners, cores=cores)
+    mixes = device_mixes(devices)
+    server = ServerProcess(max_sessions=2 * devices + 8)
+    try:
+        solo = {
+            i: _device_run(server.address, mix, i, steps, 0).digest for i, mix in enumerate(mixes)
+        }
+        server.discard_round(0)  # the global adapter stays as it was for every round
+        load = Burners(burners)
+        start = time.monotonic()
+        try:
+            while report.rounds == 0 or time.monotonic() - start < seconds:
+                round_ = report.rounds + 1
+                runs = _round(server.address, mixes, steps, round_, report)
+                server.discard_round(round_)
+                report.rounds = round_
+                _tally(report, round_, solo, runs)
+        finally:
+            load.stop()
+        report.seconds = round(time.monotonic() - start, 1)
+    finally:
+        server.stop()
+    return report
+
+
+def _tally(report: StressReport, round_: int, solo: dict[int, str], runs: dict[int, _Run]) -> None:
+    for i, run in runs.items():
+        report.messages += run.messages
+        report.payload_mb = round(report.payload_mb + run.payload_bytes / 1e6, 3)
+        if run.digest != solo[i]:
+            report.mismatched.append(f"round {round_} device {i}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--devices", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--seconds", type=float, default=600.0, help="how long to keep loading")
+    parser.add_argument("--burners", type=int, default=None, help="spinning processes (2x cores)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.ERROR, stream=sys.stderr)
+    report = run_stress(args.devices, args.steps, args.seconds, args.burners)
+    if args.json:
+        print(json.dumps(report.as_dict()))
+    else:
+        for key, value in report.as_dict().items():
+            print(f"{key:12s} {value}")
+    kinds = Counter(line.split(":")[0].split()[-1] for line in report.failed)
+    if kinds:
+        log.error("failed runs by device: %s", dict(kinds))
+    sys.exit(0 if report.clean else 1)
+
+
+if __name__ == "__main__":
+    main()
