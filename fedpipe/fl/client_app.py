@@ -19,7 +19,7 @@ from flwr.clientapp import ClientApp
 from fedpipe.config import format_cut
 from fedpipe.fl.adapter_codec import adapter_codec_mod
 from fedpipe.fl.adapter_dp import adapter_clipping_mod
-from fedpipe.fl.device_work import DeviceWork, RunSettings, run_settings
+from fedpipe.fl.device_work import DeviceWork, RunSettings, partition_profile, run_settings
 from fedpipe.fl.replies import train_content
 
 __all__ = ["client_app"]
@@ -38,8 +38,7 @@ def _device_profile_name(context: Context) -> tuple[int, str]:
     """This node's partition and profile name, as DeviceWork picks them (cheaply)."""
     node, config = context.node_config, context.run_config
     partition = int(cast(int, node.get("partition-id", 0)))
-    names = [n.strip() for n in str(config.get("federated.profiles", "")).split(",") if n.strip()]
-    cycled = names[partition % len(names)] if names else "loopback"
+    cycled = partition_profile(str(config.get("federated.profiles", "")), partition)
     return partition, str(node.get("profile", "")) or cycled
 
 

@@ -96,12 +96,17 @@ def server_run_settings(run_config: dict[str, Any]) -> tuple[FedpipeConfig, RunS
     return cfg, replace(run, secret=secret)
 
 
+def partition_profile(profiles: str, partition_id: int) -> str:
+    """The entry of ``federated.profiles`` (names and inline specs, ``config.profile_spec``)
+    that partition ``partition_id`` takes: they are dealt in turn; none given is loopback."""
+    entries = split_specs(profiles)
+    return entries[partition_id % len(entries)] if entries else "loopback"
+
+
 def _profile(cfg: FedpipeConfig, partition_id: int, name: str | None) -> DeviceProfile | None:
     if partition_id < 0:
         return None  # the evaluator runs beside the server, unthrottled
-    names = split_specs(cfg.federated.profiles)  # names and inline specs (config.profile_spec)
-    chosen = name or (names[partition_id % len(names)] if names else "loopback")
-    return parse_device_profile(chosen)
+    return parse_device_profile(name or partition_profile(cfg.federated.profiles, partition_id))
 
 
 class DeviceWork:

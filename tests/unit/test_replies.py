@@ -116,3 +116,28 @@ def test_a_reply_without_arrays_or_metrics_is_refused() -> None:
     content = RecordDict({"metrics": MetricRecord({"num-examples": 1})})
     reply = SimpleNamespace(content=content, has_error=lambda: False)
     assert "no adapters" in check_reply(reply, _rules())
+
+
+def test_a_device_is_named_by_the_profile_it_runs_inline_specs_included() -> None:
+    """The name a device's reply and errors carry is the profile DeviceWork gives it: inline
+    specs hold commas of their own (``phone-lte,up=10,down=25,rtt=50ms,rpi-wifi`` is three)."""
+    from flwr.app import Context, RecordDict
+
+    from fedpipe.config import FedpipeConfig
+    from fedpipe.fl.client_app import _device_profile_name
+    from fedpipe.fl.device_work import partition_profile
+
+    profiles = "phone-lte,up=10,down=25,rtt=50ms,rpi-wifi"
+    cfg = FedpipeConfig().with_overrides({"federated.profiles": profiles})
+    named = []
+    for partition in range(4):
+        context = Context(
+            run_id=1,
+            node_id=partition,
+            node_config={"partition-id": partition},
+            state=RecordDict(),
+            run_config={"federated.profiles": cfg.federated.profiles},
+        )
+        named.append(_device_profile_name(context)[1])
+    assert named == ["phone-lte", "up=10,down=25,rtt=50ms", "rpi-wifi", "phone-lte"]
+    assert named == [partition_profile(cfg.federated.profiles, p) for p in range(4)]
