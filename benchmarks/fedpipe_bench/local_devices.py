@@ -29,6 +29,7 @@ from fedpipe.edge.trainer import RoundReport
 from fedpipe.fl.adapter_codec import adapter_codec_mod, adapter_nbytes
 from fedpipe.fl.adapter_dp import adapter_clipping_mod
 from fedpipe.fl.device_work import DeviceWork
+from fedpipe.fl.orders import TrainOrder
 from fedpipe.fl.replies import train_content
 from fedpipe_bench.local_grid import Node
 
@@ -86,20 +87,18 @@ class LocalDevices:
 
     def _train(self, node: int, msg: Message) -> Message:
         work = self.works[node]
-        config = cast(ConfigRecord, msg.content["config"])
-        arrays = cast(ArrayRecord, msg.content["arrays"]).to_torch_state_dict()
-        round_ = int(cast(int, config["fedpipe-round"]))
-        work.trainer.load_adapters(arrays)
+        order = TrainOrder.read(cast(ConfigRecord, msg.content["config"]))
+        work.trainer.load_adapters(cast(ArrayRecord, msg.content["arrays"]).to_torch_state_dict())
         fedprox = self.cfg.federated.strategy == "fedprox"
         report = work.train(
-            str(config["stage-address"]),
-            round_=round_,
-            token=str(config["token"]),
-            proximal_mu=float(cast(float, config.get("proximal-mu", 0.0))) if fedprox else 0.0,
-            frozen_below=int(cast(int, config.get("fedpipe-frozen-below", 0))),
+            order.stage_address,
+            round_=order.round,
+            token=order.token,
+            proximal_mu=order.proximal_mu if fedprox else 0.0,
+            frozen_below=order.frozen_below,
         )
         adapters = work.trainer.adapters()
-        self._count(round_, report)
+        self._count(order.round, report)
         content = train_content(report, adapters, work.partition, format_cut(work.trainer.cut))
         return Message(content=content, reply_to=msg)
 

@@ -20,6 +20,7 @@ from fedpipe.config import format_cut
 from fedpipe.fl.adapter_codec import adapter_codec_mod
 from fedpipe.fl.adapter_dp import adapter_clipping_mod
 from fedpipe.fl.device_work import DeviceWork, RunSettings, partition_profile, run_settings
+from fedpipe.fl.orders import TrainOrder
 from fedpipe.fl.replies import train_content
 
 __all__ = ["client_app"]
@@ -102,25 +103,15 @@ def client_train(msg: Message, context: Context) -> Message:
         delta_dir=_delta_dir(node, run),
         privacy=str(node.get("privacy", "")),  # `fedpipe client --privacy`; else privacy.devices
     )
-    config = cast(ConfigRecord, msg.content["config"])
-    round_ = int(cast(int, config["fedpipe-round"]))
+    order = TrainOrder.read(cast(ConfigRecord, msg.content["config"]))
     work.trainer.load_adapters(cast(ArrayRecord, msg.content["arrays"]).to_torch_state_dict())
-    # The device's own flag first (the server's address as seen from the device's network),
-    # else the one the ServerApp sent; with replicas, always the replica it was assigned (its
-    # token is valid there only).
-    address = str(node.get("stage-address", "")) or str(config.get("stage-address", ""))
-    if "stage-replica" in config:
-        address = str(config["stage-address"])
-    address = address or run.stage_address
     report = work.train(
-        address,
-        round_=round_,
-        token=str(config["token"]),
-        proximal_mu=float(cast(float, config.get("proximal-mu", 0.0)))
-        if cfg.federated.strategy == "fedprox"
-        else 0.0,
+        order.address_for(str(node.get("stage-address", "")), run.stage_address),
+        round_=order.round,
+        token=order.token,
+        proximal_mu=order.proximal_mu if cfg.federated.strategy == "fedprox" else 0.0,
         trace_dir=Path(run.dir) / "traces" if run.dir else None,
-        frozen_below=int(cast(int, config.get("fedpipe-frozen-below", 0))),
+        frozen_below=order.frozen_below,
     )
     content = train_content(
         report, work.trainer.adapters(), partition, format_cut(work.trainer.cut)

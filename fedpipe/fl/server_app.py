@@ -51,6 +51,7 @@ from fedpipe.fl.aggregate import (
 )
 from fedpipe.fl.device_work import DeviceWork, RunSettings, evaluate_split, server_run_settings
 from fedpipe.fl.freeze import FreezeRule, FreezeState, block_movement, decide, pin_frozen
+from fedpipe.fl.orders import TrainOrder
 from fedpipe.fl.progress import RoundWatch
 from fedpipe.fl.replicas import ReplicaControl, stage_addresses
 from fedpipe.fl.replies import ReplyRules, check_reply, device_keys
@@ -150,21 +151,12 @@ class Rounds:
         for msg in messages:
             node = str(msg.metadata.dst_node_id)
             config = ConfigRecord(dict(cast(ConfigRecord, msg.content["config"])))
-            config["fedpipe-round"] = round_
             config.update(self.codecs.to_config())
-            if self.freeze is not None:  # the blocks that train nothing (lowest first)
-                config["fedpipe-frozen-below"] = self.frozen_below
-            # All a device needs for the stage link comes here (its CA is its own file).
-            config["stage-address"] = self.stage_address
-            run_id = self.run_id
-            if node in routes:  # its replica's address, and a token for that replica's run
-                config["stage-address"] = routes[node].address
-                config["stage-replica"] = routes[node].replica
-                run_id = routes[node].run_id
-            config["token"] = (
+            route = routes.get(node)  # with replicas: its replica, and that replica's run
+            token = (
                 issue_token(
                     self.secret,
-                    run_id=run_id,
+                    run_id=route.run_id if route else self.run_id,
                     round=round_,
                     device_id=node,
                     ttl_s=self.token_ttl_s,
@@ -172,6 +164,13 @@ class Rounds:
                 if self.secret
                 else ""
             )
+            TrainOrder(  # all a device needs for the stage link (its CA is its own file)
+                round=round_,
+                stage_address=route.address if route else self.stage_address,
+                token=token,
+                replica=route.replica if route else None,
+                frozen_below=self.frozen_below if self.freeze is not None else 0,
+            ).write(config)
             content = RecordDict(
                 {
                     "arrays": self._downlink(cast(ArrayRecord, msg.content["arrays"])),
