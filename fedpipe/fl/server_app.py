@@ -33,7 +33,7 @@ from typing import Any, cast
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid, ServerApp
-from flwr.serverapp.strategy import Result
+from flwr.serverapp.strategy import Result, Strategy
 
 from fedpipe.auth.tokens import issue_token
 from fedpipe.config import FederatedConfig, FedpipeConfig, format_cut
@@ -64,7 +64,15 @@ from fedpipe.runs.folder import RunFolder
 from fedpipe.runs.tensorboard import Board
 from fedpipe.wire.control_client import StageControlClient
 
-__all__ = ["Rounds", "StageControl", "run_rounds", "seeded_adapters", "server_app", "stage_control"]
+__all__ = [
+    "FedpipeStrategy",
+    "Rounds",
+    "StageControl",
+    "run_rounds",
+    "seeded_adapters",
+    "server_app",
+    "stage_control",
+]
 
 log = logging.getLogger(__name__)
 
@@ -388,38 +396,65 @@ def _round_stats(ok: list[Message], failed: int) -> dict[str, float | int]:
     return stats
 
 
-def _wrap_strategy(strategy, rounds: Rounds, *, stateful: bool):  # type: ignore[no-untyped-def]
-    base = type(strategy)
+class FedpipeStrategy(Strategy):
+    """The configured Flower strategy wrapped in the run's round hooks, as Flower's own DP
+    wrappers wrap one: ``rounds`` (tokens and train orders, reply checks, the StageServer's
+    counts and commit, exact aggregation, freezing) around ``inner``'s sampling and
+    aggregation. ``stateful``: ``inner`` keeps momentum over the whole adapter, so every reply
+    is padded to every key; otherwise each key is aggregated over the devices that hold it.
+    """
 
-    class FedpipeStrategy(base):  # type: ignore[misc, valid-type]
-        def configure_train(self, server_round, arrays, config, grid):  # type: ignore[no-untyped-def]
-            rounds.begin(server_round, grid)
-            rounds.exact.device_global, rounds.exact.device_deltas = split_deltas(
-                arrays.to_torch_state_dict()
-            )
-            return rounds.configure(
-                server_round, super().configure_train(server_round, arrays, config, grid)
-            )
+    def __init__(self, inner: Strategy, rounds: Rounds, *, stateful: bool) -> None:
+        self.inner, self.rounds, self.stateful = inner, rounds, stateful
 
-        def aggregate_train(self, server_round, replies):  # type: ignore[no-untyped-def]
-            replies = rounds.valid_replies(list(replies))
-            rounds.weigh_by_server(server_round, replies)
-            replies = rounds.collect(server_round, replies)
-            global_state = rounds.exact.device_global
-            if rounds.rule.norm_bound > 0:
-                clip_replies(replies, global_state, rounds.rule.norm_bound)
-            states = held(replies)
-            if stateful:  # momentum over the whole adapter: every reply holds every key
-                pad_to_union(replies, states, global_state)
-                result = super().aggregate_train(server_round, replies)
-            else:
-                result = by_holders(super().aggregate_train, server_round, replies, global_state)
-            result = aggregate_exactly(rounds.exact, rounds.without_frozen(states), result)
-            rounds.commit(server_round, replies)
-            return rounds.settle_freeze(server_round, result)
+    def summary(self) -> None:
+        self.inner.summary()
 
-    strategy.__class__ = FedpipeStrategy
-    return strategy
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        rounds = self.rounds
+        rounds.begin(server_round, cast(RoundGrid, grid))  # run_rounds hands Flower its grid
+        rounds.exact.device_global, rounds.exact.device_deltas = split_deltas(
+            arrays.to_torch_state_dict()
+        )
+        sampled = self.inner.configure_train(server_round, arrays, config, grid)
+        return rounds.configure(server_round, sampled)
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        rounds = self.rounds
+        held_replies = rounds.valid_replies(list(replies))
+        rounds.weigh_by_server(server_round, held_replies)
+        held_replies = rounds.collect(server_round, held_replies)
+        global_state = rounds.exact.device_global
+        if rounds.rule.norm_bound > 0:
+            clip_replies(held_replies, global_state, rounds.rule.norm_bound)
+        states = held(held_replies)
+        result: tuple[ArrayRecord | None, object]
+        if self.stateful:  # momentum over the whole adapter: every reply holds every key
+            pad_to_union(held_replies, states, global_state)
+            result = self.inner.aggregate_train(server_round, held_replies)
+        else:
+            aggregate = self.inner.aggregate_train
+            result = by_holders(aggregate, server_round, held_replies, global_state)
+        result = aggregate_exactly(rounds.exact, rounds.without_frozen(states), result)
+        rounds.commit(server_round, held_replies)
+        return cast(
+            "tuple[ArrayRecord | None, MetricRecord | None]",
+            rounds.settle_freeze(server_round, result),
+        )
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        return self.inner.configure_evaluate(server_round, arrays, config, grid)
+
+    def aggregate_evaluate(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> MetricRecord | None:
+        return self.inner.aggregate_evaluate(server_round, replies)
 
 
 def _make_evaluate(
@@ -476,7 +511,7 @@ def _checkpoint_state(round_: int, run: RunSettings, rounds: Rounds) -> dict[str
     return state
 
 
-def _strategy(cfg: FedpipeConfig, rounds: Rounds):  # type: ignore[no-untyped-def]
+def _strategy(cfg: FedpipeConfig, rounds: Rounds) -> FedpipeStrategy:
     """The configured Flower strategy; fedpipe's RoundGrid, not Flower, waits for devices."""
     fed = cfg.federated
     strategy = make_strategy(
@@ -491,7 +526,7 @@ def _strategy(cfg: FedpipeConfig, rounds: Rounds):  # type: ignore[no-untyped-de
         **robust_options(fed),
     )
     sampled = max(1, int(fed.num_devices * fed.fraction_train))
-    return _wrap_strategy(
+    return FedpipeStrategy(
         with_adapter_dp(strategy, cfg.privacy, sampled_devices=sampled),
         rounds,
         stateful=fed.strategy.strip().lower() in STATEFUL,
