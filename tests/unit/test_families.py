@@ -326,3 +326,11 @@ def test_attention_types_the_stages_do_not_compute_are_refused() -> None:
 def test_every_table_family_is_accepted(model_type: str) -> None:
     expected = "gpt2" if model_type == "gpt2" else "llama"
     assert model_family(CONFIG_MAPPING[model_type]()) == expected
+
+
+def test_gguf_files_of_the_families_transformers_reads() -> None:
+    from fedpipe.models.registry import gguf_architectures
+
+    readable = gguf_architectures()
+    assert {"llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3_text"} <= set(readable)
+    assert not {"olmo2", "granite", "smollm3"} & set(readable)  # no GGUF reader for them
