@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -63,8 +63,10 @@ class FamilySpec:
     ``transformers.models`` subpackage. ``embed`` and ``logits`` post-process the embedding output
     and the LM head's output; ``rotary_per_layer_type`` calls the rotary embedding once per
     ``layer_types`` entry (Gemma 3's local and global rotaries); ``eager`` runs eager attention
-    (Gemma 2's attention soft-capping); ``batched`` marks families whose blocks the batched server
-    bank computes exactly (plain Llama blocks).
+    (Gemma 2's attention soft-capping); ``sliding`` says which blocks a config's
+    ``sliding_window`` applies to (those ``layer_types`` mark ``sliding_attention``, every block,
+    or none); ``batched`` marks families whose blocks the batched server bank computes exactly
+    (plain Llama blocks).
     """
 
     module: str
@@ -74,6 +76,7 @@ class FamilySpec:
     logits: Callable[[Tensor, Any], Tensor] | None = None
     rotary_per_layer_type: bool = False
     eager: bool = False
+    sliding: Literal["layer_types", "every_block", "none"] = "layer_types"
     batched: bool = False
 
     def _class(self, suffix: str) -> Any:
@@ -100,16 +103,16 @@ class FamilySpec:
 
 
 FAMILIES: dict[str, FamilySpec] = {
-    "llama": FamilySpec("llama", "Llama", batched=True),
+    "llama": FamilySpec("llama", "Llama", sliding="none", batched=True),
     "qwen2": FamilySpec("qwen2", "Qwen2", batched=True),
-    "mistral": FamilySpec("mistral", "Mistral", batched=True),
+    "mistral": FamilySpec("mistral", "Mistral", sliding="every_block", batched=True),
     "qwen3": FamilySpec("qwen3", "Qwen3"),
-    "olmo2": FamilySpec("olmo2", "Olmo2"),
+    "olmo2": FamilySpec("olmo2", "Olmo2", sliding="none"),
     "granite": FamilySpec(
-        "granite", "Granite", embed=_embedding_multiplier, logits=_logits_scaling
+        "granite", "Granite", embed=_embedding_multiplier, logits=_logits_scaling, sliding="none"
     ),
     "smollm3": FamilySpec("smollm3", "SmolLM3"),
-    "phi3": FamilySpec("phi3", "Phi3", lora_targets=("qkv_proj", "o_proj")),
+    "phi3": FamilySpec("phi3", "Phi3", lora_targets=("qkv_proj", "o_proj"), sliding="every_block"),
     "gemma2": FamilySpec("gemma2", "Gemma2", embed=_sqrt_hidden, logits=_final_softcap, eager=True),
     "gemma3_text": FamilySpec(
         "gemma3", "Gemma3", embed=_sqrt_hidden, logits=_final_softcap, rotary_per_layer_type=True

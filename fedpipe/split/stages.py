@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
-from fedpipe.models.families import FamilySpec, family_spec
+from fedpipe.models.families import FAMILIES, FamilySpec, family_spec
 from fedpipe.models.loading import model_family
 
 __all__ = [
@@ -47,14 +47,19 @@ def rotary_embedding(config: Any) -> nn.Module:
 def sliding_window(config: Any, block: int) -> int | None:
     """How many tokens ``block`` attends to (itself included), or None for full causal attention.
 
-    Mistral puts its ``sliding_window`` on every block; Qwen2 (with ``use_sliding_window``) on the
-    blocks its ``layer_types`` mark ``sliding_attention``.
+    Where the family's table entry says: Mistral and Phi-3 put their ``sliding_window`` on
+    every block; Qwen2/3, SmolLM3 and Gemma on the blocks their ``layer_types`` mark
+    ``sliding_attention``; Llama, OLMo 2 and Granite on none (their code ignores the field).
     """
     window = getattr(config, "sliding_window", None)
-    if not window:
+    spec = FAMILIES.get(getattr(config, "model_type", None) or "")
+    if not window or spec is None or spec.sliding == "none":
         return None
     layer_types = getattr(config, "layer_types", None)
-    kind = "sliding_attention" if layer_types is None else layer_types[block]
+    if layer_types is not None:
+        kind = layer_types[block]
+    else:
+        kind = "sliding_attention" if spec.sliding == "every_block" else "full_attention"
     if kind not in ("full_attention", "sliding_attention"):
         raise ValueError(
             f"block {block} has attention type {kind!r}; fedpipe's stages compute "

@@ -334,3 +334,17 @@ def test_gguf_files_of_the_families_transformers_reads() -> None:
     readable = gguf_architectures()
     assert {"llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3_text"} <= set(readable)
     assert not {"olmo2", "granite", "smollm3"} & set(readable)  # no GGUF reader for them
+
+
+def test_a_sliding_window_applies_where_the_family_code_applies_it() -> None:
+    from fedpipe.split import sliding_window
+
+    def blocks(model_type: str, **extra: Any) -> list[int | None]:
+        config = CONFIG_MAPPING[model_type](num_hidden_layers=4, sliding_window=WINDOW, **extra)
+        return [sliding_window(config, i) for i in range(4)]
+
+    assert blocks("olmo2") == blocks("granite") == blocks("llama") == [None] * 4  # ignored
+    assert blocks("phi3") == blocks("mistral") == [WINDOW] * 4
+    assert blocks("gemma3_text", layer_types=_ALTERNATING) == [WINDOW, None, WINDOW, None]
+    qwen3 = blocks("qwen3", use_sliding_window=True, max_window_layers=2)
+    assert qwen3 == [None, None, WINDOW, WINDOW]
