@@ -12,7 +12,7 @@ import math
 import re
 import warnings
 from dataclasses import dataclass
-from typing import Literal, cast
+from typing import Any, Literal, cast
 
 import torch
 from peft import LoraConfig, inject_adapter_in_model
@@ -20,6 +20,7 @@ from peft.tuners.lora import LoraLayer
 from torch import Tensor, nn
 
 from fedpipe.config import FedpipeConfig
+from fedpipe.models.families import FAMILIES
 
 __all__ = [
     "Group",
@@ -43,7 +44,8 @@ _BLOCK_NAME = re.compile(r"(?:^|\.)((?:layers|h)\.\d+(?:\..+)?)$")
 
 @dataclass(frozen=True)
 class LoraSettings:
-    """LoRA hyper-parameters; ``targets`` None picks the family default (attention projections)."""
+    """LoRA hyper-parameters; ``targets`` None picks the family default (attention projections:
+    the family table's ``lora_targets``, such as Phi-3's fused ``qkv_proj``)."""
 
     r: int = 8
     alpha: float = 16
@@ -57,11 +59,15 @@ class LoraSettings:
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"LoRA dropout must be in [0, 1), got {self.dropout}")
 
-    def peft_config(self, family: Family) -> LoraConfig:
+    def peft_config(self, family: Family, model_type: str | None = None) -> LoraConfig:
+        """peft's config for a module of ``family`` (``model_type`` picks the default targets)."""
         if self.targets is not None:
             targets: list[str] | str = list(self.targets)
+        elif family == "llama":
+            spec = FAMILIES.get(model_type or "")
+            targets = list(spec.lora_targets if spec is not None else _LLAMA_TARGETS)
         else:
-            targets = list(_LLAMA_TARGETS) if family == "llama" else _GPT2_ATTENTION
+            targets = _GPT2_ATTENTION
         return LoraConfig(
             r=self.r,
             lora_alpha=self.alpha,  # type: ignore[arg-type]  # peft annotates int; floats work
@@ -115,7 +121,8 @@ def apply_lora(
     earlier = {n: p.requires_grad for n, p in module.named_parameters() if ".lora_" in n}
     with warnings.catch_warnings():  # "multiple adapters" is what we want when adding one
         warnings.filterwarnings("ignore", message=".*multiple adapters.*")
-        inject_adapter_in_model(settings.peft_config(family), module, adapter_name=adapter)
+        peft_config = settings.peft_config(family, _model_type(module))
+        inject_adapter_in_model(peft_config, module, adapter_name=adapter)
     for name, param in module.named_parameters():  # base frozen, earlier adapters as they were
         param.requires_grad_(earlier.get(name, ".lora_" in name))
     _init_adapter(module, settings.seed, adapter)
@@ -145,8 +152,14 @@ def _active_adapter(module: nn.Module) -> str | None:
     return None
 
 
+def _model_type(module: nn.Module) -> str | None:
+    """The model_type of a stage or an unsplit model (its ``config``), None when it has none."""
+    config: Any = getattr(module, "config", None)
+    return getattr(config, "model_type", None)
+
+
 def _has_targets(module: nn.Module, settings: LoraSettings, family: Family) -> bool:
-    targets = settings.peft_config(family).target_modules
+    targets = settings.peft_config(family, _model_type(module)).target_modules
     assert targets is not None  # peft_config always sets target_modules
     for name, _ in module.named_modules():
         if isinstance(targets, str):

@@ -37,6 +37,7 @@ from fedpipe.lora.base import Family, Group, LoraSettings, global_name, initial_
 from fedpipe.lora.batched_backward import TapedBlocks, WeightGrads, backward_blocks
 from fedpipe.lora.batched_blocks import AdapterTensors, BlockRunner, Tape
 from fedpipe.lora.peft_bank import GLOBAL_ADAPTER, AdapterBank, SharedAggregation
+from fedpipe.models.families import FAMILIES
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,11 @@ def batchable(stage: nn.Module, settings: LoraSettings, family: Family) -> str:
     """Why ``stage`` cannot be served by a :class:`BatchedAdapterBank` ("" when it can)."""
     if family != "llama":
         return f"the {family} family has no batched forward (Llama-family blocks only)"
+    model_type = getattr(getattr(stage, "config", None), "model_type", None)
+    spec = FAMILIES.get(model_type or "")
+    if spec is None or not spec.batched:
+        exact = ", ".join(t for t, s in FAMILIES.items() if s.batched)
+        return f"model_type {model_type!r} has no batched forward (batched blocks: {exact})"
     if not getattr(stage, "block_indices", ()):
         return "the stage has no blocks"
     act = getattr(getattr(stage, "config", None), "hidden_act", "silu")

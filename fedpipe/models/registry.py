@@ -31,6 +31,7 @@ from transformers import (
 
 from fedpipe.errors import ModelFileError
 from fedpipe.models.cache import cache_root
+from fedpipe.models.families import attention_implementation, refusal, supported_types
 from fedpipe.models.fingerprint import model_fingerprint
 from fedpipe.models.tokenizer import BYTE_VOCAB_SIZE, build_byte_tokenizer
 
@@ -232,13 +233,25 @@ def _convert_gguf(path: Path, out: Path) -> None:
         reason = " ".join(str(exc).split())[:200]
         raise ModelFileError(
             f"{path}: cannot convert this GGUF model ({type(exc).__name__}: {reason}); fedpipe "
-            "reads GGUF files of the Llama, Qwen2, Mistral and GPT-2 architectures"
+            f"reads GGUF files of the architectures {', '.join(gguf_architectures())}"
         ) from None
+
+
+def gguf_architectures() -> list[str]:
+    """The model_types fedpipe splits whose GGUF files transformers' GGUF reader reads."""
+    # Deferred: the GGUF utilities are only needed when a GGUF file is being converted.
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    readable = {"gemma3_text" if a == "gemma3" else a for a in GGUF_SUPPORTED_ARCHITECTURES}
+    return [t for t in supported_types() if t in readable]
 
 
 def _convert_gguf_unchecked(path: Path, out: Path) -> None:
     folder, name = path.parent, path.name
     loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    reason = refusal(loaded.config)
+    if reason:
+        raise ModelFileError(f"{path}: {reason}")
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     config = _plain_config(loaded.config)
     with torch.device("meta"):
@@ -261,7 +274,7 @@ def _plain_config(config: Any) -> Any:
     for attr in ("quantization_config", "_pre_quantization_dtype"):
         if hasattr(config, attr):
             delattr(config, attr)
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = attention_implementation(config)
     config.dtype = torch.float32
     return config
 

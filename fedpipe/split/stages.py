@@ -1,11 +1,15 @@
 """Stage modules: each holds only its own blocks and weights, under global block indices.
 
-Block containers keep the Hugging Face names (``layers`` for the Llama family, ``h`` for GPT-2)
+The Llama-layout families (every entry of :data:`fedpipe.models.families.FAMILIES`) are built
+from their own Hugging Face decoder layer, norm and rotary classes; what a family adds (a scaled
+embedding, logits post-processing, a rotary per layer type) comes from its table entry. GPT-2
+keeps its own path. Block containers keep the Hugging Face names (``layers``, ``h`` for GPT-2)
 keyed by the global block index, so ``layers.5.self_attn.q_proj`` names the same module in every
 stage and in the unsplit model (after its ``model.`` / ``transformer.`` prefix). Positions are
 ``arange(T)``; attention is causal sdpa with no mask (right padding, pads masked out of the loss by
-label -100), except in blocks with a sliding window shorter than the sequence (Mistral, Qwen2 with
-``use_sliding_window``), which get the banded causal mask the unsplit model uses.
+label -100), except in blocks with a sliding window shorter than the sequence (``layer_types``
+``sliding_attention``, or every block of Mistral), which get the banded causal mask the unsplit
+model uses; under eager attention (Gemma 2) every block gets the additive causal mask.
 """
 
 from __future__ import annotations
@@ -17,10 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
-from transformers.models.llama import modeling_llama
-from transformers.models.mistral import modeling_mistral
-from transformers.models.qwen2 import modeling_qwen2
 
+from fedpipe.models.families import FAMILIES, FamilySpec, family_spec
 from fedpipe.models.loading import model_family
 
 __all__ = [
@@ -29,48 +31,35 @@ __all__ = [
     "MiddleStage",
     "TailStage",
     "ServerLossStage",
+    "attention_mask",
     "shifted_loss_sum",
     "sliding_window",
 ]
 
 IGNORE_INDEX = -100
 
-# model_type -> (decoder layer, RMSNorm, rotary embedding) classes of the Llama layout.
-_LLAMA_LAYOUT: dict[str, tuple[Any, Any, Any]] = {
-    "llama": (
-        modeling_llama.LlamaDecoderLayer,
-        modeling_llama.LlamaRMSNorm,
-        modeling_llama.LlamaRotaryEmbedding,
-    ),
-    "qwen2": (
-        modeling_qwen2.Qwen2DecoderLayer,
-        modeling_qwen2.Qwen2RMSNorm,
-        modeling_qwen2.Qwen2RotaryEmbedding,
-    ),
-    "mistral": (
-        modeling_mistral.MistralDecoderLayer,
-        modeling_mistral.MistralRMSNorm,
-        modeling_mistral.MistralRotaryEmbedding,
-    ),
-}
-
 
 def rotary_embedding(config: Any) -> nn.Module:
-    """A fresh rotary embedding for a Llama-family config (its buffers are computed, not loaded)."""
-    return _LLAMA_LAYOUT[config.model_type][2](config=config)
+    """A fresh rotary embedding for a Llama-layout config (its buffers are computed, not loaded)."""
+    return family_spec(config).rotary(config=config)
 
 
 def sliding_window(config: Any, block: int) -> int | None:
     """How many tokens ``block`` attends to (itself included), or None for full causal attention.
 
-    Mistral puts its ``sliding_window`` on every block; Qwen2 (with ``use_sliding_window``) on the
-    blocks its ``layer_types`` mark ``sliding_attention``.
+    Where the family's table entry says: Mistral and Phi-3 put their ``sliding_window`` on
+    every block; Qwen2/3, SmolLM3 and Gemma on the blocks their ``layer_types`` mark
+    ``sliding_attention``; Llama, OLMo 2 and Granite on none (their code ignores the field).
     """
     window = getattr(config, "sliding_window", None)
-    if not window:
+    spec = FAMILIES.get(getattr(config, "model_type", None) or "")
+    if not window or spec is None or spec.sliding == "none":
         return None
     layer_types = getattr(config, "layer_types", None)
-    kind = "sliding_attention" if layer_types is None else layer_types[block]
+    if layer_types is not None:
+        kind = layer_types[block]
+    else:
+        kind = "sliding_attention" if spec.sliding == "every_block" else "full_attention"
     if kind not in ("full_attention", "sliding_attention"):
         raise ValueError(
             f"block {block} has attention type {kind!r}; fedpipe's stages compute "
@@ -79,10 +68,26 @@ def sliding_window(config: Any, block: int) -> int | None:
     return int(window) if kind == "sliding_attention" else None
 
 
+def attention_mask(config: Any, block: int, like: Tensor) -> Tensor | None:
+    """The mask ``block`` attends with over ``like`` (B, T, C): sdpa's bool mask (None: causal)
+    or, under eager attention, the additive mask (0 where allowed, the dtype's minimum elsewhere)
+    that Hugging Face's eager attention adds to the scores."""
+    length, window = like.shape[1], sliding_window(config, block)
+    if config._attn_implementation != "eager":
+        return _window_mask(length, window, like.device)
+    allowed = _banded(length, length if window is None else window, like.device)
+    return torch.where(allowed, torch.tensor(0.0, dtype=like.dtype), torch.finfo(like.dtype).min)
+
+
 def _window_mask(length: int, window: int | None, device: torch.device) -> Tensor | None:
     """(1, 1, T, T) bool, True where query i may attend key j: j <= i and i - j < window."""
     if window is None or window >= length:
         return None  # plain causal attention (sdpa's is_causal) is the same and faster
+    return _banded(length, window, device)
+
+
+def _banded(length: int, window: int, device: torch.device) -> Tensor:
+    """(1, 1, T, T) bool: j <= i and i - j < window."""
     i = torch.arange(length, device=device).unsqueeze(1)  # (T, 1)
     j = torch.arange(length, device=device).unsqueeze(0)  # (1, T)
     return ((j <= i) & (j > i - window)).unsqueeze(0).unsqueeze(0)
@@ -104,8 +109,10 @@ class _Stage(nn.Module):
         self.config = config
         self.family = model_family(config)
         self.block_indices = tuple(int(i) for i in blocks)
+        self.spec: FamilySpec | None = None  # GPT-2 has its own layout, not a table entry
         if self.family == "llama":
-            layer_cls = _LLAMA_LAYOUT[config.model_type][0]
+            self.spec = family_spec(config)
+            layer_cls = self.spec.decoder_layer
             for i in self.block_indices:
                 sliding_window(config, i)  # refuses attention types the stages cannot compute
             self.layers = nn.ModuleDict({str(i): layer_cls(config, i) for i in self.block_indices})
@@ -129,16 +136,30 @@ class _Stage(nn.Module):
             for i in indices:
                 hidden = self.h[str(i)](hidden)
             return hidden
-        length = hidden.shape[1]
-        positions = torch.arange(length, device=hidden.device).unsqueeze(0)  # (1, T)
-        cos_sin = self.rotary_emb(hidden, position_ids=positions)
+        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)  # (1, T)
+        rotaries = self._rotaries(hidden, positions, indices)
         for index in indices:
-            block = self.layers[str(index)]
-            mask = _window_mask(length, sliding_window(self.config, index), hidden.device)
-            hidden = block(
-                hidden, attention_mask=mask, position_ids=positions, position_embeddings=cos_sin
+            hidden = self.layers[str(index)](
+                hidden,
+                attention_mask=attention_mask(self.config, index, hidden),
+                position_ids=positions,
+                position_embeddings=rotaries[self._rotary_key(index)],
             )
         return hidden
+
+    def _rotary_key(self, block: int) -> str | None:
+        """Which rotary ``block`` uses: its layer type where the family has one per type."""
+        assert self.spec is not None
+        return self.config.layer_types[block] if self.spec.rotary_per_layer_type else None
+
+    def _rotaries(
+        self, hidden: Tensor, positions: Tensor, indices: Sequence[int]
+    ) -> dict[str | None, tuple[Tensor, Tensor]]:
+        """(cos, sin) at ``positions`` for every rotary the blocks ``indices`` use."""
+        keys = dict.fromkeys(self._rotary_key(i) for i in indices)
+        if None in keys:
+            return {None: self.rotary_emb(hidden, position_ids=positions)}
+        return {key: self.rotary_emb(hidden, positions, key) for key in keys}
 
     def _subset(self, blocks: Sequence[int] | None) -> tuple[int, ...]:
         """``blocks`` checked against the held ones (all of them when None), in order."""
@@ -173,6 +194,8 @@ class HeadStage(_Stage):
     def forward(self, input_ids: Tensor) -> Tensor:
         """(B, T) token ids -> (B, T, C) hidden states after the head blocks."""
         hidden = self.embedding(input_ids)  # (B, T, C)
+        if self.spec is not None and self.spec.embed is not None:
+            hidden = self.spec.embed(hidden, self.config)  # Gemma's sqrt(C), Granite's multiplier
         if self.family == "gpt2":
             positions = torch.arange(input_ids.shape[1], device=input_ids.device)
             hidden = self.drop(hidden + self.wpe(positions))
@@ -194,7 +217,8 @@ class TailStage(_Stage):
         super().__init__(config, blocks)
         width = config.hidden_size
         if self.family == "llama":
-            self.norm = _LLAMA_LAYOUT[config.model_type][1](width, eps=config.rms_norm_eps)
+            assert self.spec is not None
+            self.norm = self.spec.norm(width, eps=config.rms_norm_eps)
         else:
             self.ln_f = nn.LayerNorm(width, eps=config.layer_norm_epsilon)
         self.lm_head = nn.Linear(width, config.vocab_size, bias=False)
@@ -203,9 +227,18 @@ class TailStage(_Stage):
     def final_norm(self) -> nn.Module:
         return self.norm if self.family == "llama" else self.ln_f
 
+    def project(self, normed: Tensor) -> Tensor:
+        """(..., C) hidden states after the final norm -> (..., V) logits: the LM head and the
+        family's post-processing (Gemma's final soft-capping, Granite's logits scaling). Rows
+        are independent, so a chunked loss may call it on any slice of the tokens."""
+        logits = self.lm_head(normed)
+        if self.spec is not None and self.spec.logits is not None:
+            logits = self.spec.logits(logits, self.config)
+        return logits
+
     def logits(self, hidden: Tensor, blocks: Sequence[int] | None = None) -> Tensor:
         """(B, T, C) hidden states from the previous stage -> (B, T, V) logits."""
-        return self.lm_head(self.final_norm(self.run_blocks(hidden, blocks)))
+        return self.project(self.final_norm(self.run_blocks(hidden, blocks)))
 
     def forward(
         self, hidden: Tensor, labels: Tensor, blocks: Sequence[int] | None = None
