@@ -116,3 +116,21 @@ def test_a_reply_without_arrays_or_metrics_is_refused() -> None:
     content = RecordDict({"metrics": MetricRecord({"num-examples": 1})})
     reply = SimpleNamespace(content=content, has_error=lambda: False)
     assert "no adapters" in check_reply(reply, _rules())
+
+
+def test_example_counts_travel_in_a_data_record_and_are_checked() -> None:
+    """Instruction data: the device's rows made, truncated and dropped, apart from the metrics
+    (a device on plain text sends none)."""
+    arrays, metrics = _honest()
+    counts = {"examples-rows": 11, "examples-truncated": 1, "examples-dropped-overlong": 0}
+    reply = _reply(arrays, metrics)
+    reply.content["data"] = ConfigRecord({**counts, "examples-dropped-unanswered": 2})
+    assert check_reply(reply, _rules()) == ""
+    for record, expected in (
+        ({"examples-rows": -1}, "data count examples-rows is -1"),
+        ({"examples-rows": 1.5}, "data count examples-rows is 1.5"),
+        ({"examples-secret": 1}, "data record carries keys no fedpipe device sends"),
+    ):
+        reply = _reply(arrays, metrics)
+        reply.content["data"] = ConfigRecord(record)
+        assert expected in check_reply(reply, _rules()), record
