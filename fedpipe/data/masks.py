@@ -40,16 +40,31 @@ def encode_example(
     """(input ids, labels) of ``doc``: labels equal the ids where a token counts, else -100."""
     if loss_on not in LOSS_ON:
         raise ValueError(f"loss_on must be one of {LOSS_ON}, got {loss_on!r}")
-    if doc.messages is not None and not doc.prompt_turns and _has_generation_blocks(tokenizer):
+    if loss_on == "all":  # no answer to find: every token of the text counts
+        text, spans, eos = _whole(doc, tokenizer)
+    elif doc.messages is not None and not doc.prompt_turns and _has_generation_blocks(tokenizer):
         ids, mask = _marked_chat(doc.messages, tokenizer)
+        return ids, _labels(ids, mask)
     else:
         text, spans, eos = _spans(doc, tokenizer)
-        ids, mask = _tokenize_spans(text, spans, tokenizer)
-        if eos:
-            ids, mask = [*ids, _eos_id(tokenizer)], [*mask, True]
-    if loss_on == "all":
-        mask = [True] * len(ids)
-    return ids, [i if m else IGNORE_INDEX for i, m in zip(ids, mask, strict=True)]
+    ids, mask = _tokenize_spans(text, spans, tokenizer)
+    if eos:
+        ids, mask = [*ids, _eos_id(tokenizer)], [*mask, True]
+    return ids, _labels(ids, mask)
+
+
+def _labels(ids: Sequence[int], mask: Sequence[bool]) -> list[int]:
+    return [i if m else IGNORE_INDEX for i, m in zip(ids, mask, strict=True)]
+
+
+def _whole(doc: Document, tokenizer: Any) -> tuple[str, list[Span], bool]:
+    """The text of ``doc``, all of it one span, and whether an eos follows (not after a chat:
+    its template ends it)."""
+    if doc.messages is None:
+        text = doc.text if doc.text is not None else (doc.prompt or "") + (doc.completion or "")
+        return text, [(0, len(text))], True
+    text = _render(tokenizer, list(doc.messages))
+    return text, [(0, len(text))], False
 
 
 def _spans(doc: Document, tokenizer: Any) -> tuple[str, list[Span], bool]:

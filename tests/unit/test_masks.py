@@ -179,3 +179,12 @@ def test_template_whose_start_changes_with_later_turns_is_refused() -> None:
     )
     with pytest.raises(ValueError, match="generation %}.*data.loss_on"):
         encode_example(Document(messages=CHAT), _tokenizer(shifting, []), loss_on="answers")
+
+
+def test_loss_on_all_gives_the_same_ids_as_answers() -> None:
+    for template, specials in ((LLAMA3, LLAMA3_SPECIALS), (QWEN_MARKED, CHATML_SPECIALS)):
+        tok = _tokenizer(template, specials)
+        for doc in (Document(messages=CHAT), Document(prompt="a", completion="b")):
+            ids, labels = encode_example(doc, tok, loss_on="all")
+            assert labels == ids
+            assert ids == encode_example(doc, tok, loss_on="answers")[0]
