@@ -12,9 +12,16 @@ import pytest
 import torch
 
 from fedpipe.config import FedpipeConfig
-from fedpipe.data import IGNORE_INDEX, BlockSampler
+from fedpipe.data import (
+    IGNORE_INDEX,
+    BlockSampler,
+    default_corpus,
+    partition,
+    tokenize_blocks,
+    train_eval_split,
+)
 from fedpipe.fl.device_work import DeviceWork, RunSettings, evaluate_split
-from fedpipe.models import load_causal_lm
+from fedpipe.models import load_causal_lm, load_tokenizer
 from fedpipe.server.stage_server import StageServer
 
 
@@ -92,3 +99,16 @@ def test_loss_on_all_counts_the_prompts_too(tmp_path: Path) -> None:
     assert work.labels is not None
     pads = work.blocks == 256
     assert torch.equal(work.labels[~pads], work.blocks[~pads])
+
+
+def test_plain_text_stays_in_blocks_whose_labels_are_their_ids() -> None:
+    """The bundled corpus (plain text): blocks GPT-2 style, as before there were rows."""
+    cfg = FedpipeConfig().with_overrides({"model.name": "tiny-llama"})
+    work = DeviceWork(cfg, device_id="dev-0", partition=0, num_partitions=4)
+    assert work.labels is None and work.counts is None
+    tok = load_tokenizer(work.trainer.folder)
+    train, _ = train_eval_split(default_corpus(), eval_fraction=0.1, seed=0)
+    mine = partition(train, 4, scheme="by-source", seed=0)[0]
+    assert torch.equal(work.blocks, tokenize_blocks(mine, tok, cfg.train.seq_len))
+    for batch in work.batches(8):
+        assert torch.equal(batch["labels"], batch["input_ids"])
