@@ -19,8 +19,11 @@ a prefix of the whole is refused with what to do. ``loss_on = "all"`` counts eve
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, Literal
+
+from jinja2 import TemplateError
 
 from fedpipe.config import LOSS_ON
 from fedpipe.data.documents import Document
@@ -115,11 +118,20 @@ def _render(tokenizer: Any, messages: Sequence[dict[str, str]], *, prompt: bool 
     """The chat as the template writes it; with ``prompt``, followed by the generation prompt."""
     if not getattr(tokenizer, "chat_template", None):
         return _plain_chat(messages, prompt=prompt)
-    return str(
-        tokenizer.apply_chat_template(
+    with _template_errors():
+        text = tokenizer.apply_chat_template(
             [dict(m) for m in messages], tokenize=False, add_generation_prompt=prompt
         )
-    )
+    return str(text)
+
+
+@contextmanager
+def _template_errors() -> Iterator[None]:
+    """A chat the template refuses (its ``raise_exception``, say) as a ValueError that says so."""
+    try:
+        yield
+    except TemplateError as exc:
+        raise ValueError(f"the chat template refuses this chat: {exc}") from None
 
 
 def _plain_chat(messages: Sequence[dict[str, str]], *, prompt: bool) -> str:
@@ -137,12 +149,13 @@ def _marked_chat(
     messages: Sequence[dict[str, str]], tokenizer: Any
 ) -> tuple[list[int], list[bool]]:
     """Ids and mask of a chat whose template marks the assistant turns ({% generation %})."""
-    out = tokenizer.apply_chat_template(
-        [dict(m) for m in messages],
-        tokenize=True,
-        return_dict=True,
-        return_assistant_tokens_mask=True,
-    )
+    with _template_errors():
+        out = tokenizer.apply_chat_template(
+            [dict(m) for m in messages],
+            tokenize=True,
+            return_dict=True,
+            return_assistant_tokens_mask=True,
+        )
     return list(out["input_ids"]), [bool(m) for m in out["assistant_masks"]]
 
 

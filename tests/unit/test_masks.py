@@ -188,3 +188,11 @@ def test_loss_on_all_gives_the_same_ids_as_answers() -> None:
             ids, labels = encode_example(doc, tok, loss_on="all")
             assert labels == ids
             assert ids == encode_example(doc, tok, loss_on="answers")[0]
+
+
+def test_a_chat_the_template_refuses_is_a_value_error_that_says_so() -> None:
+    strict = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('user first') }}{% endif %}"
+    for template in (strict + LLAMA3, strict + QWEN_MARKED):
+        tok = _tokenizer(template, LLAMA3_SPECIALS + CHATML_SPECIALS)
+        with pytest.raises(ValueError, match="the chat template refuses this chat: user first"):
+            encode_example(Document(messages=CHAT), tok, loss_on="answers")
