@@ -28,6 +28,7 @@ __all__ = [
     "SettingsError",
     "check_client",
     "check_data",
+    "check_examples",
     "check_file",
     "check_model",
     "check_port_free",
@@ -136,6 +137,26 @@ def _partition_advice(
             "(or dirichlet), or one file per device in a folder"
         )
     return f"{where} cannot be split over {devices} devices: {exc}"
+
+
+def check_examples(config: FedpipeConfig, docs: Sequence[Any], setting: str) -> None:
+    """Instruction data renders and masks with the model's tokenizer (its chat template), so a
+    template that cannot be masked fails here, not inside the devices; plain text: nothing."""
+    examples = [d for d in docs if d.is_example][:_EXAMPLES_CHECKED]
+    if not examples:
+        return
+    from fedpipe.data import encode_example  # deferred: tokenizers, transformers
+    from fedpipe.models import load_tokenizer, resolve_model
+
+    tokenizer = load_tokenizer(resolve_model(config.model.name))
+    try:
+        for doc in examples:
+            encode_example(doc, tokenizer, loss_on=config.data.loss_on)  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise SettingsError(f"{setting}: {config.model.name}'s tokenizer: {exc}") from None
+
+
+_EXAMPLES_CHECKED = 8  # the first few: a template fails on the shape of a chat, not its text
 
 
 # -- model --------------------------------------------------------------------------------------
@@ -271,6 +292,7 @@ def check_simulate(config: FedpipeConfig) -> None:
     docs = check_data(config.federated.data, "federated.data")
     check_partition(config, docs, config.federated.num_devices)
     check_model(config)
+    check_examples(config, docs, "federated.data")
 
 
 @dataclass(frozen=True)

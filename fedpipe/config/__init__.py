@@ -3,7 +3,7 @@
 The bottom of fedpipe's layers: it imports nothing else of fedpipe, so anything may read a
 setting (and a typo fails before any model, server or process starts).
 
-- :mod:`~fedpipe.config.settings`: the sections (``model``, ``pipeline``, ``train``,
+- :mod:`~fedpipe.config.settings`: the sections (``model``, ``pipeline``, ``train``, ``data``,
   ``server``, ``federated``, ``privacy``) and loading them from TOML, ``--set`` and Flower;
 - :mod:`~fedpipe.config.codecs`: codec names (``fp32`` ... ``int4tg128``), parsed without torch;
 - :mod:`~fedpipe.config.profiles` and :mod:`~fedpipe.config.profile_spec`: named device and
@@ -12,7 +12,10 @@ setting (and a typo fails before any model, server or process starts).
 
 from fedpipe.config.settings import (
     AGGREGATIONS,
+    LOSS_ON,
+    OVERLONG,
     SCHEDULE_NAMES,
+    DataConfig,
     FederatedConfig,
     FedpipeConfig,
     ModelConfig,
@@ -28,7 +31,10 @@ from fedpipe.config.settings import (
 
 __all__ = [
     "AGGREGATIONS",
+    "LOSS_ON",
+    "OVERLONG",
     "SCHEDULE_NAMES",
+    "DataConfig",
     "FederatedConfig",
     "FedpipeConfig",
     "ModelConfig",

@@ -22,7 +22,10 @@ from fedpipe.config.profile_spec import parse_device_profiles
 __all__ = [
     "AGGREGATIONS",
     "FREEZE_MODES",
+    "LOSS_ON",
+    "OVERLONG",
     "SCHEDULE_NAMES",
+    "DataConfig",
     "FedpipeConfig",
     "FederatedConfig",
     "ModelConfig",
@@ -42,6 +45,8 @@ ROBUST_STRATEGIES = ("fedmedian", "fedtrimmedavg", "krum", "multikrum")
 # The device schedules (fedpipe.edge.schedules builds them; a test keeps the two in step).
 SCHEDULE_NAMES = ("sequential", "gpipe", "1f1b", "greedy")
 FREEZE_MODES = ("off", "progressive")  # pipeline.freeze (fedpipe.fl.freeze)
+LOSS_ON = ("answers", "all")  # data.loss_on (fedpipe.data.masks)
+OVERLONG = ("truncate", "drop")  # data.overlong (fedpipe.data.rows)
 _BOOLS = {"1": True, "true": True, "yes": True, "on": True}
 _BOOLS |= {"0": False, "false": False, "no": False, "off": False}
 
@@ -247,6 +252,26 @@ class TrainConfig:
         _check(self.seq_len >= 2, f"train.seq_len must be >= 2, got {self.seq_len}")
         _check(self.local_steps >= 1, f"train.local_steps must be >= 1, got {self.local_steps}")
         _check(self.lr > 0, f"train.lr must be > 0, got {self.lr}")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """How instruction examples (chats, prompt/completion pairs) become rows; plain text is
+    cut into blocks whatever these say (fedpipe.data)."""
+
+    # "answers": only assistant turns / completions count in the loss; "all": every token
+    loss_on: str = "answers"
+    overlong: str = "truncate"  # an example longer than train.seq_len: "truncate" or "drop"
+
+    def __post_init__(self) -> None:
+        _check(
+            self.loss_on in LOSS_ON,
+            f"data.loss_on must be one of {', '.join(LOSS_ON)}, got {self.loss_on!r}",
+        )
+        _check(
+            self.overlong in OVERLONG,
+            f"data.overlong must be one of {', '.join(OVERLONG)}, got {self.overlong!r}",
+        )
 
 
 @dataclass(frozen=True)
@@ -644,6 +669,7 @@ class FedpipeConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     federated: FederatedConfig = field(default_factory=FederatedConfig)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)  # defences, all off by default

@@ -16,7 +16,13 @@ import torch
 
 from fedpipe.data.documents import Document
 
-__all__ = ["tokenize_blocks", "held_out_blocks", "render_document", "BlockSampler"]
+__all__ = [
+    "tokenize_blocks",
+    "held_out_blocks",
+    "even_picks",
+    "render_document",
+    "BlockSampler",
+]
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +35,8 @@ def render_document(doc: Document, tokenizer: Any) -> str:
     when it has one, else become "role: content" lines."""
     if doc.text is not None:
         return doc.text
+    if doc.completion is not None:
+        return (doc.prompt or "") + doc.completion
     messages = [dict(m) for m in doc.messages or ()]
     if getattr(tokenizer, "chat_template", None):
         return str(tokenizer.apply_chat_template(messages, tokenize=False))
@@ -84,8 +92,12 @@ def held_out_blocks(
     total = blocks.shape[0]
     if total <= n_blocks:
         return blocks
-    picks = [int((i + 0.5) * total / n_blocks) for i in range(n_blocks)]
-    return blocks[picks]
+    return blocks[even_picks(total, n_blocks)]
+
+
+def even_picks(total: int, n: int) -> list[int]:
+    """``n`` of ``total`` indices, each at the middle of one of ``n`` equal spans."""
+    return [int((i + 0.5) * total / n) for i in range(n)]
 
 
 def _token_chunks(docs: Sequence[Document], tokenizer: Any) -> Iterator[list[list[int]]]:
@@ -105,7 +117,14 @@ class BlockSampler:
     it must (so batch_size may exceed the number of blocks).
     """
 
-    def __init__(self, blocks: torch.Tensor, batch_size: int, *, seed: int) -> None:
+    def __init__(
+        self,
+        blocks: torch.Tensor,
+        batch_size: int,
+        *,
+        seed: int,
+        labels: torch.Tensor | None = None,
+    ) -> None:
         if blocks.dim() != 2 or blocks.shape[0] == 0:
             raise ValueError(
                 f"need a non-empty (N, seq_len) tensor of blocks, got shape {tuple(blocks.shape)}; "
@@ -113,7 +132,13 @@ class BlockSampler:
             )
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if labels is not None and labels.shape != blocks.shape:
+            raise ValueError(
+                f"labels of shape {tuple(labels.shape)} do not fit blocks {tuple(blocks.shape)}"
+            )
         self.blocks = blocks.long()
+        # Instruction rows carry their own labels (-100 off the answers); blocks are their labels.
+        self.labels = labels.long() if labels is not None else None
         self.batch_size = batch_size
         self.seed = seed
         self._perm_cache: tuple[int, np.ndarray] | None = None
@@ -140,9 +165,12 @@ class BlockSampler:
         return out
 
     def batch(self, step: int) -> dict[str, torch.Tensor]:
-        """{"input_ids": (B, T), "labels": (B, T)}; labels equal the inputs (the loss shifts)."""
-        input_ids = self.blocks[torch.from_numpy(self.indices(step))]  # (B, T)
-        return {"input_ids": input_ids, "labels": input_ids.clone()}
+        """{"input_ids": (B, T), "labels": (B, T)}; labels equal the inputs (the loss shifts),
+        or are the rows' own labels where given."""
+        picks = torch.from_numpy(self.indices(step))
+        input_ids = self.blocks[picks]  # (B, T)
+        labels = input_ids.clone() if self.labels is None else self.labels[picks]
+        return {"input_ids": input_ids, "labels": labels}
 
     def _permutation(self, epoch: int) -> np.ndarray:
         if self._perm_cache is None or self._perm_cache[0] != epoch:

@@ -1,8 +1,10 @@
 """Documents and the loaders that read them from text and JSON-lines files.
 
-A `Document` is one unit of training text: either plain `text` or a chat (`messages`, a tuple of
-`{"role", "content"}` dicts). `source` names where it came from (a file, a book, a user) and is what
-non-IID partitioning groups by.
+A `Document` is one unit of training data, in one of the formats TRL's SFTTrainer reads: plain
+`text`; a chat (`messages`, a tuple of `{"role", "content"}` dicts); or a `prompt` and its
+`completion`, both strings, or both chats (then kept as one chat whose first `prompt_turns`
+messages are the prompt). `source` names where it came from (a file, a book, a user) and is
+what non-IID partitioning groups by.
 """
 
 from __future__ import annotations
@@ -27,23 +29,47 @@ _CORPUS_FILE = "kjv_books.jsonl.gz"
 
 @dataclass(frozen=True)
 class Document:
-    """One training document: exactly one of `text` or `messages` is set."""
+    """One training document: exactly one of `text`, `messages` or `completion` is set.
+
+    `prompt` goes with `completion` (a prompt/completion pair as strings); `prompt_turns` > 0
+    with `messages` marks a prompt/completion pair as chats (the first `prompt_turns` messages
+    are the prompt, the rest the completion).
+    """
 
     text: str | None = None
     messages: tuple[dict[str, str], ...] | None = None
     source: str = ""
+    prompt: str | None = None
+    completion: str | None = None
+    prompt_turns: int = 0
 
     def __post_init__(self) -> None:
-        if (self.text is None) == (self.messages is None):
-            raise ValueError("a Document needs exactly one of text= or messages=")
+        given = [f for f in (self.text, self.messages, self.completion) if f is not None]
+        if len(given) != 1:
+            raise ValueError("a Document needs exactly one of text=, messages= or completion=")
+        if (self.prompt is None) != (self.completion is None):
+            raise ValueError("a Document's prompt= and completion= go together")
         if self.messages is not None and not isinstance(self.messages, tuple):
             object.__setattr__(self, "messages", tuple(self.messages))
+        turns = len(self.messages or ())
+        if self.prompt_turns and not 0 < self.prompt_turns < turns:
+            raise ValueError(
+                f"prompt_turns={self.prompt_turns} must leave a completion: the chat has "
+                f"{turns} messages"
+            )
+
+    @property
+    def is_example(self) -> bool:
+        """An instruction example (a chat or a prompt/completion pair), not plain text."""
+        return self.text is None
 
     @property
     def num_chars(self) -> int:
         """Characters of text (for a chat: of all message contents)."""
         if self.text is not None:
             return len(self.text)
+        if self.completion is not None:
+            return len(self.prompt or "") + len(self.completion)
         return sum(len(m["content"]) for m in self.messages or ())
 
 
@@ -54,9 +80,11 @@ def load_documents(
 
     - `.txt` / `.txt.gz`: paragraphs (split at blank lines) grouped in order into documents of about
       `TXT_DOC_CHARS` characters.
-    - `.jsonl` / `.jsonl.gz`: one JSON object per line, with a string under `text_field`, or
-      `messages`, a list of `{"role": str, "content": str}` (a chat). Blank lines and empty texts
-      are skipped; a bad line raises ValueError naming the file and line number.
+    - `.jsonl` / `.jsonl.gz`: one JSON object per line, in one of TRL's formats: a string under
+      `text_field`; `messages`, a list of `{"role": str, "content": str}` (a chat); or `prompt`
+      and `completion`, both strings or both such lists. Blank lines and empty texts are
+      skipped; a record that fits none of them raises ValueError naming the file, the line and
+      what was expected.
     - a directory: every file with one of those suffixes below it, in sorted path order.
 
     A document's source is the record's own "source" field if it has one, else `source`, else the
@@ -139,6 +167,13 @@ def _read_jsonl(path: Path, text_field: str, source: str) -> Iterator[Document]:
         log.warning("%s: skipped %d records with empty text", path, skipped)
 
 
+_EXPECTED = (
+    'a record needs exactly one of "{text}" (a string), "messages" (a list of '
+    '{{"role", "content"}} objects), or "prompt" and "completion" (both strings, or both such '
+    "lists)"
+)
+
+
 def _parse_record(line: str, text_field: str, source: str) -> Document | None:
     """One JSON line -> a Document (None for an empty text); ValueError says what is wrong."""
     try:
@@ -150,23 +185,36 @@ def _parse_record(line: str, text_field: str, source: str) -> Document | None:
     src = record.get("source", source)
     if not isinstance(src, str):
         raise ValueError(f'"source" must be a string, got {type(src).__name__}')
-    has_text, has_messages = text_field in record, "messages" in record
-    if has_text == has_messages:
-        raise ValueError(
-            f'a record needs exactly one of "{text_field}" (plain text) or "messages" (a chat); '
-            f"keys found: {sorted(record)}"
-        )
-    if has_messages:
-        return Document(messages=_parse_messages(record["messages"]), source=src)
+    formats = [k for k in (text_field, "messages", "prompt") if k in record]
+    if len(formats) != 1 or ("prompt" in record) != ("completion" in record):
+        expected = _EXPECTED.format(text=text_field)
+        raise ValueError(f"{expected}; keys found: {sorted(record)}")
+    if "messages" in record:
+        return Document(messages=_parse_messages(record["messages"], "messages"), source=src)
+    if "prompt" in record:
+        return _prompt_completion(record["prompt"], record["completion"], src)
     text = record[text_field]
     if not isinstance(text, str):
         raise ValueError(f'"{text_field}" must be a string, got {type(text).__name__}')
     return Document(text=text, source=src) if text.strip() else None
 
 
-def _parse_messages(messages: Any) -> tuple[dict[str, str], ...]:
+def _prompt_completion(prompt: Any, completion: Any, source: str) -> Document:
+    """A prompt/completion pair: both strings, or both chats (kept as one chat)."""
+    if isinstance(prompt, str) and isinstance(completion, str):
+        return Document(prompt=prompt, completion=completion, source=source)
+    if isinstance(prompt, list) and isinstance(completion, list):
+        turns = _parse_messages(prompt, "prompt") + _parse_messages(completion, "completion")
+        return Document(messages=turns, prompt_turns=len(prompt), source=source)
+    raise ValueError(
+        '"prompt" and "completion" must both be strings or both lists of {"role", "content"} '
+        f"objects, got {type(prompt).__name__} and {type(completion).__name__}"
+    )
+
+
+def _parse_messages(messages: Any, field: str) -> tuple[dict[str, str], ...]:
     if not isinstance(messages, list) or not messages:
-        raise ValueError('"messages" must be a non-empty list of {"role", "content"} objects')
+        raise ValueError(f'"{field}" must be a non-empty list of {{"role", "content"}} objects')
     out = []
     for i, m in enumerate(messages):
         if not (
@@ -174,6 +222,6 @@ def _parse_messages(messages: Any) -> tuple[dict[str, str], ...]:
             and isinstance(m.get("role"), str)
             and isinstance(m.get("content"), str)
         ):
-            raise ValueError(f'messages[{i}] must be an object with string "role" and "content"')
+            raise ValueError(f'{field}[{i}] must be an object with string "role" and "content"')
         out.append({"role": m["role"], "content": m["content"]})
     return tuple(out)

@@ -129,6 +129,9 @@ class RoundReport:
     # The device's own defences' figures (LinkAccountant.report(), the head's dCor); sent in a
     # record of their own, not with the metrics (devices may run different defences)
     privacy: dict[str, float] = field(default_factory=dict)
+    # Instruction data: what became of the device's examples (ExampleCounts.metrics()), in a
+    # record of its own (a device on plain text has none)
+    data: dict[str, int] = field(default_factory=dict)
     # pipeline.delta: activation rows sent as differences / whole, and whether the server
     # resumed the device's cache from its last round (None: no delta coding)
     delta_rows: tuple[int, int] = (0, 0)

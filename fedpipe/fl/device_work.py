@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar, cast
@@ -19,9 +20,13 @@ from fedpipe.auth.tokens import issue_token
 from fedpipe.config import FedpipeConfig, parse_cuts
 from fedpipe.data import (
     BlockSampler,
+    Document,
+    ExampleCounts,
     Scheme,
     default_corpus,
+    example_rows,
     held_out_blocks,
+    held_out_rows,
     load_documents,
     tokenize_blocks,
     train_eval_split,
@@ -34,7 +39,14 @@ from fedpipe.models import load_tokenizer
 from fedpipe.privacy import LinkAccountant, releases_so_far
 from fedpipe.wire.link_client import StageClient
 
-__all__ = ["DeviceWork", "RunSettings", "evaluate_split", "run_settings"]
+__all__ = [
+    "DeviceRows",
+    "DeviceWork",
+    "RunSettings",
+    "device_rows",
+    "evaluate_split",
+    "run_settings",
+]
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +121,47 @@ def _profile(cfg: FedpipeConfig, partition_id: int, name: str | None) -> DeviceP
     return parse_device_profile(name or partition_profile(cfg.federated.profiles, partition_id))
 
 
+@dataclass(frozen=True)
+class DeviceRows:
+    """A device's rows: token blocks (``labels`` None: the ids are their labels), or one
+    instruction example per row with its own labels and what became of the examples."""
+
+    input_ids: torch.Tensor  # (N, T)
+    labels: torch.Tensor | None = None  # (N, T), -100 where a token does not count
+    counts: ExampleCounts | None = None
+
+
+def _instruct(docs: Sequence[Document]) -> bool:
+    """Instruction data (any chat or prompt/completion pair): one example per row."""
+    return any(d.is_example for d in docs)
+
+
+def device_rows(
+    docs: Sequence[Document],
+    tokenizer: Any,
+    cfg: FedpipeConfig,
+    *,
+    instruct: bool,
+    limit: int | None = None,
+    held: int | None = None,
+) -> DeviceRows:
+    """Plain text as blocks (GPT-2 style), instruction data as rows with masks (data.*).
+
+    ``limit``: keep the first rows only; ``held``: that many rows spread over all (held-out).
+    """
+    seq_len, data = cfg.train.seq_len, cfg.data
+    if not instruct:
+        if held is not None:
+            return DeviceRows(held_out_blocks(docs, tokenizer, seq_len, held))
+        return DeviceRows(tokenize_blocks(docs, tokenizer, seq_len, max_blocks=limit))
+    options: dict[str, Any] = {"loss_on": data.loss_on, "overlong": data.overlong}
+    if held is not None:
+        rows = held_out_rows(docs, tokenizer, seq_len, held, **options)
+    else:
+        rows = example_rows(docs, tokenizer, seq_len, max_rows=limit, **options)
+    return DeviceRows(rows.input_ids, rows.labels, rows.counts)
+
+
 class DeviceWork:
     """One device's trainer and data (its partition, or the held-out set for the evaluator)."""
 
@@ -149,19 +202,32 @@ class DeviceWork:
             self.trainer.delta_path = Path(delta_dir) / f"{name}.delta.safetensors"
             self.trainer.cut_path = Path(delta_dir) / f"{name}.cut.json"
             self.trainer.recall_cut()
-        tokenizer = load_tokenizer(self.trainer.folder)
+        self._load_data(cfg, load_tokenizer(self.trainer.folder), num_partitions, data)
+        log.info(
+            "[device %s] partition %d: %d rows%s",
+            device_id,
+            partition,
+            len(self.blocks),
+            f" ({self.counts})" if self.counts else "",
+        )
+
+    def _load_data(
+        self, cfg: FedpipeConfig, tokenizer: Any, num_partitions: int, data: str | None
+    ) -> None:
+        """The device's rows: its own data, its partition of the run's, or the held-out set."""
         fed = cfg.federated
         if data:  # a deployed device's own data: all of it is its partition
             docs = load_documents(data)
-            self.blocks = tokenize_blocks(docs, tokenizer, cfg.train.seq_len)
+            self._set_rows(device_rows(docs, tokenizer, cfg, instruct=_instruct(docs)))
             return
         docs = load_documents(fed.data) if fed.data else default_corpus()
+        instruct = _instruct(docs)  # decided on all the data: every device and the evaluator agree
         train_docs, held_out = train_eval_split(
             docs, eval_fraction=fed.eval_fraction, seed=cfg.model.seed
         )
-        if partition < 0:
-            limit = cfg.train.eval_batches * cfg.train.batch_size
-            self.blocks = held_out_blocks(held_out, tokenizer, cfg.train.seq_len, limit)
+        if self.partition < 0:
+            held = cfg.train.eval_batches * cfg.train.batch_size
+            self._set_rows(device_rows(held_out, tokenizer, cfg, instruct=instruct, held=held))
             return
         parts = partition_docs(
             train_docs,
@@ -170,10 +236,18 @@ class DeviceWork:
             alpha=fed.dirichlet_alpha,
             seed=cfg.model.seed,
         )
-        self.blocks = tokenize_blocks(  # the first device_blocks: data a device revisits
-            parts[partition], tokenizer, cfg.train.seq_len, max_blocks=fed.device_blocks or None
-        )
-        log.info("[device %s] partition %d: %d blocks", device_id, partition, len(self.blocks))
+        limit = fed.device_blocks or None  # the first device_blocks rows: data a device revisits
+        rows = device_rows(parts[self.partition], tokenizer, cfg, instruct=instruct, limit=limit)
+        self._set_rows(rows)
+
+    def _set_rows(self, rows: DeviceRows) -> None:
+        self.blocks, self.labels, self.counts = rows.input_ids, rows.labels, rows.counts
+
+    def batches(self, size: int) -> Iterator[dict[str, torch.Tensor]]:
+        """The device's rows in order, ``size`` at a time, with their labels (evaluation)."""
+        labels = self.labels if self.labels is not None else self.blocks
+        for ids, lab in zip(torch.split(self.blocks, size), torch.split(labels, size), strict=True):
+            yield {"input_ids": ids, "labels": lab}
 
     @classmethod
     def cached(cls, cfg: FedpipeConfig, **kw: Any) -> DeviceWork:
@@ -200,7 +274,10 @@ class DeviceWork:
         self.trainer.freeze_below(frozen_below)
         steps = self.cfg.train.local_steps
         sampler = BlockSampler(
-            self.blocks, self.cfg.train.batch_size, seed=self.cfg.model.seed * 1000 + self.partition
+            self.blocks,
+            self.cfg.train.batch_size,
+            seed=self.cfg.model.seed * 1000 + self.partition,
+            labels=self.labels,
         )
         batches = [sampler.batch(round_ * steps + i) for i in range(steps)]
         self.trainer.tracer.clear()
@@ -213,6 +290,7 @@ class DeviceWork:
                 proximal_mu=proximal_mu,
             )
         report.privacy.update(self._privacy(sampler, (round_ + 1) * steps))
+        report.data = self.counts.metrics() if self.counts is not None else {}
         if trace_dir is not None and trace_dir.parent.is_dir():  # only where the run folder is
             path = trace_dir / f"device-{self.partition}-round-{round_}.json"
             self.trainer.tracer.write(path, pid=f"device {self.partition}")
@@ -258,7 +336,8 @@ def evaluate_split(
     run: RunSettings,
     round_: int,
 ) -> tuple[float, int]:
-    """Held-out mean token loss through the split model (device adapters + server's global)."""
+    """Held-out mean token loss through the split model (device adapters + server's global);
+    on instruction data, over the tokens that count (the answers, with data.loss_on = answers)."""
     trainer, cfg = work.trainer, work.cfg
     trainer.load_adapters(adapters)
     token = (
@@ -293,9 +372,7 @@ def evaluate_split(
                 optimizer=None,
                 microbatches=cfg.pipeline.microbatches,
             )
-            for batch in torch.split(work.blocks, cfg.train.batch_size):
-                part_sum, part_tokens = runtime.evaluate(
-                    {"input_ids": batch, "labels": batch}, step=0
-                )
+            for batch in work.batches(cfg.train.batch_size):  # instruction rows: answer loss
+                part_sum, part_tokens = runtime.evaluate(batch, step=0)
                 loss_sum, tokens = loss_sum + part_sum, tokens + part_tokens
     return (loss_sum / tokens if tokens else math.nan), tokens

@@ -12,6 +12,9 @@ honest device of the run sends, and a reply that is anything else is that device
 - **privacy**: the figures of the device's own stage-link defences (:data:`PRIVACY_KEYS`), each
   a finite number, in a record of their own: devices may run different defences, and Flower
   aggregates a round's metrics only when every device sends the same keys;
+- **data**: on instruction data, what became of the device's examples (:data:`DATA_KEYS`: rows
+  made, truncated, dropped), each a whole number >= 0, in a record of its own for the same
+  reason;
 - **the weight** ``num-examples``: a whole number from 0 to what the round lets a device train
   (``train.batch_size x train.local_steps``); a claim past it is refused, not trusted.
 """
@@ -31,6 +34,7 @@ from fedpipe.edge.trainer import RoundReport
 from fedpipe.lora.aggregation import DELTA_SUFFIX, adapter_block
 
 __all__ = [
+    "DATA_KEYS",
     "METRIC_KEYS",
     "PRIVACY_KEYS",
     "ReplyRules",
@@ -67,6 +71,17 @@ PRIVACY_KEYS = frozenset(
         "privacy-epsilon-activations",
         "privacy-epsilon-gradients",
         "privacy-decorrelation",
+    }
+)
+
+
+# The reply's "data" record: fedpipe.data.ExampleCounts.metrics() (instruction data only).
+DATA_KEYS = frozenset(
+    {
+        "examples-rows",
+        "examples-truncated",
+        "examples-dropped-overlong",
+        "examples-dropped-unanswered",
     }
 )
 
@@ -115,7 +130,11 @@ def _problem(reply: Message, rules: ReplyRules) -> str:
     arrays, metrics = content.get("arrays"), content.get("metrics")
     if not isinstance(arrays, ArrayRecord) or not isinstance(metrics, MetricRecord):
         return "the reply has no adapters ('arrays') or no metrics ('metrics')"
-    why = _metrics_problem(metrics, rules.max_examples) or _privacy_problem(content)
+    why = (
+        _metrics_problem(metrics, rules.max_examples)
+        or _privacy_problem(content)
+        or _data_problem(content)
+    )
     if why:
         return why
     device = content.get("device", ConfigRecord())
@@ -163,6 +182,21 @@ def _privacy_problem(content: RecordDict) -> str:
     return ""
 
 
+def _data_problem(content: RecordDict) -> str:
+    if "data" not in content:
+        return ""
+    record = content["data"]
+    if not isinstance(record, ConfigRecord):
+        return "its 'data' record is not a ConfigRecord"
+    extra = sorted(set(record.keys()) - DATA_KEYS)
+    if extra:
+        return f"its data record carries keys no fedpipe device sends: {', '.join(extra[:5])}"
+    for key, value in record.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            return f"data count {key} is {value!r}, not a whole number >= 0"
+    return ""
+
+
 def train_content(
     report: RoundReport, adapters: dict[str, torch.Tensor], partition: int, cut: str
 ) -> RecordDict:
@@ -173,6 +207,8 @@ def train_content(
         content["plan"] = ConfigRecord(dict(report.plan))
     if report.privacy:
         content["privacy"] = ConfigRecord(dict(report.privacy))
+    if report.data:
+        content["data"] = ConfigRecord(dict(report.data))
     content["device"] = ConfigRecord({"cut": cut})
     return content
 

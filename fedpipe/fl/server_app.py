@@ -216,6 +216,9 @@ class Rounds:
                 metrics["plan"] = dict(cast(ConfigRecord, reply.content["plan"]))
             if "privacy" in reply.content:  # the device's own defences' figures
                 metrics |= _snake_case(dict(cast(ConfigRecord, reply.content["privacy"])))
+            if "data" in reply.content:  # instruction data: what became of its examples
+                counts = _snake_case(dict(cast(ConfigRecord, reply.content["data"])))
+                metrics["examples"] = {k.removeprefix("examples_"): v for k, v in counts.items()}
             record = cast(ConfigRecord, reply.content.get("device", ConfigRecord()))
             if "cut" in record:  # head+tail blocks the device ran (model.cuts)
                 metrics["cut"] = str(record["cut"])

@@ -7,7 +7,8 @@ Records (one JSON object per line, ``event`` says which):
   so every round's bytes and losses are counted once;
 - ``train``: one device's reply (``partition``, ``profile``, ``train_loss``, ``bytes_up``...,
   and with ``pipeline.plan = "auto"`` its ``plan``: choices, predicted and measured step time;
-  ``cut``: the head+tail blocks it ran);
+  ``cut``: the head+tail blocks it ran; on instruction data, ``examples``: its rows made,
+  truncated and dropped);
 - ``failure``: one failed device (``device``, ``round``, ``reason``);
 - ``eval``: the round's record (held-out loss, device counts, ``wall_s`` of the round itself,
   ``elapsed_s`` since the start; with StageServer replicas, ``sessions_per_replica`` and
@@ -82,6 +83,8 @@ def _add_train(entry: dict[str, Any], rec: dict[str, Any], names: dict[str, str]
         entry.setdefault("plans", {})[device] = rec["plan"]
     if rec.get("cut"):  # the device's head+tail blocks (model.cuts, federated.device_cuts)
         entry.setdefault("cuts", {})[device] = rec["cut"]
+    if rec.get("examples"):  # instruction data: rows made, truncated, dropped
+        entry.setdefault("examples", {})[device] = rec["examples"]
     entry["_losses"].append(_get(rec, "train_loss"))
     entry["bytes_up"] = entry.get("bytes_up", 0) + int(_get(rec, "bytes_up", 0))
     entry["bytes_down"] = entry.get("bytes_down", 0) + int(_get(rec, "bytes_down", 0))
@@ -143,6 +146,9 @@ def build_summary(history: list[dict[str, Any]], *, config: dict[str, Any]) -> d
     cuts = {d: c for entry in out for d, c in entry.get("cuts", {}).items()}  # the latest
     if cuts:
         summary["cuts"] = cuts
+    examples = {d: e for entry in out for d, e in entry.get("examples", {}).items()}
+    if examples:  # per device, the latest (its data does not change between rounds)
+        summary["examples"] = examples
     evals = [r["eval_loss"] for r in out if "eval_loss" in r]
     if evals:
         first, last = evals[0], evals[-1]

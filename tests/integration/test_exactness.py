@@ -4,18 +4,22 @@ For every schedule and 1..8 microbatches, with the lossless codec: the same loss
 LoRA gradients on both sides, and the same adapter weights after two AdamW steps as the
 unsplit model on the same batches (fp32 tolerance), for a GPT-2 and a Llama-family model, in
 the U-shaped and the two-part split. Lossy codecs stay within a stated error of the loss.
+Instruction rows (answers-only labels, right-padded) give the unsplit model's loss with the same
+labels too.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import ExitStack
+from dataclasses import replace
 
 import pytest
 import torch
 from harness.stage import stage_server
 
 from fedpipe.config import FedpipeConfig, ModelConfig, PipelineConfig, TrainConfig
+from fedpipe.data import IGNORE_INDEX, Document, example_rows
 from fedpipe.edge.runtime import DeviceRuntime
 from fedpipe.edge.schedules import SCHEDULES
 from fedpipe.edge.trainer import DeviceTrainer
@@ -26,7 +30,7 @@ from fedpipe.lora import (
     lora_settings,
     lora_state_dict,
 )
-from fedpipe.models import load_causal_lm, model_family, resolve_model
+from fedpipe.models import load_causal_lm, load_tokenizer, model_family, resolve_model
 from fedpipe.server.build import build_runtime
 from fedpipe.wire.link_client import StageClient
 
@@ -405,6 +409,52 @@ def test_every_family_over_the_wire_equals_unsplit(
     losses, grads, weights = _pipelined(setup, _config(folder, split, "gpipe", 2), batches)
     assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
     assert set(grads) == set(ref_grads)
+    for key, grad in ref_grads.items():
+        torch.testing.assert_close(grads[key], grad, rtol=1e-4, atol=1e-6, msg=f"grad {key}")
+    for key, value in ref_weights.items():
+        torch.testing.assert_close(weights[key], value, rtol=1e-4, atol=LR * 1e-2, msg=key)
+
+
+INSTRUCT_SEQ = 48
+
+
+def _instruction_batches(setup: Setup) -> list[dict[str, torch.Tensor]]:
+    """Two batches of chats and prompt/completion pairs as rows: labels on the answers only."""
+    tok = load_tokenizer(setup.folder)
+    docs = []
+    for i in range(2 * BATCH):
+        user = {"role": "user", "content": "q" * (1 + i % 5)}
+        answer = {"role": "assistant", "content": "a" * (2 + i)}
+        if i % 4 == 0:
+            docs.append(Document(messages=(user, answer, user, answer)))  # two answers
+        elif i % 4 == 1:
+            docs.append(Document(messages=(user, answer), prompt_turns=1))
+        elif i % 4 == 2:
+            docs.append(Document(prompt="p" * i, completion="c" * (1 + i)))
+        else:
+            docs.append(Document(messages=({"role": "system", "content": "s"}, user, answer)))
+    rows = example_rows(docs, tok, INSTRUCT_SEQ, loss_on="answers")  # some are truncated
+    assert rows.counts.truncated > 0 and rows.counts.rows == 2 * BATCH
+    prompt_masked = (rows.labels == IGNORE_INDEX) & (rows.input_ids != tok.pad_token_id)
+    assert prompt_masked.any(dim=1).all()  # every row keeps some of its tokens out of the loss
+    return [
+        {"input_ids": rows.input_ids[i : i + BATCH], "labels": rows.labels[i : i + BATCH]}
+        for i in (0, BATCH)
+    ]
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("split", ["u", "two"])
+def test_answers_only_rows_train_as_the_unsplit_model(setups, model: str, split: str) -> None:
+    """The split's loss, gradients and weights on masked, padded rows are the unsplit model's
+    with the same labels (Hugging Face's loss: the mean over labels that are not -100)."""
+    setup = _setup(setups, model, split)
+    batches = _instruction_batches(setup)
+    ref_losses, ref_grads, ref_weights = setup.reference_run(batches)
+    base = _config(model, split, "greedy", 3)
+    config = replace(base, train=replace(base.train, seq_len=INSTRUCT_SEQ))
+    losses, grads, weights = _pipelined(setup, config, batches)
+    assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
     for key, grad in ref_grads.items():
         torch.testing.assert_close(grads[key], grad, rtol=1e-4, atol=1e-6, msg=f"grad {key}")
     for key, value in ref_weights.items():

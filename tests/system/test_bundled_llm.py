@@ -35,3 +35,37 @@ def test_device_memory_report_for_smollm2() -> None:
     assert report["device_param_bytes"] < report["model_param_bytes"]
     assert 0 < report["device_rss_bytes"] < report["model_rss_bytes"]
     assert report["model_rss_bytes"] > 0.8 * report["model_param_bytes"]
+
+
+def test_answers_only_labels_on_smollm2s_own_template() -> None:
+    """The bundled tokenizer's ChatML template (a default system turn, no {% generation %}
+    markers): labels count each answer and its <|im_end|>, against a mask built by hand."""
+    from fedpipe.data import IGNORE_INDEX, Document, encode_example
+
+    tok = load_tokenizer(resolve_model("default"))
+    chat = (
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": "Paris."},
+        {"role": "user", "content": "And of Italy?"},
+        {"role": "assistant", "content": "Rome, since 1871."},
+    )
+    system = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+    pieces = [
+        (f"<|im_start|>system\n{system}<|im_end|>\n", False),
+        ("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n", False),
+        ("<|im_start|>assistant\n", False),
+        ("Paris.<|im_end|>", True),
+        ("\n<|im_start|>user\nAnd of Italy?<|im_end|>\n<|im_start|>assistant\n", False),
+        ("Rome, since 1871.<|im_end|>", True),
+        ("\n", False),
+    ]
+    assert "".join(p for p, _ in pieces) == tok.apply_chat_template(list(chat), tokenize=False)
+    ids: list[int] = []
+    labels: list[int] = []
+    for text, counts in pieces:
+        piece = tok(text, add_special_tokens=False)["input_ids"]
+        ids += piece
+        labels += piece if counts else [IGNORE_INDEX] * len(piece)
+    whole = "".join(p for p, _ in pieces)
+    assert tok(whole, add_special_tokens=False)["input_ids"] == ids  # pieces cut at token edges
+    assert encode_example(Document(messages=chat), tok, loss_on="answers") == (ids, labels)

@@ -143,6 +143,20 @@ def test_missing_empty_and_single_source_data(
     assert "1 source(s)" in line and "federated.partition=iid" in line
 
 
+def test_a_record_in_no_known_format_names_file_line_and_formats(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    data = tmp_path / "chats.jsonl"
+    good = (
+        '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}'
+    )
+    data.write_text(f'{good}\n{good}\n{{"question": "hi", "answer": "yo"}}\n')
+    line = _error_line(capsys, ["simulate", "--data", str(data)])
+    assert f"{data}:3: " in line
+    assert '"messages"' in line and '"prompt" and "completion"' in line
+    assert "keys found: ['answer', 'question']" in line
+
+
 def test_more_devices_than_the_bundled_corpus_has_books(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

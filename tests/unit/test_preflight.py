@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -9,12 +10,15 @@ import pytest
 from fedpipe.cli.preflight import (
     SettingsError,
     check_data,
+    check_examples,
     check_partition,
     default_split,
     did_you_mean,
 )
-from fedpipe.config import load_config
+from fedpipe.config import FedpipeConfig, load_config
+from fedpipe.data import Document
 from fedpipe.launch.processes import explain_failure
+from fedpipe.models import load_tokenizer, resolve_model
 
 
 def test_names_and_splits() -> None:
@@ -74,3 +78,25 @@ def test_links_take_names_and_inline_specs() -> None:
     check_links(split_links("100mbit-5ms,up=10,down=25,rtt=50ms"))
     with pytest.raises(SettingsError, match="--links: unknown link '100mbit-5s'.*did you mean"):
         check_links(["100mbit-5s"])
+
+
+def test_instruction_data_a_template_cannot_mask_is_refused_before_the_run(
+    tmp_path: Path,
+) -> None:
+    chat = Document(
+        messages=({"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"})
+    )
+    check_examples(FedpipeConfig(), [chat], "federated.data")  # tiny-llama's template masks
+    folder = tmp_path / "model"
+    shutil.copytree(resolve_model("tiny-llama"), folder)
+    tok = load_tokenizer(folder)
+    tok.chat_template = (  # the last turn is written differently: prefixes do not add up
+        "{% for m in messages %}{% if loop.last %}[last]{% endif %}"
+        "{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    )
+    tok.save_pretrained(folder)
+    cfg = FedpipeConfig().with_overrides({"model.name": str(folder)})
+    with pytest.raises(SettingsError, match="federated.data: .*generation %}"):
+        check_examples(cfg, [Document(text="plain"), chat], "federated.data")
+    check_examples(cfg, [Document(text="plain")], "federated.data")  # plain text: no template
+    check_examples(cfg.with_overrides({"data.loss_on": "all"}), [chat], "federated.data")

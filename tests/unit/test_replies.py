@@ -141,3 +141,21 @@ def test_a_device_is_named_by_the_profile_it_runs_inline_specs_included() -> Non
         named.append(_device_profile_name(context)[1])
     assert named == ["phone-lte", "up=10,down=25,rtt=50ms", "rpi-wifi", "phone-lte"]
     assert named == [partition_profile(cfg.federated.profiles, p) for p in range(4)]
+
+
+def test_example_counts_travel_in_a_data_record_and_are_checked() -> None:
+    """Instruction data: the device's rows made, truncated and dropped, apart from the metrics
+    (a device on plain text sends none)."""
+    arrays, metrics = _honest()
+    counts = {"examples-rows": 11, "examples-truncated": 1, "examples-dropped-overlong": 0}
+    reply = _reply(arrays, metrics)
+    reply.content["data"] = ConfigRecord({**counts, "examples-dropped-unanswered": 2})
+    assert check_reply(reply, _rules()) == ""
+    for record, expected in (
+        ({"examples-rows": -1}, "data count examples-rows is -1"),
+        ({"examples-rows": 1.5}, "data count examples-rows is 1.5"),
+        ({"examples-secret": 1}, "data record carries keys no fedpipe device sends"),
+    ):
+        reply = _reply(arrays, metrics)
+        reply.content["data"] = ConfigRecord(record)
+        assert expected in check_reply(reply, _rules()), record

@@ -227,3 +227,17 @@ def test_plans_reach_the_summary_and_the_console() -> None:
         "round 1: partition 0 (loopback): plan u:1+1 M=4 greedy fp32, predicted 0.300 s, "
         "measured 0.320 s (-6%)"
     )
+
+
+def test_example_counts_reach_the_summary_per_device() -> None:
+    counts = {"rows": 11, "truncated": 1, "dropped_overlong": 0, "dropped_unanswered": 0}
+    history = [
+        _eval(0, 4.0),
+        {**_train(1, 0, 3.9, 1, 1), "examples": counts},
+        _train(1, 1, 3.9, 1, 1),  # a device on plain text: no counts
+        _eval(1, 3.8),
+    ]
+    summary = build_summary(history, config={})
+    assert summary["rounds"][1]["examples"] == {"0": counts}
+    assert summary["examples"] == {"0": counts}
+    assert "examples" not in build_summary(history[2:], config={})
