@@ -14,7 +14,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 from transformers.models.llama import modeling_llama
@@ -22,6 +21,12 @@ from transformers.models.mistral import modeling_mistral
 from transformers.models.qwen2 import modeling_qwen2
 
 from fedpipe.models.loading import model_family
+from fedpipe.split.loss import (
+    DEFAULT_LOSS_CHUNK,
+    IGNORE_INDEX,
+    chunked_loss_sum,
+    shifted_loss_sum,
+)
 
 __all__ = [
     "IGNORE_INDEX",
@@ -32,8 +37,6 @@ __all__ = [
     "shifted_loss_sum",
     "sliding_window",
 ]
-
-IGNORE_INDEX = -100
 
 # model_type -> (decoder layer, RMSNorm, rotary embedding) classes of the Llama layout.
 _LLAMA_LAYOUT: dict[str, tuple[Any, Any, Any]] = {
@@ -86,14 +89,6 @@ def _window_mask(length: int, window: int | None, device: torch.device) -> Tenso
     i = torch.arange(length, device=device).unsqueeze(1)  # (T, 1)
     j = torch.arange(length, device=device).unsqueeze(0)  # (1, T)
     return ((j <= i) & (j > i - window)).unsqueeze(0).unsqueeze(0)
-
-
-def shifted_loss_sum(logits: Tensor, labels: Tensor) -> tuple[Tensor, int]:
-    """Sum of next-token cross-entropy (logits[:, :-1] vs labels[:, 1:]) and the tokens counted."""
-    targets = labels[:, 1:].reshape(-1)  # (B*(T-1),)
-    flat = logits[:, :-1].float().reshape(-1, logits.shape[-1])  # (B*(T-1), V)
-    loss = F.cross_entropy(flat, targets, ignore_index=IGNORE_INDEX, reduction="sum")
-    return loss, int((targets != IGNORE_INDEX).sum().item())
 
 
 class _Stage(nn.Module):
@@ -198,14 +193,23 @@ class TailStage(_Stage):
         else:
             self.ln_f = nn.LayerNorm(width, eps=config.layer_norm_epsilon)
         self.lm_head = nn.Linear(width, config.vocab_size, bias=False)
+        self.loss_chunk = DEFAULT_LOSS_CHUNK  # tokens whose logits the loss holds at once
 
     @property
     def final_norm(self) -> nn.Module:
         return self.norm if self.family == "llama" else self.ln_f
 
+    def normed(self, hidden: Tensor, blocks: Sequence[int] | None = None) -> Tensor:
+        """(B, T, C) hidden states from the previous stage -> (B, T, C) after the final norm."""
+        return self.final_norm(self.run_blocks(hidden, blocks))
+
+    def project(self, normed: Tensor) -> Tensor:
+        """(..., C) final-norm output -> (..., V) logits: the LM head (one chunk or all)."""
+        return self.lm_head(normed)
+
     def logits(self, hidden: Tensor, blocks: Sequence[int] | None = None) -> Tensor:
         """(B, T, C) hidden states from the previous stage -> (B, T, V) logits."""
-        return self.lm_head(self.final_norm(self.run_blocks(hidden, blocks)))
+        return self.project(self.normed(hidden, blocks))
 
     def forward(
         self, hidden: Tensor, labels: Tensor, blocks: Sequence[int] | None = None
@@ -213,8 +217,10 @@ class TailStage(_Stage):
         """(sum of shifted token cross-entropy, number of counted tokens); pads carry label -100.
 
         ``blocks`` (the server's loss stage): a suffix of the stage's blocks a shorter head
-        leaves to it (None: all)."""
-        return shifted_loss_sum(self.logits(hidden, blocks), labels)
+        leaves to it (None: all). The LM head and cross-entropy run over chunks of
+        ``loss_chunk`` tokens (0: over the full logits; fedpipe.split.loss)."""
+        normed = self.normed(hidden, blocks)
+        return chunked_loss_sum(normed, labels, self.project, chunk=self.loss_chunk)
 
 
 class ServerLossStage(TailStage):
