@@ -341,6 +341,35 @@ def _memory(r: dict[str, Any]) -> list[Table]:
     return [("fp32 parameters, and resident memory growth while loading", headers, [row])]
 
 
+def _memory_steps(r: dict[str, Any]) -> list[Table]:
+    """The device's step peak (chunked loss and full logits) against whole-model peft LoRA."""
+    headers = ["model", "weights", "device parameters", "device step peak"]
+    headers += ["with full logits", "whole model, peft LoRA", "device / whole", "baseline"]
+    rows: list[Row] = []
+    for row in r.get("rows", []):
+        device, whole = row.get("device_step_peak_bytes"), row.get("whole_lora_step_peak_bytes")
+        ratio = device / whole if isinstance(device, int) and whole else None
+        rows.append(
+            [
+                row.get("model"),
+                row.get("weights"),
+                mib(row.get("device_param_bytes")),
+                mib(device),
+                mib(row.get("device_step_peak_full_logits_bytes")),
+                f"{mib(whole)} ({row.get('whole_blocks')} blocks)",
+                "–" if ratio is None else f"{ratio:.2f}",
+                mib(row.get("baseline_rss_bytes")),
+            ]
+        )
+    caption = (
+        f"peak resident memory (ru_maxrss of a fresh process) over {r.get('steps')} training "
+        f"steps of {r.get('batch_size')} x {r.get('seq_len')} tokens in "
+        f"{r.get('microbatches')} microbatches, {r.get('head_layers')} + "
+        f"{r.get('tail_layers')} blocks on the device, train.loss_chunk = {r.get('loss_chunk')}"
+    )
+    return [(caption, headers, rows)]
+
+
 def _codec(r: dict[str, Any]) -> list[Table]:
     tables: list[Table] = []
     for head in r.get("heads", []):
@@ -624,6 +653,11 @@ BENCHES: dict[str, Bench] = {
         ("--quick", "--devices", "--rounds", "--steps", "--warmup"),
     ),
     "memory": Bench("fedpipe bench memory --model default", _memory),
+    "memory-steps": Bench(
+        "fedpipe bench memory --json --set model.head_layers=2 --set model.tail_layers=2",
+        _memory_steps,
+        ("--shapes", "--steps", "--whole-blocks", "--seq-len", "--batch-size"),
+    ),
     "quality": Bench("fedpipe bench quality --json", _quality, ("--quick",)),
     "privacy": Bench("fedpipe bench privacy --json", _privacy, ("--quick",)),
     "transport": Bench(

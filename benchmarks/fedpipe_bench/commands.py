@@ -84,7 +84,8 @@ def register(bsub: Any) -> None:
     pl.add_argument("--warmup", type=int, default=1, help="unmeasured steps after planning")
     pl.add_argument("--sessions", type=int, default=2, help="sessions per link (rounds)")
     r = add_command(bsub, "memory", f"{_HERE}:cmd_bench_memory", "device memory vs the whole model")
-    add_settings(r, model_default="default (SmolLM2-135M-Instruct)")
+    add_settings(r, model_default="none: the step peaks of the model shapes; M: M's load report")
+    _add_step_memory_flags(r)
     v = add_command(
         bsub, "privacy", f"{_HERE}:cmd_bench_privacy", "attacks on the stage link vs defences"
     )
@@ -95,6 +96,19 @@ def register(bsub: Any) -> None:
     v.add_argument("--plot", metavar="FILE", help="write the Pareto plot (.png or .svg) here")
     _add_bench_server(bsub)
     _add_bench_scale(bsub)
+
+
+def _add_step_memory_flags(r: Any) -> None:
+    """`fedpipe bench memory`'s step-peak run (without --model)."""
+    r.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    r.add_argument("--shapes", help="comma-separated model shapes (default: all)")
+    r.add_argument("--steps", type=int, default=2, help="training steps per setting")
+    r.add_argument("--batch-size", type=int, default=2, help="sequences per step")
+    r.add_argument("--seq-len", type=int, default=512, help="tokens per sequence")
+    r.add_argument("--microbatches", type=int, default=2, help="microbatches per step")
+    r.add_argument(
+        "--whole-blocks", type=int, help="blocks of the whole model fine-tuned (default: all)"
+    )
 
 
 def _add_bench_scale(bsub: Any) -> None:
@@ -365,10 +379,17 @@ def cmd_bench_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_memory(args: argparse.Namespace) -> int:
-    """`fedpipe bench memory`: what the device side holds against the whole model."""
+    """`fedpipe bench memory`: what the device side holds against the whole model.
+
+    Without ``--model``: the device's peak over training steps of each model shape, beside the
+    whole model's with peft LoRA (fedpipe_bench.step_memory); with it, that model's parameter
+    bytes and resident memory after loading.
+    """
+    if not args.model:
+        return _bench_step_memory(args)
     from fedpipe.cli.preflight import check_model
 
-    config = config_from_args(args, **{"model.name": args.model or "default"})
+    config = config_from_args(args, **{"model.name": args.model})
     check_model(config)
     from fedpipe.models import load_config as load_hf_config
     from fedpipe.models import resolve_model
@@ -384,6 +405,53 @@ def cmd_bench_memory(args: argparse.Namespace) -> int:
     report = device_memory_report(folder, plan)
     print(json.dumps({"model": config.model.name, **report}, indent=2))
     return 0
+
+
+def _bench_step_memory(args: argparse.Namespace) -> int:
+    from fedpipe_bench.step_memory import MODEL_SHAPES, StepSpec, step_memory_report
+
+    config = config_from_args(args)
+    shapes = args.shapes.split(",") if args.shapes else list(MODEL_SHAPES)
+    unknown = sorted(set(shapes) - set(MODEL_SHAPES))
+    if unknown:
+        raise SystemExit(f"--shapes: unknown {unknown}; known: {', '.join(MODEL_SHAPES)}")
+    specs = [
+        StepSpec(
+            model=name,
+            what="device",
+            loss_chunk=config.train.loss_chunk,
+            head_layers=config.model.head_layers,
+            tail_layers=config.model.tail_layers,
+            batch_size=args.batch_size,
+            seq_len=args.seq_len,
+            microbatches=args.microbatches,
+            steps=args.steps,
+            blocks=args.whole_blocks,
+        )
+        for name in shapes
+    ]
+    report = step_memory_report(specs, loss_chunk=config.train.loss_chunk)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    _print_step_memory_table(report)
+    return 0
+
+
+def _print_step_memory_table(report: dict[str, Any]) -> None:
+    mib = 2**20
+    print(
+        f"{'model':>14} {'device params':>14} {'device peak':>12} {'full logits':>12} "
+        f"{'whole LoRA peak':>16} {'baseline':>9}  (MiB)"
+    )
+    for row in report["rows"]:
+        print(
+            f"{row['model']:>14} {row['device_param_bytes'] / mib:>14.0f} "
+            f"{row['device_step_peak_bytes'] / mib:>12.0f} "
+            f"{row['device_step_peak_full_logits_bytes'] / mib:>12.0f} "
+            f"{row['whole_lora_step_peak_bytes'] / mib:>16.0f} "
+            f"{row['baseline_rss_bytes'] / mib:>9.0f}"
+        )
 
 
 def cmd_bench_privacy(args: argparse.Namespace) -> int:

@@ -246,9 +246,18 @@ class TrainConfig:
     lr: float = 2e-3
     weight_decay: float = 0.0
     eval_batches: int = 4
+    # Tokens whose logits the tail's loss holds at once: the LM head and cross-entropy run over
+    # chunks of this many (fedpipe.split.loss), the same loss and gradients; 0: the full logits.
+    loss_chunk: int = 256
 
     def __post_init__(self) -> None:
         _check(self.batch_size >= 1, f"train.batch_size must be >= 1, got {self.batch_size}")
+        _check(
+            self.loss_chunk == 0 or self.loss_chunk >= 32,
+            f"train.loss_chunk must be 0 (the full logits) or >= 32 tokens, got "
+            f"{self.loss_chunk}: shorter chunks take the matrix library's small-product path, "
+            "whose logits differ from the full product's in the last digit",
+        )
         _check(self.seq_len >= 2, f"train.seq_len must be >= 2, got {self.seq_len}")
         _check(self.local_steps >= 1, f"train.local_steps must be >= 1, got {self.local_steps}")
         _check(self.lr > 0, f"train.lr must be > 0, got {self.lr}")

@@ -226,6 +226,8 @@ class DeviceTrainer:
             hidden_size=int(hf_config.hidden_size),
         )
         head, tail = build_device_stages(self.folder, self.layout)
+        if tail is not None:
+            tail.loss_chunk = config.train.loss_chunk
         settings = lora_settings(config)
         self.head = apply_lora(head, settings, self.family)
         self.tail = apply_lora(tail, settings, self.family) if tail is not None else None

@@ -27,7 +27,8 @@ from torch import Tensor, nn
 
 from fedpipe.lora.base import Group
 from fedpipe.lora.kernels import group_offsets, grouped_lora
-from fedpipe.split.stages import _window_mask, shifted_loss_sum, sliding_window
+from fedpipe.split.loss import chunked_loss_sum, shifted_loss_sum
+from fedpipe.split.stages import _window_mask, sliding_window
 
 log = logging.getLogger(__name__)
 
@@ -250,8 +251,17 @@ class BlockRunner:
         return hs
 
     def head_loss(self, hs: Sequence[Tensor], labels: Sequence[Tensor]) -> list[tuple[Tensor, int]]:
-        """(summed shifted loss, tokens counted) per group: norm, LM head, loss (autograd)."""
+        """(summed shifted loss, tokens counted) per group: norm, LM head, loss (autograd).
+
+        The stage's ``loss_chunk`` > 0: each group's LM head and loss run over chunks of
+        tokens (fedpipe.split.loss); 0: all groups' logits in one matmul, held whole.
+        """
         normed = [self.stage.norm(h) for h in hs]
+        chunk = int(self.stage.loss_chunk)
+        if chunk:
+            project = self.stage.project
+            pairs = zip(normed, labels, strict=True)
+            return [chunked_loss_sum(n, lb, project, chunk=chunk) for n, lb in pairs]
         logits = frozen_linear(normed, self.stage.lm_head)  # (b, T, V) per group
         return [shifted_loss_sum(lg, lb) for lg, lb in zip(logits, labels, strict=True)]
 

@@ -19,7 +19,7 @@ from fedpipe.server.batch_policy import BatchPolicy
 from fedpipe.server.runtime import StageRuntime
 from fedpipe.server.sessions import RuntimeLimits
 from fedpipe.server.stage_server import StageServer
-from fedpipe.split import build_stage, split_layout
+from fedpipe.split import TailStage, build_stage, split_layout
 from fedpipe.split.agreement import SplitInfo
 from fedpipe.wire.host import is_loopback
 
@@ -100,6 +100,8 @@ def build_runtime(
     device, dtype = pick_device(config.server.device, config.server.dtype)
     part = "middle" if layout.mode == "u" else "server_loss"
     stage = build_stage(folder, layout, part, dtype=dtype, device=device)  # type: ignore[arg-type]
+    if isinstance(stage, TailStage):  # mode "two": the server computes the loss
+        stage.loss_chunk = config.train.loss_chunk
     if device.type == "cpu":
         torch.set_num_threads(config.server.threads)
     max_positions = int(

@@ -18,12 +18,17 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
 from fedpipe.models.families import FAMILIES, FamilySpec, family_spec
 from fedpipe.models.loading import model_family
+from fedpipe.split.loss import (
+    DEFAULT_LOSS_CHUNK,
+    IGNORE_INDEX,
+    chunked_loss_sum,
+    shifted_loss_sum,
+)
 
 __all__ = [
     "IGNORE_INDEX",
@@ -35,8 +40,6 @@ __all__ = [
     "shifted_loss_sum",
     "sliding_window",
 ]
-
-IGNORE_INDEX = -100
 
 
 def rotary_embedding(config: Any) -> nn.Module:
@@ -91,14 +94,6 @@ def _banded(length: int, window: int, device: torch.device) -> Tensor:
     i = torch.arange(length, device=device).unsqueeze(1)  # (T, 1)
     j = torch.arange(length, device=device).unsqueeze(0)  # (1, T)
     return ((j <= i) & (j > i - window)).unsqueeze(0).unsqueeze(0)
-
-
-def shifted_loss_sum(logits: Tensor, labels: Tensor) -> tuple[Tensor, int]:
-    """Sum of next-token cross-entropy (logits[:, :-1] vs labels[:, 1:]) and the tokens counted."""
-    targets = labels[:, 1:].reshape(-1)  # (B*(T-1),)
-    flat = logits[:, :-1].float().reshape(-1, logits.shape[-1])  # (B*(T-1), V)
-    loss = F.cross_entropy(flat, targets, ignore_index=IGNORE_INDEX, reduction="sum")
-    return loss, int((targets != IGNORE_INDEX).sum().item())
 
 
 class _Stage(nn.Module):
@@ -222,15 +217,20 @@ class TailStage(_Stage):
         else:
             self.ln_f = nn.LayerNorm(width, eps=config.layer_norm_epsilon)
         self.lm_head = nn.Linear(width, config.vocab_size, bias=False)
+        self.loss_chunk = DEFAULT_LOSS_CHUNK  # tokens whose logits the loss holds at once
 
     @property
     def final_norm(self) -> nn.Module:
         return self.norm if self.family == "llama" else self.ln_f
 
+    def normed(self, hidden: Tensor, blocks: Sequence[int] | None = None) -> Tensor:
+        """(B, T, C) hidden states from the previous stage -> (B, T, C) after the final norm."""
+        return self.final_norm(self.run_blocks(hidden, blocks))
+
     def project(self, normed: Tensor) -> Tensor:
         """(..., C) hidden states after the final norm -> (..., V) logits: the LM head and the
         family's post-processing (Gemma's final soft-capping, Granite's logits scaling). Rows
-        are independent, so a chunked loss may call it on any slice of the tokens."""
+        are independent, so the chunked loss calls it on one chunk of tokens at a time."""
         logits = self.lm_head(normed)
         if self.spec is not None and self.spec.logits is not None:
             logits = self.spec.logits(logits, self.config)
@@ -238,7 +238,7 @@ class TailStage(_Stage):
 
     def logits(self, hidden: Tensor, blocks: Sequence[int] | None = None) -> Tensor:
         """(B, T, C) hidden states from the previous stage -> (B, T, V) logits."""
-        return self.project(self.final_norm(self.run_blocks(hidden, blocks)))
+        return self.project(self.normed(hidden, blocks))
 
     def forward(
         self, hidden: Tensor, labels: Tensor, blocks: Sequence[int] | None = None
@@ -246,8 +246,10 @@ class TailStage(_Stage):
         """(sum of shifted token cross-entropy, number of counted tokens); pads carry label -100.
 
         ``blocks`` (the server's loss stage): a suffix of the stage's blocks a shorter head
-        leaves to it (None: all)."""
-        return shifted_loss_sum(self.logits(hidden, blocks), labels)
+        leaves to it (None: all). The LM head and cross-entropy run over chunks of
+        ``loss_chunk`` tokens (0: over the full logits; fedpipe.split.loss)."""
+        normed = self.normed(hidden, blocks)
+        return chunked_loss_sum(normed, labels, self.project, chunk=self.loss_chunk)
 
 
 class ServerLossStage(TailStage):

@@ -270,3 +270,21 @@ def test_the_privacy_plot_is_drawn_from_the_record_at_build_time(tmp_path: Path)
     assert "No plot yet" in rb.render_plot("privacy", tmp_path / "empty")
     with pytest.raises(ValueError, match="no plot for bench 'pipeline'"):
         rb.render_plot("pipeline", data)
+
+
+def test_the_step_memory_record_shows_device_against_whole(tmp_path: Path) -> None:
+    row = {
+        "model": "llama-3.2-1b",
+        "weights": "fp32",
+        "device_param_bytes": 2**30,
+        "device_step_peak_bytes": 2 * 2**30,
+        "device_step_peak_full_logits_bytes": 3 * 2**30,
+        "whole_lora_step_peak_bytes": 8 * 2**30,
+        "baseline_rss_bytes": 2**28,
+        "whole_blocks": 16,
+    }
+    result = {"loss_chunk": 256, "steps": 2, "batch_size": 2, "seq_len": 512, "rows": [row]}
+    write(tmp_path, "memory-steps", record(result, command="fedpipe bench memory --json"))
+    text = rb.render("memory-steps", tmp_path)
+    assert "| llama-3.2-1b | fp32 | 1024.0 MiB | 2048.0 MiB | 3072.0 MiB |" in text
+    assert "| 8192.0 MiB (16 blocks) | 0.25 | 256.0 MiB |" in text
