@@ -58,14 +58,25 @@ def bench_name(command: list[str]) -> str:
 
 
 def _git(*args: str) -> str:
+    """git's stdout as it printed it (porcelain lines start with a status column that may be a
+    space: strip nothing here)."""
     out = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, check=False)
-    return out.stdout.strip()
+    return out.stdout
+
+
+def changed_paths(porcelain: str) -> list[str]:
+    """The paths of ``git status --porcelain`` output (``XY path``; a rename's new path)."""
+    paths = []
+    for line in porcelain.splitlines():
+        if len(line) > 3:
+            paths.append(line[3:].split(" -> ")[-1])
+    return paths
 
 
 def source_state() -> tuple[str, list[str]]:
     """``(HEAD's hash, files of the benched code that differ from it)``."""
     status = _git("status", "--porcelain", "--", *CODE_PATHS)
-    return _git("rev-parse", "HEAD"), [line[3:] for line in status.splitlines() if line]
+    return _git("rev-parse", "HEAD").strip(), changed_paths(status)
 
 
 def _cpu_model() -> str:

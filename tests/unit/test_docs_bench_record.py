@@ -45,3 +45,14 @@ def test_a_missing_command_is_an_error(capsys: pytest.CaptureFixture[str]) -> No
     with pytest.raises(SystemExit):
         bench_record.main(["--"])
     assert "give the bench command" in capsys.readouterr().err
+
+
+def test_changed_paths_keep_the_first_character_of_a_worktree_only_change():
+    # " M path": the status column is a space; stripping the output first ate the path's "f".
+    porcelain = " M fedpipe/a.py\nM  fedpipe/b.py\n?? benchmarks/c.py\nR  old.py -> fedpipe/d.py\n"
+    assert bench_record.changed_paths(porcelain) == [
+        "fedpipe/a.py",
+        "fedpipe/b.py",
+        "benchmarks/c.py",
+        "fedpipe/d.py",
+    ]
