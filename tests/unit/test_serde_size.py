@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import crc32c
 import pytest
 import torch
+import xxhash
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
@@ -80,8 +80,9 @@ def test_a_frame_with_its_tensor_split_in_two_fields_decodes_as_protobuf_merges_
     """Protobuf merges repeated message fields (last data wins); the framer falls back to it."""
     first = msg_to_proto(_msg(False), session_id="", codec="fp32").SerializeToString()
     second = pb.StageMessage(tensor=pb.Tensor(data=bytes(2 * 5 * 8 * 4))).SerializeToString()
-    checksum = pb.StageMessage(checksum=crc32c.crc32c(first + second)).SerializeToString()
-    decoded = msg_from_wire(first + second + checksum)
+    checksum = pb.StageMessage(checksum=xxhash.xxh3_64_intdigest(first + second))
+    checksum_bytes = checksum.SerializeToString()
+    decoded = msg_from_wire(first + second + checksum_bytes)
     assert decoded.tensor is not None and torch.equal(decoded.tensor, torch.zeros(2, 5, 8))
 
 
@@ -123,8 +124,8 @@ def test_a_frame_without_its_checksum_is_refused() -> None:
 
 def test_the_checksum_covers_every_byte_before_it() -> None:
     frame = msg_to_wire(_msg(), session_id="s1", codec="fp32")
-    assert frame[-5] == (14 << 3 | 5)  # the checksum field closes the frame
-    assert int.from_bytes(frame[-4:], "little") == crc32c.crc32c(frame[:-5])
+    assert frame[-9] == (15 << 3 | 1)  # the checksum field (fixed64) closes the frame
+    assert int.from_bytes(frame[-8:], "little") == xxhash.xxh3_64_intdigest(frame[:-9])
 
 
 def test_a_framed_tensor_is_checked_like_any_other() -> None:
