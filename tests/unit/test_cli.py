@@ -176,10 +176,17 @@ def test_bench_pipeline_picks_a_split_that_fits_the_model(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """tiny-llama has 4 blocks: the bench's 2 + 2 default becomes 1 + 1, so the only error
-    left is the deliberately unknown schedule (checked after the model and split)."""
+    left is the deliberately unknown schedule (checked after the model and split); given
+    2 + 2 explicitly, the split is what is refused."""
+    from fedpipe.cli.preflight import default_split
+
+    assert [default_split(n) for n in (2, 3, 4, 5, 30)] == [1, 1, 1, 2, 2]
     argv = ["bench", "pipeline", "--model", "tiny-llama", "--schedules", "x"]
     line = _error_line(capsys, [*argv, "--links", "1gbit-5ms,up=10,down=25,rtt=50ms"])
-    assert "--schedules" in line
+    assert "--schedules" in line and "'x'" in line and "sum <= 3" not in line
+    fixed = ["--set", "model.head_layers=2", "--set", "model.tail_layers=2"]
+    line = _error_line(capsys, [*argv, *fixed])
+    assert "tiny-llama's 4" in line and "sum <= 3" in line
 
 
 def test_cuda_asked_for_without_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:

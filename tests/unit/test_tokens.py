@@ -128,9 +128,17 @@ def test_a_token_is_refused_again_when_its_round_is_begun_again() -> None:
 
 def test_ledger_forgets_expired_tokens() -> None:
     ledger = TokenLedger()
-    ledger.claim(verify_token(SECRET, _token(ttl_s=10), round=1, now=NOW), now=NOW)
-    ledger.claim(verify_token(SECRET, _token(round=2), round=2, now=NOW), now=NOW + 11)
+    first = verify_token(SECRET, _token(ttl_s=10), round=1, now=NOW)
+    second = verify_token(SECRET, _token(round=2), round=2, now=NOW)
+    ledger.claim(first, now=NOW)
+    ledger.claim(second, now=NOW + 11)
     assert len(ledger) == 1  # round 1's token expired: it cannot be used again anyway
+    # The one kept is round 2's: it is still refused a second time, while round 1's is
+    # forgotten (verify_token refuses it as expired before it could reach the ledger).
+    with pytest.raises(InvalidTokenError, match="already used"):
+        ledger.claim(second, now=NOW + 12)
+    ledger.claim(first, now=NOW + 12)
+    assert len(ledger) == 2
 
 
 # -- control-call MACs -------------------------------------------------------------------------
