@@ -37,11 +37,6 @@ def _config(head: int = 1, tail: int = 1, model: str = "tiny-llama") -> FedpipeC
 
 
 @pytest.fixture(scope="module")
-def folder() -> Path:
-    return resolve_model("tiny-llama")
-
-
-@pytest.fixture(scope="module")
 def server(folder: Path) -> Iterator[StageServer]:
     with stage_server(_config(1, 1), folder=folder) as served:
         yield served

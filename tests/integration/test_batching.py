@@ -9,7 +9,6 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-import pytest
 import torch
 from harness.stage import hold_compute
 from harness.waits import wait_for
@@ -18,18 +17,12 @@ from fedpipe.config import FedpipeConfig, ServerConfig
 from fedpipe.errors import InvalidRequestError
 from fedpipe.lora import AdapterBank, BatchedAdapterBank
 from fedpipe.messages import Kind, StageMsg
-from fedpipe.models import resolve_model
 from fedpipe.server.build import build_runtime
 from fedpipe.server.streams import StreamHandle
 from fedpipe.trace import Tracer
 
 TIMEOUT = 30.0
 SHAPES = {"a": (1, 9), "b": (3, 16), "c": (2, 5)}  # rows, tokens: they differ within a call
-
-
-@pytest.fixture(scope="module")
-def folder() -> Path:
-    return resolve_model("tiny-llama")
 
 
 def _x(name: str, step: int, mb: int) -> torch.Tensor:

@@ -24,11 +24,6 @@ TRAIN = TrainConfig(batch_size=BATCH, seq_len=SEQ, lr=1e-2)
 
 
 @pytest.fixture(scope="module")
-def folder():  # type: ignore[no-untyped-def]
-    return resolve_model("tiny-llama")
-
-
-@pytest.fixture(scope="module")
 def server(folder) -> Iterator[StageServer]:  # type: ignore[no-untyped-def]
     config = FedpipeConfig(pipeline=PIPELINE, train=TRAIN)
     with stage_server(config, folder=folder) as served:

@@ -19,7 +19,6 @@ from harness.stage import stage_server
 from fedpipe.compress.delta import DeltaCache, DeltaEncoder
 from fedpipe.config import FedpipeConfig, PipelineConfig, ServerConfig, TrainConfig
 from fedpipe.edge.trainer import DeviceTrainer, RoundReport
-from fedpipe.models import resolve_model
 from fedpipe.runs.report import report_lines
 from fedpipe.runs.summary import build_summary
 from fedpipe.server.delta_store import DeltaStore
@@ -46,11 +45,6 @@ def _config(**pipeline: object) -> FedpipeConfig:
         pipeline=PipelineConfig(**settings),  # type: ignore[arg-type]
         train=TrainConfig(batch_size=BATCH, seq_len=SEQ, lr=1e-2),
     )
-
-
-@pytest.fixture(scope="module")
-def folder():  # type: ignore[no-untyped-def]
-    return resolve_model("tiny-llama")
 
 
 def _serving(folder, **server: object) -> AbstractContextManager[StageServer]:  # type: ignore[no-untyped-def]

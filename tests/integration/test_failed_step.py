@@ -20,7 +20,6 @@ from fedpipe.edge.runtime import StepResult
 from fedpipe.edge.trainer import DeviceTrainer
 from fedpipe.errors import StageLinkError
 from fedpipe.messages import Kind, StageMsg
-from fedpipe.models import resolve_model
 from fedpipe.server.stage_server import StageServer
 from fedpipe.wire.link_client import StageClient, StageSession
 
@@ -55,11 +54,6 @@ class BreaksOnce:
             self.session.abort()
             raise StageLinkError("stage link UNAVAILABLE: injected break")
         return self.session.receive(kind, step, microbatch)
-
-
-@pytest.fixture(scope="module")
-def folder() -> Path:
-    return resolve_model("tiny-llama")
 
 
 @pytest.fixture(scope="module")

@@ -59,11 +59,6 @@ KEYS = StreamKeys()  # the stream key of each session these tests open
 
 
 @pytest.fixture(scope="module")
-def folder():  # type: ignore[no-untyped-def]
-    return resolve_model("tiny-llama")
-
-
-@pytest.fixture(scope="module")
 def server(folder) -> Iterator[StageServer]:  # type: ignore[no-untyped-def]
     with stage_server(_config(), folder=folder) as served:
         yield served

@@ -56,11 +56,6 @@ def _config(**server: object) -> FedpipeConfig:
     return FedpipeConfig(pipeline=BASE.pipeline, train=BASE.train, server=ServerConfig(**server))
 
 
-@pytest.fixture(scope="module")
-def folder() -> Path:
-    return resolve_model("tiny-llama")
-
-
 def _serve(folder: Path, **server: object) -> StageServer:
     return build_stage_server(_config(**server), port=0, folder=folder).start()
 

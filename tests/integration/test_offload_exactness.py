@@ -24,7 +24,6 @@ from harness.stage import stage_server
 from fedpipe.config import FedpipeConfig, ModelConfig, PipelineConfig, ServerConfig, TrainConfig
 from fedpipe.edge.trainer import DeviceTrainer
 from fedpipe.lora import AdapterBank, BatchedAdapterBank, lora_parameters
-from fedpipe.models import resolve_model
 from fedpipe.server.build import build_runtime
 from fedpipe.wire.link_client import StageClient
 
@@ -51,11 +50,6 @@ class Result:
     weights: dict[str, torch.Tensor]
     stash: dict[str, int]
     weights_after_reply: int  # backwards whose weight gradients ran after their reply
-
-
-@pytest.fixture(scope="module")
-def folder() -> Path:
-    return resolve_model("tiny-llama")
 
 
 def _config(*, batching: bool, offload: str, input_grad_first: bool) -> FedpipeConfig:

@@ -19,7 +19,6 @@ from fedpipe.edge.planner.measure import probe_link, time_codecs, time_device_op
 from fedpipe.edge.trainer import DeviceTrainer
 from fedpipe.link import DeviceProfile, LinkProfile
 from fedpipe.messages import Kind, StageMsg
-from fedpipe.models import resolve_model
 from fedpipe.server.sessions import RuntimeLimits
 from fedpipe.server.stage_server import StageServer
 from fedpipe.wire.link_client import StageClient
@@ -29,11 +28,6 @@ CONFIG = FedpipeConfig(
     pipeline=PipelineConfig(microbatches=2, schedule="greedy", timeout_s=20.0),
     train=TrainConfig(batch_size=BATCH, seq_len=SEQ, lr=1e-2),
 )
-
-
-@pytest.fixture(scope="module")
-def folder():  # type: ignore[no-untyped-def]
-    return resolve_model("tiny-llama")
 
 
 @pytest.fixture(scope="module")

@@ -43,11 +43,6 @@ Batch = dict[str, torch.Tensor]
 
 
 # -- fixtures and helpers ------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def folder():  # type: ignore[no-untyped-def]
-    return resolve_model("tiny-llama")
-
-
 KEYS = StreamKeys()  # the stream key of each session these tests open
 
 

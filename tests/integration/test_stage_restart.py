@@ -19,18 +19,12 @@ import pytest
 
 from fedpipe.config import FedpipeConfig
 from fedpipe.edge.trainer import split_terms
-from fedpipe.models import resolve_model
 from fedpipe.server.stage_server import StageServer
 from fedpipe.wire.control_client import StageControlClient
 from fedpipe.wire.link_client import StageClient
 
 CONFIG = FedpipeConfig().with_overrides({"model.name": "tiny-llama"})
 SECRET = "a-secret-for-the-restart-tests"
-
-
-@pytest.fixture(scope="module")
-def folder() -> Path:
-    return resolve_model("tiny-llama")
 
 
 @pytest.fixture(scope="module")
