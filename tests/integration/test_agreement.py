@@ -10,6 +10,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from harness.batches import random_batches
 from harness.stage import stage_server
 from safetensors.torch import load_file, save_file
 
@@ -139,8 +140,7 @@ def test_a_missing_split_is_refused_and_says_why() -> None:
 
 # -- over real loopback gRPC ----------------------------------------------------------------------
 def _batches() -> list[dict[str, torch.Tensor]]:
-    ids = torch.randint(0, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
-    return [{"input_ids": ids, "labels": ids.clone()}]
+    return random_batches(1, BATCH, SEQ)
 
 
 def _open_error(server: StageServer, trainer: DeviceTrainer) -> grpc.RpcError:

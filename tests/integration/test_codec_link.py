@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 import torch
+from harness.batches import random_batches
 from harness.stage import stage_server
 
 from fedpipe.config import FedpipeConfig, PipelineConfig, TrainConfig
@@ -32,11 +33,7 @@ def server(folder) -> Iterator[StageServer]:  # type: ignore[no-untyped-def]
 
 def _batches() -> list[dict[str, torch.Tensor]]:
     """Two batches, each seen twice: the second epoch's activations are delta-coded."""
-    gen = torch.Generator().manual_seed(0)
-    firsts = []
-    for _ in range(2):
-        ids = torch.randint(0, 256, (BATCH, SEQ), generator=gen)
-        firsts.append({"input_ids": ids, "labels": ids.clone()})
+    firsts = random_batches(2, BATCH, SEQ)
     return firsts + firsts
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import grpc
 import pytest
 import torch
+from harness.batches import random_batches
 from harness.stage import stage_server
 
 from fedpipe.config import FedpipeConfig, ModelConfig, PipelineConfig, TrainConfig
@@ -73,14 +74,7 @@ def _config(head: int = 1, tail: int = 1, split: str = "u") -> FedpipeConfig:
 
 
 def _batches(vocab: int, seed: int, n: int = 2) -> list[dict[str, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        ids = torch.randint(0, vocab, (BATCH, SEQ), generator=gen)
-        labels = ids.clone()
-        labels[0, 10:] = -100
-        out.append({"input_ids": ids, "labels": labels})
-    return out
+    return random_batches(n, BATCH, SEQ, vocab=vocab, seed=seed, pad_from=10)
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ from contextlib import AbstractContextManager
 import pytest
 import torch
 from fedpipe_bench.quality import EXTRA_RUNS
+from harness.batches import random_batches
 from harness.faults import DeviceFailure, device_dies_after
 from harness.stage import stage_server
 
@@ -61,12 +62,7 @@ def server(folder) -> Iterator[StageServer]:  # type: ignore[no-untyped-def]
 
 def _batches() -> list[dict[str, torch.Tensor]]:
     """The device's whole data set: two batches, which every session (round) sees again."""
-    gen = torch.Generator().manual_seed(0)
-    out = []
-    for _ in range(2):
-        ids = torch.randint(0, 256, (BATCH, SEQ), generator=gen)
-        out.append({"input_ids": ids, "labels": ids.clone()})
-    return out
+    return random_batches(2, BATCH, SEQ)
 
 
 def _device(folder, device_id: str = "d1", **pipeline: object) -> DeviceTrainer:  # type: ignore[no-untyped-def]

@@ -16,6 +16,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from harness.batches import random_batches
 from harness.stage import stage_server
 
 from fedpipe.config import FedpipeConfig, ModelConfig, PipelineConfig, TrainConfig
@@ -74,14 +75,7 @@ def _config(
 
 
 def _batches(vocab: int, n: int = 2) -> list[dict[str, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(1)
-    out = []
-    for _ in range(n):
-        ids = torch.randint(0, vocab, (BATCH, SEQ), generator=gen)
-        labels = ids.clone()
-        labels[0, 10:] = -100  # padding that must not count
-        out.append({"input_ids": ids, "labels": labels})
-    return out
+    return random_batches(n, BATCH, SEQ, vocab=vocab, seed=1, pad_from=10)  # pads must not count
 
 
 def _random_adapter(keys: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

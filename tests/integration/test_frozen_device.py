@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from harness.batches import random_batches
 from harness.stage import stage_server
 
 from fedpipe.config import FedpipeConfig, ModelConfig, PipelineConfig, TrainConfig
@@ -29,9 +30,7 @@ def _config(split: str, trains: bool) -> FedpipeConfig:
 
 
 def _batches(vocab: int) -> list[dict[str, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(0)
-    ids = [torch.randint(0, vocab, (BATCH, SEQ), generator=gen) for _ in range(STEPS)]
-    return [{"input_ids": x, "labels": x.clone()} for x in ids]
+    return random_batches(STEPS, BATCH, SEQ, vocab=vocab)
 
 
 def _weights(trainer: DeviceTrainer) -> dict[str, torch.Tensor]:

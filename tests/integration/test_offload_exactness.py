@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from harness.batches import random_batches
 from harness.stage import stage_server
 
 from fedpipe.config import FedpipeConfig, ModelConfig, PipelineConfig, ServerConfig, TrainConfig
@@ -67,14 +68,7 @@ def _config(*, batching: bool, offload: str, input_grad_first: bool) -> FedpipeC
 
 
 def _batches() -> list[dict[str, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(3)
-    out = []
-    for _ in range(2):
-        ids = torch.randint(0, 256, (BATCH, SEQ), generator=gen)
-        labels = ids.clone()
-        labels[0, 10:] = -100
-        out.append({"input_ids": ids, "labels": labels})
-    return out
+    return random_batches(2, BATCH, SEQ, seed=3, pad_from=10)
 
 
 def _run(folder: Path, config: FedpipeConfig) -> Result:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from harness.batches import random_batches
 from harness.stage import stage_server
 
 from fedpipe.config import FedpipeConfig, ModelConfig, PipelineConfig, TrainConfig
@@ -32,12 +33,7 @@ CONFIG = FedpipeConfig(
 
 
 def _batches(seed: int) -> list[dict[str, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(3):
-        ids = torch.randint(0, 256, (BATCH, SEQ), generator=gen)
-        out.append({"input_ids": ids, "labels": ids.clone()})
-    return out
+    return random_batches(3, BATCH, SEQ, seed=seed)
 
 
 def test_a_slow_device_moves_to_the_cut_with_fewer_device_blocks() -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import grpc
 import pytest
 import torch
+from harness.batches import random_batches
 
 from fedpipe.auth.tokens import issue_token
 from fedpipe.config import FedpipeConfig
@@ -52,9 +53,7 @@ def _config(mode: str = "separate") -> FedpipeConfig:
 
 
 def _batches(device: str, n: int = 2) -> list[dict[str, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(int(device))
-    ids = [torch.randint(0, 256, (BATCH, SEQ), generator=gen) for _ in range(n)]
-    return [{"input_ids": x, "labels": x.clone()} for x in ids]
+    return random_batches(n, BATCH, SEQ, seed=int(device))
 
 
 def _train(cfg: FedpipeConfig, device: str, address: str, run_id: str, round_: int = 1) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import grpc
 import pytest
 import torch
+from harness.batches import random_batches
 
 from fedpipe.auth.tokens import issue_token
 from fedpipe.config import FedpipeConfig, PipelineConfig, TrainConfig
@@ -33,9 +34,7 @@ SECRET = "a-secret-for-round-status-tests"
 
 
 def _batches(n: int) -> list[dict[str, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(5)
-    ids = [torch.randint(0, 256, (BATCH, SEQ), generator=gen) for _ in range(n)]
-    return [{"input_ids": x, "labels": x.clone()} for x in ids]
+    return random_batches(n, BATCH, SEQ, seed=5)
 
 
 def _token(device_id: str) -> str:

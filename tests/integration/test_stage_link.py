@@ -17,6 +17,7 @@ import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from harness.batches import random_batches
 from harness.stage import StreamKeys, stage_server
 from harness.waits import wait_for
 
@@ -64,12 +65,7 @@ def stub(channel: grpc.Channel) -> pb_grpc.StageLinkStub:
 
 
 def _batches(seed: int, n: int = 2) -> list[Batch]:
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        ids = torch.randint(0, 256, (BATCH, SEQ), generator=gen)
-        out.append({"input_ids": ids, "labels": ids.clone()})
-    return out
+    return random_batches(n, BATCH, SEQ, seed=seed)
 
 
 def _train(address: str, folder, device_id: str, batches: list[Batch], **kw) -> list[float]:  # type: ignore[no-untyped-def]
