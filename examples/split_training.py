@@ -13,7 +13,7 @@ from pathlib import Path
 from fedpipe.config import load_config
 from fedpipe.data import BlockSampler, default_corpus, tokenize_blocks
 from fedpipe.edge.trainer import DeviceTrainer
-from fedpipe.link import parse_device_profile
+from fedpipe.emulation import parse_device_profile
 from fedpipe.models import load_tokenizer
 from fedpipe.runs.plots import plot_timeline
 from fedpipe.server.build import build_stage_server

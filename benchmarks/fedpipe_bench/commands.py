@@ -177,7 +177,7 @@ def cmd_bench_pipeline(args: argparse.Namespace) -> int:
     flags["pipeline.downlink_codec"] = args.codec
     flags["pipeline.gradient_codec"] = args.gradient_codec
     config = config_from_args(args, **flags)
-    from fedpipe.link import REFERENCE_LINKS, split_specs
+    from fedpipe.emulation import REFERENCE_LINKS, split_specs
     from fedpipe_bench.pipeline import BENCH_SCHEDULES, run_pipeline_bench
 
     links = split_specs(args.links) if args.links else list(REFERENCE_LINKS)
@@ -352,7 +352,7 @@ def cmd_bench_plan(args: argparse.Namespace) -> int:
         "train.local_steps": 2 + args.warmup + args.steps,
     }
     config = config_from_args(args, **flags)
-    from fedpipe.link import REFERENCE_LINKS, split_specs
+    from fedpipe.emulation import REFERENCE_LINKS, split_specs
     from fedpipe_bench.plan import run_plan_bench
 
     links = split_specs(args.links) if args.links else list(REFERENCE_LINKS)

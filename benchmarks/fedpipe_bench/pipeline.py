@@ -76,8 +76,8 @@ from fedpipe.edge.planner.bound import (
 )
 from fedpipe.edge.runtime import DeviceRuntime, StageChannel
 from fedpipe.edge.trainer import DeviceTrainer
+from fedpipe.emulation import LinkProfile, parse_link
 from fedpipe.launch.processes import with_parent_death_signal
-from fedpipe.link import LinkProfile, parse_link
 from fedpipe.messages import Kind, StageMsg
 from fedpipe.trace import Event, Tracer
 from fedpipe.wire.link_client import StageClient, StageSession

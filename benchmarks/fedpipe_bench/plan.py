@@ -28,7 +28,7 @@ import torch
 from fedpipe.config import FedpipeConfig
 from fedpipe.edge.planner.bound import Components, link_occupancy, predict_step
 from fedpipe.edge.trainer import DeviceTrainer, RoundReport
-from fedpipe.link import DeviceProfile, parse_link
+from fedpipe.emulation import DeviceProfile, parse_link
 from fedpipe.trace import Event, Tracer
 from fedpipe.wire.link_client import StageClient
 from fedpipe.wire.tensors import encoded_nbytes

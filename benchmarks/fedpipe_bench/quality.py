@@ -43,7 +43,7 @@ from fedpipe.data import (
 from fedpipe.data import partition as partition_docs
 from fedpipe.edge.trainer import RoundReport
 from fedpipe.fl.device_work import DeviceWork, RunSettings, evaluate_split
-from fedpipe.fl.server_app import Rounds, seeded_adapters
+from fedpipe.fl.server_app import RoundHooks, seeded_adapters
 from fedpipe.fl.server_app import run_rounds as server_rounds
 from fedpipe.lora import apply_lora, lora_settings
 from fedpipe.models import (
@@ -406,7 +406,7 @@ def run_rounds(
     evaluator = DeviceWork(cfg, device_id="evaluator", partition=-1, num_partitions=fed.num_devices)
     initial = seeded_adapters(cfg, evaluator)
     records: list[dict[str, Any]] = []
-    rounds = Rounds(control, run, 0, log=records.append, policy=fed)
+    rounds = RoundHooks(control, run, 0, log=records.append, policy=fed)
     start = time.perf_counter()
     result = server_rounds(
         cfg,

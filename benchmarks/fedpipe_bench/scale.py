@@ -5,12 +5,12 @@ to a core of its own (``sched_setaffinity`` in the actor) with ``server.threads 
 devices are threads of this process (:class:`fedpipe_bench.load.LoadDevice`: right-shaped
 tensors through the real stage link client, their own compute emulated by sleeping, on
 loopback), each assigned to a replica by the ServerApp's own assignment
-(:meth:`fedpipe.fl.replicas.ReplicaControl.routes`).
+(:meth:`fedpipe.fl.replica_control.ReplicaControl.routes`).
 
 One row per replica count. ``replicas = 1``: every device on replica 0, committed as the
 ServerApp commits one StageServer (CommitRound: the merge happens on the server, nothing
 crosses). ``replicas = 2``: the devices spread over both, committed as the ServerApp commits
-replicas (:class:`fedpipe.fl.replicas.ReplicaControl`: CollectRound from each, the merge, and
+replicas (:class:`fedpipe.fl.replica_control.ReplicaControl`: CollectRound from each, the merge, and
 LoadAdapter into each). A row measures ``rounds`` rounds of ``warmup`` + ``steps`` steps per
 device: throughput and step times from the window in which every device was past its warm-up
 and none had finished (:func:`fedpipe_bench.server.measurement_window`), summed over rounds;
@@ -37,8 +37,8 @@ import psutil
 import torch
 
 from fedpipe.config import load_config
-from fedpipe.fl.replicas import ReplicaControl
-from fedpipe.server.replicas import ReplicaSet
+from fedpipe.fl.replica_control import ReplicaControl
+from fedpipe.server.ray_replicas import ReplicaSet
 from fedpipe.wire.control_client import StageControlClient
 from fedpipe.wire.link_client import StageClient
 from fedpipe_bench.load import DeviceEmulation, LoadDevice, LoadShape, device_split

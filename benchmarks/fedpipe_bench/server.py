@@ -6,7 +6,7 @@ loopback gRPC (port 0), pinned to the cores the load generator does not use, wit
 of this process (:class:`fedpipe_bench.load.LoadDevice`): each opens a session through the real
 stage link client (OpenSession, then one Exchange stream), sends right-shaped activations and
 output gradients for the model's hidden size, emulates its own compute by sleeping and its link
-with the stage link's own emulator (``fedpipe.link``), so that the server gets the cores. The
+with the stage link's own emulator (``fedpipe.emulation``), so that the server gets the cores. The
 generators' CPU use is measured and reported (``loadgen_cpu``) to show they stay small.
 
 For each N both columns are measured in this invocation, one after the other, their order
@@ -44,7 +44,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from fedpipe.link import LinkProfile, parse_link
+from fedpipe.emulation import LinkProfile, parse_link
 from fedpipe.wire.link_client import StageClient
 from fedpipe_bench.load import DeviceEmulation, LoadDevice, LoadShape, ServerProcess, device_split
 from fedpipe_bench.server_probe import CallRecord, window_stats

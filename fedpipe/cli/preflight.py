@@ -21,8 +21,8 @@ from typing import Any
 from fedpipe.config import FedpipeConfig, PrivacyConfig, parse_cuts
 from fedpipe.config.privacy_spec import parse_privacy_spec
 from fedpipe.data import default_corpus, load_documents, partition, train_eval_split
+from fedpipe.emulation import link_names, parse_device_profile, parse_link, split_specs
 from fedpipe.errors import FedpipeError
-from fedpipe.link import link_names, parse_device_profile, parse_link, split_specs
 
 __all__ = [
     "SettingsError",

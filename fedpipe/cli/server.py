@@ -17,7 +17,7 @@ from fedpipe.cli.preflight import ServerSetup, check_secret_needed, check_server
 from fedpipe.config import FedpipeConfig
 from fedpipe.launch.processes import Certificates, start_superlink
 from fedpipe.server.build import build_stage_server
-from fedpipe.server.replicas import ReplicaSet
+from fedpipe.server.ray_replicas import ReplicaSet
 
 __all__ = ["cmd_server"]
 

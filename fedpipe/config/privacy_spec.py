@@ -21,7 +21,7 @@ from typing import Any
 
 __all__ = ["DEVICE_KEYS", "MECHANISMS", "OFF", "parse_privacy_spec", "parse_privacy_specs"]
 
-# privacy.mechanism: how noise is calibrated (fedpipe.privacy.link)
+# privacy.mechanism: how noise is calibrated (fedpipe.privacy.uplink)
 MECHANISMS = ("clip", "token", "token-dim")
 # The settings a device may choose for itself, and their types.
 DEVICE_KEYS: dict[str, type] = {

@@ -337,7 +337,7 @@ class ServerConfig:
     tls_client_ca: str = ""
     tls_client_cert: str = ""  # ... and the ServerApp (control, evaluator) presents this one
     tls_client_key: str = ""
-    # Replicas (fedpipe.server.replicas): this many StageServers, each a Ray actor holding the
+    # Replicas (fedpipe.server.ray_replicas): this many StageServers, each a Ray actor holding the
     # whole middle; devices are assigned to one per round. 1: one StageServer, no Ray.
     replicas: int = 1
     ray_address: str = ""  # the Ray cluster the replicas start on; "" = a local Ray of their own

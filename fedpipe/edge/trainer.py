@@ -22,7 +22,7 @@ from fedpipe.compress.delta import DeltaEncoder
 from fedpipe.config import FedpipeConfig
 from fedpipe.edge.planner.auto import DevicePlanner
 from fedpipe.edge.runtime import DeviceRuntime, StepResult
-from fedpipe.link import ComputeThrottle, DeviceProfile, LinkProfile, RealClock
+from fedpipe.emulation import ComputeThrottle, DeviceProfile, LinkProfile, RealClock
 from fedpipe.lora import (
     apply_lora,
     load_lora_state_dict,

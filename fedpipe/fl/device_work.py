@@ -34,7 +34,7 @@ from fedpipe.data import (
 from fedpipe.data import partition as partition_docs
 from fedpipe.edge.runtime import DeviceRuntime
 from fedpipe.edge.trainer import DeviceTrainer, RoundReport
-from fedpipe.link import DeviceProfile, parse_device_profile, split_specs
+from fedpipe.emulation import DeviceProfile, parse_device_profile, split_specs
 from fedpipe.models import load_tokenizer
 from fedpipe.privacy import LinkAccountant, releases_so_far
 from fedpipe.wire.link_client import StageClient

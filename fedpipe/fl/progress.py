@@ -22,7 +22,7 @@ replies so far, :func:`assess` gives every device of the round a state:
 ``start_s`` is how long a device may take to start (a deployed device starts its ClientApp
 and loads the model every round): :class:`RoundWatch` allows the longest of
 ``federated.connect_wait_s``, :data:`START_S` and twice the longest start it has seen in the
-run. It asks and assesses; :class:`~fedpipe.fl.rounds.RoundGrid` records the result as
+run. It asks and assesses; :class:`~fedpipe.fl.round_grid.RoundGrid` records the result as
 ``progress`` records and names only the late devices in its ``waiting`` records.
 """
 

@@ -9,12 +9,12 @@ model on held-out text, and checkpoints both sides. While a round's replies are 
 every few seconds how many steps each device has done, as the StageServer counts them
 (:mod:`fedpipe.fl.progress`).
 
-The rounds themselves (:class:`Rounds` and :func:`run_rounds`: the configured Flower strategy
+The rounds themselves (:class:`RoundHooks` and :func:`run_rounds`: the configured Flower strategy
 wrapped in fedpipe's round hooks and round policy) do not depend on where the devices run:
 ``fedpipe bench quality`` drives the same code over a grid of its own.
 
 With StageServer replicas (``run.stage-address`` lists several), round control goes through
-:class:`~fedpipe.fl.replicas.ReplicaControl`: each device is told its replica's address and
+:class:`~fedpipe.fl.replica_control.ReplicaControl`: each device is told its replica's address and
 gets a token for that replica's run id; before the strategy aggregates, every replica hands
 over its part of the round, and a device whose replica was lost fails the round; the server
 adapters are merged here and loaded back into every replica.
@@ -53,9 +53,9 @@ from fedpipe.fl.device_work import DeviceWork, RunSettings, evaluate_split, serv
 from fedpipe.fl.freeze import FreezeRule, FreezeState, block_movement, decide, pin_frozen
 from fedpipe.fl.orders import TrainOrder
 from fedpipe.fl.progress import RoundWatch
-from fedpipe.fl.replicas import ReplicaControl, stage_addresses
+from fedpipe.fl.replica_control import ReplicaControl, stage_addresses
 from fedpipe.fl.replies import ReplyRules, check_reply, device_keys
-from fedpipe.fl.rounds import DeviceBook, RoundGrid, StopRun
+from fedpipe.fl.round_grid import DeviceBook, RoundGrid, StopRun
 from fedpipe.fl.strategies import STATEFUL, aggregation_rule, make_strategy, robust_options
 from fedpipe.lora.aggregation import split_deltas
 from fedpipe.lora.freezing import trainable_part
@@ -66,7 +66,7 @@ from fedpipe.wire.control_client import StageControlClient
 
 __all__ = [
     "FedpipeStrategy",
-    "Rounds",
+    "RoundHooks",
     "StageControl",
     "run_rounds",
     "seeded_adapters",
@@ -83,7 +83,7 @@ StageControl = StageControlClient | ReplicaControl  # one StageServer, or its re
 _PROGRESS_EVERY_S = 2.0  # how often a round asks the StageServer how far its devices have got
 
 
-class Rounds:
+class RoundHooks:
     """Per-round hooks around a Flower strategy: tokens, commit, and the round offset on resume.
 
     ``log`` takes every record of the run (the ServerApp's: metrics.jsonl and TensorBoard).
@@ -407,7 +407,7 @@ class FedpipeStrategy(Strategy):
     is padded to every key; otherwise each key is aggregated over the devices that hold it.
     """
 
-    def __init__(self, inner: Strategy, rounds: Rounds, *, stateful: bool) -> None:
+    def __init__(self, inner: Strategy, rounds: RoundHooks, *, stateful: bool) -> None:
         self.inner, self.rounds, self.stateful = inner, rounds, stateful
 
     def summary(self) -> None:
@@ -461,7 +461,7 @@ class FedpipeStrategy(Strategy):
 
 
 def _make_evaluate(
-    work: DeviceWork, rounds: Rounds, run: RunSettings, folder: RunFolder, *, resumed: bool
+    work: DeviceWork, rounds: RoundHooks, run: RunSettings, folder: RunFolder, *, resumed: bool
 ) -> Callable[[int, ArrayRecord], MetricRecord]:
     """Flower's ``evaluate_fn``: held-out loss, the round's record and its checkpoint.
 
@@ -506,7 +506,7 @@ def _make_evaluate(
     return evaluate
 
 
-def _checkpoint_state(round_: int, run: RunSettings, rounds: Rounds) -> dict[str, Any]:
+def _checkpoint_state(round_: int, run: RunSettings, rounds: RoundHooks) -> dict[str, Any]:
     """The round state a checkpoint keeps beside both sides' adapters."""
     state: dict[str, Any] = {"round": round_, "run_id": run.run_id}
     if rounds.freeze is not None:  # a resumed run goes on from this decision
@@ -514,7 +514,7 @@ def _checkpoint_state(round_: int, run: RunSettings, rounds: Rounds) -> dict[str
     return state
 
 
-def _strategy(cfg: FedpipeConfig, rounds: Rounds) -> FedpipeStrategy:
+def _strategy(cfg: FedpipeConfig, rounds: RoundHooks) -> FedpipeStrategy:
     """The configured Flower strategy; fedpipe's RoundGrid, not Flower, waits for devices."""
     fed = cfg.federated
     strategy = make_strategy(
@@ -570,7 +570,7 @@ def seeded_adapters(cfg: FedpipeConfig, work: DeviceWork) -> dict[str, torch.Ten
 
 def run_rounds(
     cfg: FedpipeConfig,
-    rounds: Rounds,
+    rounds: RoundHooks,
     grid: Grid,
     arrays: dict[str, torch.Tensor],
     *,
@@ -655,7 +655,7 @@ def server_main(grid: Grid, context: Context) -> None:
         folder.log_metrics(entry)
         board.write(entry)
 
-    rounds = Rounds(control, run, offset, log=record, policy=cfg.federated)
+    rounds = RoundHooks(control, run, offset, log=record, policy=cfg.federated)
     if checkpoint is not None and "freeze" in checkpoint.state:  # the decision so far
         rounds.freeze = FreezeState.from_json(checkpoint.state["freeze"])
     # Records of rounds after `offset` from an earlier attempt (a crash between commit and

@@ -2,7 +2,7 @@
 ``deploy_run`` (devices on their own hosts, a deployment's SuperLink), each around a StageServer.
 
 With ``server.replicas`` > 1 a simulation starts that many StageServer replicas on a local Ray
-of their own (:class:`~fedpipe.server.replicas.ReplicaSet`; Flower's simulation engine starts
+of their own (:class:`~fedpipe.server.ray_replicas.ReplicaSet`; Flower's simulation engine starts
 another, in its SuperLink's process) and stops them after the run.
 
 Deployment: ``fedpipe server --superlink`` on the GPU host (StageServer + Flower SuperLink),
@@ -44,7 +44,7 @@ from fedpipe.runs.report import LiveReport
 from fedpipe.runs.resume import resume_settings
 from fedpipe.runs.summary import finish_run, judge
 from fedpipe.server.build import build_stage_server
-from fedpipe.server.replicas import ReplicaInfo, ReplicaSet
+from fedpipe.server.ray_replicas import ReplicaInfo, ReplicaSet
 
 __all__ = ["CLIENT_APP", "SERVER_APP", "deploy_run", "nest", "simulate", "write_app"]
 

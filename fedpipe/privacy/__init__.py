@@ -3,7 +3,7 @@
 from fedpipe.privacy.accountant import LinkAccountant, releases_so_far, sample_noise_multiplier
 from fedpipe.privacy.decorrelation import Decorrelation, distance_correlation
 from fedpipe.privacy.labels import LabelResample
-from fedpipe.privacy.link import ChannelNoise, LinkDefence, TokenNoise, clip_per_token
+from fedpipe.privacy.uplink import ChannelNoise, LinkDefence, TokenNoise, clip_per_token
 
 __all__ = [
     "ChannelNoise",

@@ -4,7 +4,7 @@ What the guarantee covers, precisely:
 
 - **Unit: one sample** (one training sequence of ``seq_len`` tokens). Two datasets are
   neighbours when they differ in one sequence (any content). Clipping is per token (see
-  :mod:`fedpipe.privacy.link`), so a sequence's release, T token vectors each of norm <= C, moves
+  :mod:`fedpipe.privacy.uplink`), so a sequence's release, T token vectors each of norm <= C, moves
   by at most ``2 C sqrt(T)`` in L2 when the sequence is replaced by any other. With noise of std
   ``sigma C`` per coordinate that is a Gaussian mechanism of noise multiplier
   ``z = sigma / (2 sqrt(T))``. There is no per-token guarantee: in a head with attention, one

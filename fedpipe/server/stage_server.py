@@ -21,7 +21,7 @@ from fedpipe.errors import AuthError, InvalidRequestError
 from fedpipe.lora.robust import AggregationRule
 from fedpipe.server.commit import CommitResult
 from fedpipe.server.delta_store import DeltaStore
-from fedpipe.server.rounds import Authenticator, RoundState
+from fedpipe.server.run_state import Authenticator, RoundState
 from fedpipe.server.runtime import StageRuntime
 from fedpipe.server.sessions import SessionInfo
 from fedpipe.server.streams import StreamHandle

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import grpc
 
 from fedpipe.compress.delta import DeltaEncoder
+from fedpipe.emulation import DelayLine, DuplexLink, LinkProfile, RealClock
 from fedpipe.errors import StageLinkError
-from fedpipe.link import DelayLine, DuplexLink, LinkProfile, RealClock
 from fedpipe.messages import Kind, StageMsg
 from fedpipe.proto import stage_pb2 as pb
 from fedpipe.proto import stage_pb2_grpc as pb_grpc

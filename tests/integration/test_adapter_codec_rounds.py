@@ -24,7 +24,7 @@ from flwr.app import Array, ArrayRecord, Error, Message
 from fedpipe.config import load_config
 from fedpipe.fl.adapter_codec import ENCODED, FEEDBACK_KEY
 from fedpipe.fl.device_work import DeviceWork, RunSettings
-from fedpipe.fl.server_app import Rounds, run_rounds, seeded_adapters
+from fedpipe.fl.server_app import RoundHooks, run_rounds, seeded_adapters
 from fedpipe.server.build import build_stage_server
 from fedpipe.wire.control_client import StageControlClient
 
@@ -89,7 +89,7 @@ def _run(settings: dict[str, Any], rounds: int, tamper: Any = None) -> Run:
         evaluator = DeviceWork(cfg, device_id="evaluator", partition=-1, num_partitions=3)
         initial = seeded_adapters(cfg, evaluator)
         records: list[dict[str, Any]] = []
-        state = Rounds(control, run, 0, log=records.append, policy=cfg.federated)
+        state = RoundHooks(control, run, 0, log=records.append, policy=cfg.federated)
         devices = _Hostile(cfg, tamper) if tamper else LocalDevices(cfg)
         result = run_rounds(
             cfg,

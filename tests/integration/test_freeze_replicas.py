@@ -10,7 +10,7 @@ import torch
 from fedpipe.auth.tokens import issue_token
 from fedpipe.config import FedpipeConfig
 from fedpipe.edge.trainer import DeviceTrainer
-from fedpipe.fl.replicas import ReplicaControl
+from fedpipe.fl.replica_control import ReplicaControl
 from fedpipe.lora.aggregation import adapter_block
 from fedpipe.models import resolve_model
 from fedpipe.server.build import build_stage_server

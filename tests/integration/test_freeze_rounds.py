@@ -25,7 +25,7 @@ from fedpipe_bench.quality import QUICK_SIZE
 from fedpipe.config import FedpipeConfig
 from fedpipe.fl.device_work import DeviceWork, RunSettings
 from fedpipe.fl.freeze import FreezeState
-from fedpipe.fl.server_app import Rounds, run_rounds, seeded_adapters
+from fedpipe.fl.server_app import RoundHooks, run_rounds, seeded_adapters
 from fedpipe.lora.aggregation import adapter_block, split_deltas
 from fedpipe.server.stage_server import StageServer
 from fedpipe.wire.control_client import StageControlClient
@@ -46,7 +46,7 @@ def _config(rounds: int, **freeze: Any) -> FedpipeConfig:
     )
 
 
-class _Watched(Rounds):
+class _Watched(RoundHooks):
     """The ServerApp's rounds, keeping each round's committed global adapters of both sides."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

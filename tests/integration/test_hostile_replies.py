@@ -21,7 +21,7 @@ from flwr.app import ArrayRecord, Error, Message, MetricRecord
 
 from fedpipe.config import load_config
 from fedpipe.fl.device_work import DeviceWork, RunSettings
-from fedpipe.fl.server_app import Rounds, run_rounds, seeded_adapters
+from fedpipe.fl.server_app import RoundHooks, run_rounds, seeded_adapters
 from fedpipe.server.build import build_stage_server
 from fedpipe.wire.control_client import StageControlClient
 
@@ -115,7 +115,7 @@ def _round(tamper: Tamper) -> tuple[dict[str, torch.Tensor], dict[str, torch.Ten
         evaluator = DeviceWork(cfg, device_id="evaluator", partition=-1, num_partitions=3)
         initial = seeded_adapters(cfg, evaluator)
         records: list[dict[str, Any]] = []
-        rounds = Rounds(control, run, 0, log=records.append, policy=cfg.federated)
+        rounds = RoundHooks(control, run, 0, log=records.append, policy=cfg.federated)
         devices = _Devices(cfg, tamper)
         result = run_rounds(
             cfg, rounds, LocalGrid(devices.nodes()), initial, initial=dict(initial), num_rounds=1

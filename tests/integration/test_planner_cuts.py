@@ -20,7 +20,7 @@ from harness.stage import stage_server
 
 from fedpipe.config import FedpipeConfig, ModelConfig, PipelineConfig, TrainConfig
 from fedpipe.edge.trainer import DeviceTrainer, initial_device_adapters
-from fedpipe.link import DeviceProfile, LinkProfile
+from fedpipe.emulation import DeviceProfile, LinkProfile
 from fedpipe.models import resolve_model
 from fedpipe.wire.link_client import StageClient
 

@@ -17,7 +17,7 @@ from harness.stage import stage_server
 from fedpipe.config import FedpipeConfig, PipelineConfig, TrainConfig
 from fedpipe.edge.planner.measure import probe_link, time_codecs, time_device_ops
 from fedpipe.edge.trainer import DeviceTrainer
-from fedpipe.link import DeviceProfile, LinkProfile
+from fedpipe.emulation import DeviceProfile, LinkProfile
 from fedpipe.messages import Kind, StageMsg
 from fedpipe.server.sessions import RuntimeLimits
 from fedpipe.server.stage_server import StageServer

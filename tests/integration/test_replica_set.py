@@ -21,8 +21,8 @@ import psutil
 import pytest
 
 from fedpipe.config import FedpipeConfig
-from fedpipe.fl.replicas import ReplicaControl
-from fedpipe.server.replicas import ReplicaSet, ReplicaStartError
+from fedpipe.fl.replica_control import ReplicaControl
+from fedpipe.server.ray_replicas import ReplicaSet, ReplicaStartError
 from fedpipe.wire.control_client import StageControlClient
 
 SECRET = "a-secret-for-replica-set-tests"

@@ -1,7 +1,7 @@
 """StageServer replicas under the ServerApp's round control, over real loopback gRPC.
 
 Two StageServers (port 0, with a secret) serve as replicas of one run, driven by
-:class:`~fedpipe.fl.replicas.ReplicaControl` exactly as the ServerApp drives them; real
+:class:`~fedpipe.fl.replica_control.ReplicaControl` exactly as the ServerApp drives them; real
 :class:`DeviceTrainer` devices (tiny-llama) train a round on the replica they are assigned.
 The merged server adapter and the held-out loss are compared with one StageServer that served
 the same devices. A replica lost mid-round (its server stopped) and started again at the same
@@ -20,7 +20,7 @@ from fedpipe.auth.tokens import issue_token
 from fedpipe.config import FedpipeConfig
 from fedpipe.edge.trainer import DeviceTrainer, split_terms
 from fedpipe.fl.device_work import DeviceWork, RunSettings, evaluate_split
-from fedpipe.fl.replicas import ReplicaControl
+from fedpipe.fl.replica_control import ReplicaControl
 from fedpipe.lora.robust import AggregationRule
 from fedpipe.models import resolve_model
 from fedpipe.proto import stage_pb2 as pb

@@ -27,7 +27,7 @@ from typing import Any
 
 import psutil
 
-from fedpipe.fl.replicas import ReplicaControl
+from fedpipe.fl.replica_control import ReplicaControl
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCAL_STEPS = 20  # the demo's 6, stretched: round 2 lasts long enough to kill a replica in it

@@ -12,7 +12,7 @@ from fedpipe_bench.pipeline import (
     solo_components,
 )
 
-from fedpipe.link import LinkProfile
+from fedpipe.emulation import LinkProfile
 from fedpipe.messages import Kind, StageMsg
 
 

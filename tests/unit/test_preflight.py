@@ -65,7 +65,7 @@ def test_flower_failures_are_explained(log: str, meaning: str) -> None:
 
 def test_links_take_names_and_inline_specs() -> None:
     from fedpipe.cli.preflight import check_links
-    from fedpipe.link import split_specs as split_links
+    from fedpipe.emulation import split_specs as split_links
 
     assert split_links("1gbit-5ms,up=10,down=25,rtt=50ms") == [
         "1gbit-5ms",

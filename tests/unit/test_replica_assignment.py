@@ -8,7 +8,7 @@ import random
 import pytest
 
 from fedpipe.fl.assignment import assign_devices, replica_capacity
-from fedpipe.fl.replicas import replica_run_id, stage_addresses
+from fedpipe.fl.replica_control import replica_run_id, stage_addresses
 
 _RNG = random.Random(7)
 DEVICES = [str(_RNG.getrandbits(63)) for _ in range(40)]  # as Flower's node ids look

@@ -15,8 +15,8 @@ import torch
 from flwr.app import ArrayRecord, MetricRecord
 
 from fedpipe.fl.device_work import RunSettings
-from fedpipe.fl.rounds import DeviceBook, RoundGrid, StopRun
-from fedpipe.fl.server_app import Rounds
+from fedpipe.fl.round_grid import DeviceBook, RoundGrid, StopRun
+from fedpipe.fl.server_app import RoundHooks
 from fedpipe.wire.control_client import Committed
 
 
@@ -44,9 +44,9 @@ def _reply(node: int, value: float) -> Any:
     )
 
 
-def _rounds(control: _Control) -> tuple[Rounds, list[dict]]:
+def _rounds(control: _Control) -> tuple[RoundHooks, list[dict]]:
     records: list[dict] = []
-    rounds = Rounds(control, RunSettings(), 0, log=records.append)  # type: ignore[arg-type]
+    rounds = RoundHooks(control, RunSettings(), 0, log=records.append)  # type: ignore[arg-type]
     rounds.grid = RoundGrid(
         SimpleNamespace(),  # type: ignore[arg-type]
         log=records.append,

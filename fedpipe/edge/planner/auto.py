@@ -43,7 +43,7 @@ from fedpipe.edge.planner.plan import (
     with_frozen_head,
 )
 from fedpipe.edge.runtime import DeviceRuntime, StepResult
-from fedpipe.link import ComputeThrottle
+from fedpipe.emulation import ComputeThrottle
 from fedpipe.split.agreement import SplitTerms
 from fedpipe.split.layout import SplitLayout
 from fedpipe.split.memory import device_param_bytes

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from fedpipe.link.clock import Clock, RealClock
+from fedpipe.emulation.clock import Clock, RealClock
 
 __all__ = ["ComputeThrottle", "ThrottleStats"]
 

@@ -23,10 +23,10 @@ from fedpipe.config.profiles import (
     get_link,
     link_names,
 )
-from fedpipe.link.clock import Clock, FakeClock, RealClock
-from fedpipe.link.delay_line import DelayLine, DelayLineClosed, DelayLineStats
-from fedpipe.link.direction import DuplexLink, LinkDirection, LinkStats, Transfer
-from fedpipe.link.throttle import ComputeThrottle, ThrottleStats
+from fedpipe.emulation.clock import Clock, FakeClock, RealClock
+from fedpipe.emulation.delay_line import DelayLine, DelayLineClosed, DelayLineStats
+from fedpipe.emulation.direction import DuplexLink, LinkDirection, LinkStats, Transfer
+from fedpipe.emulation.throttle import ComputeThrottle, ThrottleStats
 
 __all__ = [
     "DEVICE_PROFILES",

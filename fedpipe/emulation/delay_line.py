@@ -18,8 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from fedpipe.link.clock import Clock
-from fedpipe.link.direction import LinkDirection
+from fedpipe.emulation.clock import Clock
+from fedpipe.emulation.direction import LinkDirection
 
 __all__ = ["DelayLine", "DelayLineClosed", "DelayLineStats"]
 

@@ -5,7 +5,7 @@ instance of its own or on a Ray cluster (``server.ray_address``), each asking Ra
 needs (``server.threads`` CPUs, one GPU when it computes on CUDA), so Ray places them across
 nodes. Each replica serves the stage link and round control on its own address; nothing of the
 data path goes through Ray. The ServerApp assigns every device to one replica per round and
-merges the server adapters across replicas at commit (:mod:`fedpipe.fl.replicas`), over gRPC.
+merges the server adapters across replicas at commit (:mod:`fedpipe.fl.replica_control`), over gRPC.
 
 A replica listens on a port the driver fixed (``server.replica_port`` + i, or a free port
 picked here on a local Ray), so that when its process dies and Ray restarts the actor

@@ -1,4 +1,4 @@
-"""fedpipe.link: profiles, spec parsing, the FIFO link model, the delay line, the compute throttle.
+"""fedpipe.emulation: profiles, specs, the FIFO link model, the delay line, the compute throttle.
 
 Timing is checked exactly on a FakeClock; one short real-clock test only checks "not early".
 """
@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fedpipe.config import FedpipeConfig
-from fedpipe.link import (
+from fedpipe.emulation import (
     DEVICE_PROFILES,
     REFERENCE_LINKS,
     Clock,
