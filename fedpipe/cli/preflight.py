@@ -161,11 +161,14 @@ _EXAMPLES_CHECKED = 8  # the first few: a template fails on the shape of a chat,
 
 # -- model --------------------------------------------------------------------------------------
 def model_layers(name: str) -> tuple[int, int]:
-    """(blocks, max positions) of model ``name`` (built or converted once into the cache)."""
-    from fedpipe.models import load_config, resolve_model  # deferred: torch, transformers
+    """(blocks, max positions) of model ``name`` (built or converted once into the cache); a
+    model fedpipe cannot split (mixture-of-experts, hybrid attention, ...) is refused here,
+    before anything starts."""
+    from fedpipe.models import load_config, model_family, resolve_model  # deferred: torch
 
     try:
         hf = load_config(resolve_model(name))
+        model_family(hf)
     except (ValueError, OSError) as exc:
         raise SettingsError(f"model.name: {exc}".replace("\n", " ")) from None
     positions = getattr(hf, "max_position_embeddings", None) or getattr(hf, "n_positions", 0)
