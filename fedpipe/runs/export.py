@@ -20,6 +20,9 @@ base weights. A run with replicas or a resumed run writes its checkpoints alike.
 from __future__ import annotations
 
 import logging
+import os
+import shutil
+import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -243,18 +246,30 @@ def export_run(
     round_: int | None = None,
     model: str | None = None,
 ) -> RunModel:
-    """Write round ``round_`` (None: the last) of ``run`` to the new folder ``out``."""
+    """Write round ``round_`` (None: the last) of ``run`` to the new folder ``out``.
+
+    The folder is written beside ``out`` and renamed into place once complete, so a failure
+    leaves no half-written model where a loader would take it for a whole one.
+    """
     if format not in FORMATS:
         raise ValueError(f"--format {format!r} unknown; choose one of {', '.join(FORMATS)}")
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"--out {out} exists and is not an empty folder; choose a new one")
     run_model = load_run_model(run, round_=round_, model=model)
-    if format == "peft":
-        peft_model(run_model).save_pretrained(out)
-    else:
-        merged_model(run_model).save_pretrained(out)
-        _copy_tokenizer(run_model.folder, out)
+    built = peft_model(run_model) if format == "peft" else merged_model(run_model)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
+    try:
+        built.save_pretrained(tmp)
+        if format == "merged":
+            _copy_tokenizer(run_model.folder, tmp)
+        if out.exists():
+            out.rmdir()  # empty, checked above
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return run_model
 
 
