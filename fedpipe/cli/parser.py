@@ -352,6 +352,54 @@ def _add_certs(sub: Any) -> None:
     p.add_argument("--days", type=int, default=30, help="validity in days")
 
 
+def _add_export(sub: Any) -> None:
+    p = add_command(
+        sub,
+        "export",
+        "fedpipe.cli.export:cmd_export",
+        "write a run's fine-tuned model: a PEFT LoRA adapter or a merged Hugging Face model",
+    )
+    p.add_argument("run", type=Path, metavar="RUN_FOLDER", help="the run's folder (runs/NAME)")
+    p.add_argument("--round", type=int, help="the checkpoint's round (default: the last saved)")
+    p.add_argument("--out", type=Path, required=True, help="the folder to write (new or empty)")
+    p.add_argument(
+        "--format",
+        choices=("peft", "merged"),
+        default="peft",
+        help="peft: adapter_config.json + adapter_model.safetensors over the base model; "
+        "merged: the whole model with the adapters (and exact/stack's base changes) merged in",
+    )
+    p.add_argument(
+        "--model",
+        help="the base model, if not where the run found it (default: the run's model.name); "
+        "its fingerprint must be the run's",
+    )
+
+
+def _add_generate(sub: Any) -> None:
+    p = add_command(
+        sub,
+        "generate",
+        "fedpipe.cli.generate:cmd_generate",
+        "answer a prompt with a base model and a fine-tuned adapter, streaming the tokens",
+    )
+    p.add_argument("prompt", help="the prompt (with --chat: the user's turn)")
+    p.add_argument(
+        "--model",
+        help="the base model: tiny-llama | default | HF folder | .gguf file (default: the "
+        "--run's model, or the --adapter's base_model_name_or_path)",
+    )
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--adapter", type=Path, help="a PEFT adapter folder (fedpipe export)")
+    source.add_argument("--run", type=Path, metavar="RUN_FOLDER", help="a run's checkpoint")
+    p.add_argument("--round", type=int, help="with --run: the round (default: the last saved)")
+    p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampling")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's p (sampling only)")
+    p.add_argument("--seed", type=int, default=0, help="the sampling seed")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The whole command line; imports nothing heavy."""
     parser = argparse.ArgumentParser(
@@ -370,4 +418,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_register(sub)
     _add_bench(sub)
     _add_certs(sub)
+    _add_export(sub)
+    _add_generate(sub)
     return parser

@@ -60,7 +60,7 @@ from fedpipe.fl.strategies import STATEFUL, aggregation_rule, make_strategy, rob
 from fedpipe.lora.aggregation import split_deltas
 from fedpipe.lora.freezing import trainable_part
 from fedpipe.models import load_config, resolve_model
-from fedpipe.runs.folder import RunFolder
+from fedpipe.runs.folder import FINGERPRINT_KEY, RunFolder
 from fedpipe.runs.tensorboard import Board
 from fedpipe.wire.control_client import StageControlClient
 
@@ -493,7 +493,9 @@ def _make_evaluate(
                 round_,
                 device=state,
                 server=control.get_adapter(),
-                state=_checkpoint_state(round_, run, rounds),
+                state=_checkpoint_state(
+                    round_, run, rounds, fingerprint=work.trainer.split.fingerprint
+                ),
             )
         now = time.time()
         record |= {"wall_s": now - rounds.round_started, "elapsed_s": now - rounds.started}
@@ -506,9 +508,14 @@ def _make_evaluate(
     return evaluate
 
 
-def _checkpoint_state(round_: int, run: RunSettings, rounds: RoundHooks) -> dict[str, Any]:
-    """The round state a checkpoint keeps beside both sides' adapters."""
+def _checkpoint_state(
+    round_: int, run: RunSettings, rounds: RoundHooks, *, fingerprint: str = ""
+) -> dict[str, Any]:
+    """The round state a checkpoint keeps beside both sides' adapters, and the fingerprint of
+    the base model they were trained on (what `fedpipe export` checks a base model against)."""
     state: dict[str, Any] = {"round": round_, "run_id": run.run_id}
+    if fingerprint:
+        state[FINGERPRINT_KEY] = fingerprint
     if rounds.freeze is not None:  # a resumed run goes on from this decision
         state["freeze"] = rounds.freeze.to_json()
     return state

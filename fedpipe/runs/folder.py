@@ -36,13 +36,16 @@ from safetensors.torch import load_file, save_file
 
 from fedpipe.models.cache import fsync_path, write_atomic
 
-__all__ = ["Checkpoint", "RunFolder"]
+__all__ = ["FINGERPRINT_KEY", "Checkpoint", "RunFolder"]
 
 logger = logging.getLogger(__name__)
 
 _ROUND_DIR = re.compile(r"^round-(\d+)$")
 _FILES = ("device.safetensors", "server.safetensors", "state.json")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+# The key of a checkpoint's state.json that holds the fingerprint of the base model its
+# adapters were trained on (fedpipe.models.fingerprint): what `fedpipe export` checks.
+FINGERPRINT_KEY = "model_fingerprint"
 
 
 @dataclass(frozen=True)
@@ -238,6 +241,10 @@ class RunFolder:
             except (ValueError, FileNotFoundError) as e:
                 logger.warning("skipping checkpoint of round %d: %s", round_, e)
         return None
+
+    def rounds(self) -> list[int]:
+        """Rounds that have a checkpoint folder (complete or not), in order."""
+        return sorted(self._round_dirs())
 
     def _round_path(self, round_: int) -> Path:
         return self.checkpoints_dir / f"round-{round_:04d}"

@@ -6,6 +6,8 @@
 - :mod:`harness.certs`: the certificate maker (CA, loopback certificates, node keys);
 - :mod:`harness.faults`: devices that die or go silent in a simulation (a test ClientApp);
 - :mod:`harness.waits`: ``wait_for``;
+- :mod:`harness.export`: tiny models of every family, run folders with trained-looking
+  checkpoints, and the split model's logits for them (the export tests);
 - :mod:`harness.flower_toy`: a toy Flower app for the engine tests;
 - :mod:`harness.fixtures`: the pytest fixtures ``tests/conftest.py`` registers.
 

@@ -15,6 +15,8 @@ COMMANDS = [
     ["client"],
     ["run"],
     ["register-node"],
+    ["export"],
+    ["generate"],
     ["bench", "pipeline"],
     ["bench", "memory"],
     ["bench", "server"],

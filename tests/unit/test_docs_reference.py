@@ -85,7 +85,8 @@ def test_every_command_and_visible_option_appears() -> None:
         for action in parser._actions:
             if action.help == argparse.SUPPRESS or isinstance(action, argparse._HelpAction):
                 continue
-            name = action.option_strings[-1] if action.option_strings else action.dest
+            positional = action.metavar or action.dest  # the page names it as usage does
+            name = action.option_strings[-1] if action.option_strings else positional
             assert f"`{name}" in section, (path, name)
 
 
