@@ -3,7 +3,8 @@
 Three Flower simulations: run A trains 2 rounds under
 ``federated.aggregation = exact``; run B trains 1, then resumes to 2. Both sides' checkpoints
 carry the folded base deltas, and B's losses and checkpoints equal A's round by round: the
-resume restored what the aggregation changed.
+resume restored what the aggregation changed. The resumed run exported as a merged model
+loads in transformers alone and gives the held-out loss the run recorded.
 """
 
 from __future__ import annotations
@@ -73,3 +74,36 @@ def test_exact_aggregation_resumes_exactly(tmp_path: Path) -> None:
         assert any(k.endswith(".base_delta") for k in state_a), side
         assert set(state_a) == set(state_b)
         assert all(torch.equal(state_a[k], state_b[k]) for k in state_a), side
+    _exported_model_gives_the_runs_loss(tmp_path / "b", _losses(b)[2])
+
+
+def _exported_model_gives_the_runs_loss(run: Path, eval_loss: float) -> None:
+    """The resumed run's last checkpoint, exported merged (its base deltas folded in) and
+    loaded by transformers alone, gives the held-out loss the run recorded; the checkpoint
+    that the real ServerApp wrote names the base model's fingerprint."""
+    import json
+
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    from fedpipe.fl.device_work import DeviceWork
+    from fedpipe.models import model_fingerprint
+    from fedpipe.runs.export import export_run
+
+    state = json.loads((run / "checkpoints" / "round-0002" / "state.json").read_text())
+    assert state["model_fingerprint"] == model_fingerprint(resolve_model("tiny-llama"))
+    out = run.parent / "b-merged"
+    export_run(run, out, format="merged")
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    cfg = load_config(None, {**SMALL, "federated.rounds": 2})
+    work = DeviceWork(cfg, device_id="evaluator", partition=-1, num_partitions=2)
+    loss_sum, tokens = 0.0, 0
+    with torch.no_grad():
+        for batch in work.batches(cfg.train.batch_size):
+            logits = model(batch["input_ids"]).logits[:, :-1]
+            labels = batch["labels"][:, 1:]
+            loss_sum += float(
+                F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+            )
+            tokens += int((labels != -100).sum())
+    assert loss_sum / tokens == pytest.approx(eval_loss, rel=1e-5)
