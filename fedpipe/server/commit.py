@@ -21,6 +21,7 @@ from fedpipe.errors import InvalidRequestError
 from fedpipe.server.sessions import SessionInfo
 
 __all__ = [
+    "KEEP_COLLECTS",
     "KEEP_COMMITS",
     "CommitResult",
     "check_weights",
@@ -30,6 +31,9 @@ __all__ = [
 ]
 
 KEEP_COMMITS = 64  # committed rounds remembered so that a retried commit is answered the same
+# Collected rounds remembered for a retried collect: few, as each holds every session's adapters
+# (a commit's answer is a few numbers); the ServerApp retries only the round it is in.
+KEEP_COLLECTS = 2
 
 
 @dataclass(frozen=True)

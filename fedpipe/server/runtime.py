@@ -53,6 +53,7 @@ from fedpipe.messages import END, Kind, StageMsg
 from fedpipe.server.batch_policy import BatchChoice, BatchPolicy, Lane, choose_batch
 from fedpipe.server.budget import ByteBudget
 from fedpipe.server.commit import (
+    KEEP_COLLECTS,
     KEEP_COMMITS,
     CommitResult,
     check_weights,
@@ -74,7 +75,7 @@ from fedpipe.server.sessions import (
     seq_bound,
     short_id,
 )
-from fedpipe.server.streams import StreamHandle, message_bytes
+from fedpipe.server.streams import Reply, StreamHandle, StreamLedger, message_bytes
 from fedpipe.trace import Tracer
 from fedpipe.wire.backend import CollectedRound
 
@@ -82,7 +83,6 @@ __all__ = ["StageRuntime"]
 
 log = logging.getLogger(__name__)
 
-Reply = StageMsg | BaseException
 # A stream the server ended (replaced, idle, dropped) has this long to finish on its own before
 # its RPC is cancelled: a device that reads gets the error; one that reads nothing is cut off.
 _CANCEL_GRACE_S = 2.0
@@ -140,8 +140,6 @@ class StageRuntime:
         # What devices make the server hold, all together (fedpipe.server.budget).
         self.budget = ByteBudget(self.limits.memory_budget_bytes)
         self._sessions: dict[str, SessionInfo] = {}
-        self._device_streams: dict[str, int] = {}  # device -> its streams not yet closed
-        self._ending: dict[StreamHandle, float] = {}  # ended by the server, not yet gone: by when
         self._drop_listeners: list[Callable[[SessionInfo], None]] = []
         self._commits: dict[int, CommitResult] = {}
         # pipeline.freeze (BeginRound): sessions opened from now on train no adapter of a
@@ -151,6 +149,8 @@ class StageRuntime:
         self._opening = 0  # sessions being opened: their adapter is being added
         self._lock = threading.RLock()  # sessions, streams, counters; never held by compute
         self._bank_lock = threading.RLock()  # the bank; taken after _lock, never before
+        # What every stream holds and how many each device has open (fedpipe.server.streams).
+        self.streams = StreamLedger(self._lock, self.budget, self.limits, grace_s=_CANCEL_GRACE_S)
         self._queue: FairQueue[str, QueueItem] = FairQueue(quantum=self.policy.quantum)
         self._stopped = threading.Event()
         self._worker = threading.Thread(target=self._run, name="stage-compute", daemon=True)
@@ -312,14 +312,7 @@ class StageRuntime:
                 )
             if info.closed:
                 raise SessionStateError(f"session {info.short} is closed; open a new session")
-            open_now = self._device_streams.get(info.device_id, 0)
-            if open_now >= self.limits.max_device_streams:
-                raise StageCapacityError(
-                    f"device {info.device_id!r} has {open_now} streams open, its limit "
-                    f"(server.max_device_streams = {self.limits.max_device_streams}); use one "
-                    "stream per session and read its replies"
-                )
-            self._device_streams[info.device_id] = open_now + 1
+            self.streams.opening(info)
             old = info.stream
             info.streams_opened += 1
             handle = StreamHandle(self, info, info.streams_opened)
@@ -350,41 +343,27 @@ class StageRuntime:
             self._queue.clear(info.session_id)
             if reset:
                 self._queue.put(info.session_id, (None, RESET))
-        self._release(handle)
-        if end is not END and not handle.closed:
-            self._ending[handle] = time.monotonic() + _CANCEL_GRACE_S
-        handle._end(end)
+        self.streams.release(handle)
+        if end is not END:
+            self.streams.ending(handle, restart=True)
+        handle.end(end)
 
-    def _release(self, handle: StreamHandle) -> None:
-        """Give the stream's queued and unread bytes back to the budget (once)."""
-        if not handle.released:
-            handle.released = True
-            self.budget.give(handle.pending_bytes)
-
-    def _detach(self, handle: StreamHandle) -> None:
+    # -- what a stream asks of its runtime (fedpipe.server.streams.StreamOwner) ----------------
+    def stream_close(self, handle: StreamHandle) -> None:
         """The transport is done with ``handle`` (its RPC ended): it holds nothing any more."""
         with self._lock:
             if handle.info.stream is handle:  # a stream that was replaced touches nothing
                 self._unlink(handle.info, handle, END)
-            if not handle.closed:
-                handle.closed = True
-                self._release(handle)
-                self._ending.pop(handle, None)
-                device = handle.info.device_id
-                left = self._device_streams.get(device, 1) - 1
-                if left > 0:
-                    self._device_streams[device] = left
-                else:
-                    self._device_streams.pop(device, None)
+            self.streams.closed(handle)
 
-    def _break(self, handle: StreamHandle) -> None:
+    def stream_break(self, handle: StreamHandle) -> None:
         """The stream ends with an error (its own or its RPC's end); cancelled if it lingers."""
         with self._lock:
             handle.broken = True
-            if not handle.closed:
-                self._ending.setdefault(handle, time.monotonic() + _CANCEL_GRACE_S)
+            self.streams.ending(handle)
 
-    def _submit(self, handle: StreamHandle, msg: StageMsg) -> None:
+    def stream_submit(self, handle: StreamHandle, msg: StageMsg) -> None:
+        """Queue one device message for the worker; raises past the session's bounds."""
         info = handle.info
         nbytes = message_bytes(msg)
         if not info.dropped and not handle.broken:  # before the worker can take it
@@ -397,30 +376,10 @@ class StageRuntime:
                 raise StreamReplacedError(f"stream {handle.epoch} is no longer the session's")
             if handle.broken:
                 return  # the stream is ending with an error already
-            self._admit(handle, nbytes, "a message")
+            self.streams.admit(handle, nbytes, "a message")
             self._queue.put(info.session_id, (handle, msg))
 
-    def _admit(self, handle: StreamHandle, nbytes: int, what: str) -> None:
-        """Count one more queued or unread item of ``nbytes`` (caller holds ``_lock``)."""
-        info, lim = handle.info, self.limits
-        if handle.pending >= lim.max_pending:
-            raise StageCapacityError(
-                f"session {info.short} has {handle.pending} messages queued or "
-                f"unread, its limit (server.max_pending = {lim.max_pending}); read the "
-                "replies and send less ahead"
-            )
-        if handle.pending_bytes + nbytes > lim.max_pending_bytes:
-            raise StageCapacityError(
-                f"session {info.short} has {handle.pending_bytes} bytes queued or "
-                f"unread, {what} of {nbytes} more passes its limit "
-                f"(server.max_pending_mb = {lim.max_pending_bytes / 2**20:g})"
-            )
-        self.budget.take(nbytes, f"{what} of session {info.short}")
-        handle.pending += 1
-        handle.pending_bytes += nbytes
-        handle.last_active = info.last_seen = time.monotonic()
-
-    def _echo(self, handle: StreamHandle, msg: StageMsg) -> None:
+    def stream_echo(self, handle: StreamHandle, msg: StageMsg) -> None:
         """Answer a link probe at once, beside the worker's replies (stage.proto: ECHO).
 
         The reply skips the compute queue, so a probe times the link, not the server's backlog.
@@ -447,7 +406,7 @@ class StageRuntime:
                     f"ECHO number {info.echoes + 1} of session {info.short}; a session may probe "
                     f"the link {self.limits.max_echoes} times (a planner needs about 10)"
                 )
-            self._admit(handle, nbytes, "a link probe's reply")
+            self.streams.admit(handle, nbytes, "a link probe's reply")
             info.echoes += 1
             handle.echo_out = True
             if handle.unread_since is None:
@@ -455,9 +414,9 @@ class StageRuntime:
         reply = StageMsg(Kind.ECHO, msg.step, msg.microbatch)
         if msg.tokens > 0:
             reply.tensor = torch.zeros(msg.tokens, info.seq_len, self.hidden_size)
-        handle._reply(reply, nbytes)
+        handle.reply(reply, nbytes)
 
-    def _decoding(self, handle: StreamHandle, nbytes: int) -> int:
+    def stream_decoding(self, handle: StreamHandle, nbytes: int) -> int:
         """Draw what decoding one frame may allocate (the session's largest tensors at most)."""
         info = handle.info
         bound = info.microbatch_size * info.seq_len * (self.hidden_size * 4 + 8)
@@ -465,24 +424,19 @@ class StageRuntime:
         self.budget.take(nbytes, f"decoding a message of session {info.short}")
         return nbytes
 
-    def _finish(self, handle: StreamHandle) -> None:
+    def stream_finish(self, handle: StreamHandle) -> None:
+        """The device half-closed: end the replies after those to everything it sent."""
         with self._lock:
             if handle.info.stream is handle:
                 self._queue.put(handle.info.session_id, (handle, END))
 
-    def _give(self, nbytes: int) -> None:
+    def stream_give(self, nbytes: int) -> None:
+        """Budget drawn by :meth:`stream_decoding`, given back."""
         self.budget.give(nbytes)
 
-    def _taken(self, handle: StreamHandle, nbytes: int, item: object) -> None:
-        with self._lock:
-            handle.pending -= 1
-            handle.pending_bytes -= nbytes
-            if not handle.released:
-                self.budget.give(nbytes)
-            if isinstance(item, StageMsg) and item.kind is Kind.ECHO:
-                handle.echo_out = False
-            handle.last_active = handle.info.last_seen = time.monotonic()
-            handle.unread_since = None if handle.nothing_unread() else handle.last_active
+    def stream_taken(self, handle: StreamHandle, nbytes: int, item: object) -> None:
+        """The transport took a reply off ``handle`` (the ledger frees its slot)."""
+        self.streams.taken(handle, nbytes, item)
 
     # -- rounds and the global adapter -----------------------------------------------------
     def commit_round(self, round_: int, finished: dict[str, float]) -> CommitResult:
@@ -550,7 +504,7 @@ class StageRuntime:
             with self._bank_lock:
                 result = self._collect(round_, finished)
             self._collected[round_] = result
-            while len(self._collected) > 2:
+            while len(self._collected) > KEEP_COLLECTS:
                 del self._collected[min(self._collected)]
             return result
 
@@ -651,7 +605,7 @@ class StageRuntime:
             elif handle is None or info.stream is not handle or handle.broken:
                 continue  # leftovers of a stream that ended
             elif item is END:
-                handle._end(END)
+                handle.end(END)
             else:
                 assert isinstance(item, StageMsg)
                 work.append((info, item, handle))
@@ -673,7 +627,7 @@ class StageRuntime:
                     continue  # an earlier message of the session failed in this call
                 log.warning("[%s] %s failed: %s", info.device_id, msg, reply)
                 self._reset_step(info)
-                self._break(handle)
+                self.stream_break(handle)
             elif handle.broken:
                 continue  # its session failed in this call: the step is undone
             self._deliver(handle, msg, reply)
@@ -694,14 +648,9 @@ class StageRuntime:
 
     def _deliver(self, handle: StreamHandle, msg: StageMsg, reply: Reply) -> None:
         nbytes = message_bytes(reply) if isinstance(reply, StageMsg) else 0
-        with self._lock:
-            change = nbytes - message_bytes(msg)
-            handle.pending_bytes += change
-            if not handle.released:
-                self.budget.force(change)  # computed: the message's bytes become the reply's
-            if handle.unread_since is None:
-                handle.unread_since = time.monotonic()
-        handle._reply(reply, nbytes)
+        with self._lock:  # computed: the message's bytes become the reply's
+            self.streams.computed(handle, message_bytes(msg), nbytes)
+        handle.reply(reply, nbytes)
 
     def _reap(self) -> None:
         every = max(0.05, min(1.0, self.limits.stream_idle_s / 4, self.limits.session_idle_s / 4))
@@ -716,11 +665,7 @@ class StageRuntime:
         error queued for it is never sent, and the stream would hold its gRPC thread for good.
         """
         now = time.monotonic() if now is None else now
-        with self._lock:
-            stuck = [h for h, by in self._ending.items() if now >= by]
-            for handle in stuck:
-                del self._ending[handle]
-        for handle in stuck:
+        for handle in self.streams.overdue(now):
             log.info(
                 "[%s] stream %d of session %s did not end after the server ended it: cancelled",
                 handle.info.device_id,

@@ -176,7 +176,7 @@ def test_streams_that_never_read_are_cut_off_and_cannot_starve_other_devices(
         refused, most = 0, 0
         for _ in range(70):
             bad.append(_NeverReads(server.address, session_id, big))
-            most = max(most, server.runtime._device_streams.get("hostile", 0))
+            most = max(most, server.runtime.streams.open_by_device().get("hostile", 0))
         assert most <= cap  # never more than the device's cap at once
         wait_for(lambda: slots.live <= cap, "the refused streams to end", timeout=10)
         for stream in bad:
@@ -190,7 +190,7 @@ def test_streams_that_never_read_are_cut_off_and_cannot_starve_other_devices(
             assert torch.equal(got[name], expected[name]), name
         deadline = idle_s + 2.0 + 2.0  # idle, the grace before a cancel, a reaper pass
         wait_for(lambda: slots.live == 0, "every stalled stream to end", timeout=deadline + 5)
-        assert server.runtime._device_streams == {}
+        assert server.runtime.streams.open_by_device() == {}
     finally:
         for stream in bad:
             stream.close()
