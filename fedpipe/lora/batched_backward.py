@@ -25,7 +25,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fedpipe.lora.batched_blocks import (
@@ -34,6 +33,7 @@ from fedpipe.lora.batched_blocks import (
     Slices,
     Tape,
     by_length,
+    eager_attention,
     float_mask,
     join,
     row_slices,
@@ -171,42 +171,122 @@ class _Block:
 
     def backward(self, dys: list[Tensor], need_dx: bool) -> list[Tensor]:
         """dL/d(block input) per tape from dL/d(block output); adapter gradients on the side."""
-        layer, attn, mlp = self.layer, self.layer.self_attn, self.layer.mlp
+        attn, mlp = self.layer.self_attn, self.layer.mlp
+        shape = self.runner.layout
         recs = self.records
         dh2 = join(dys)  # (N, C)
-        # MLP: h2 = h1 + down(silu(gate) * up)
+        # MLP: h2 = h1 + down(act(gate) * up) (post-normed, scaled where the layout says)
+        d_out = self._branch(shape.mlp_post_norm, "mlp", dh2)
         gate, up = join([r.gate for r in recs]), join([r.up for r in recs])
-        act = F.silu(gate)
-        d_inner = self._linear("mlp.down_proj", mlp.down_proj, dh2, lambda: act * up)
+        act = self.runner.activation(gate)
+        d_inner = self._linear("mlp.down_proj", mlp.down_proj, d_out, lambda: act * up)
         assert d_inner is not None
-        d_gate = torch.ops.aten.silu_backward(d_inner * up, gate)
+        d_gate = self.runner.activation_backward(d_inner * up, gate)
         d_up = d_inner * act
         h1 = join([r.h1 for r in recs])
-        norm2 = layer.post_attention_layernorm
-        normed = _Lazy(lambda: norm2(h1))
-        # The input's gradient sums its linears' terms in autograd's order (the linear made
-        # last first, its LoRA before its base), so that it equals the solo run to the bit.
-        d_normed = self._linear("mlp.up_proj", mlp.up_proj, d_up, normed)
-        d_normed = self._linear("mlp.gate_proj", mlp.gate_proj, d_gate, normed, d_normed)
+        normed = self._normed(shape.mlp_norm, h1)
+        d_normed = self._gate_up(mlp, d_gate, d_up, normed, _start(shape.mlp_norm, dh2))
         assert d_normed is not None
-        dh1 = _rms_backward(norm2, h1, d_normed, dh2)
+        dh1 = self._residual(shape.mlp_norm, h1, d_normed, dh2)
         # Attention: h1 = h0 + o_proj(attention(rope(q), rope(k), v))
+        d_out = self._branch(shape.attn_post_norm, "attn", dh1)
         heads = join([r.heads for r in recs])
-        d_heads = self._linear("self_attn.o_proj", attn.o_proj, dh1, lambda: heads)
+        d_heads = self._linear("self_attn.o_proj", attn.o_proj, d_out, lambda: heads)
         assert d_heads is not None
         dq, dk, dv = self._attention(attn, d_heads)
+        if shape.qk_norm != "none":
+            dq = self._norm_heads(attn.q_norm, "q", dq)
+            dk = self._norm_heads(attn.k_norm, "k", dk)
         h0 = join([r.h0 for r in recs])
-        norm1 = layer.input_layernorm
-        normed = _Lazy(lambda: norm1(h0))
-        d_normed = None
-        for name, d in (("v_proj", dv), ("k_proj", dk), ("q_proj", dq)):
+        normed = self._normed(shape.attn_norm, h0)
+        d_normed = self._qkv(attn, dq, dk, dv, normed, need_dx, _start(shape.attn_norm, dh1))
+        if d_normed is None:  # nobody needs what lies below this block
+            return dys
+        dh0 = self._residual(shape.attn_norm, h0, d_normed, dh1)
+        return [dh0[rows] for rows in self.slices]
+
+    def _branch(self, post_norm: str | None, key: str, d: Tensor) -> Tensor:
+        """dL/d(branch output before its post-norm) from dL/d(residual sum): through the
+        residual multiplier and the post-norm where the layout has them (else ``d`` itself)."""
+        if self.runner.residual_multiplier is not None:
+            d = d * self.runner.residual_multiplier
+        if post_norm is None:
+            return d
+        x = join([r.extra[key] for r in self.records])
+        return _rms_backward(getattr(self.layer, post_norm), x, d, None, self._offset)
+
+    def _normed(self, norm: str | None, x: Tensor) -> Callable[[], Tensor]:
+        """The branch's input, the norm of ``x`` made on first use (``x`` without a norm)."""
+        if norm is None:
+            return lambda: x
+        module = getattr(self.layer, norm)
+        return _Lazy(lambda: module(x))
+
+    def _residual(self, norm: str | None, x: Tensor, d_normed: Tensor, residual: Tensor) -> Tensor:
+        """dL/dx of ``x + f(norm(x))`` from dL/d(norm(x)) and the residual's gradient (without
+        a norm, ``d_normed`` has the residual's gradient already: see :func:`_start`)."""
+        if norm is None:
+            return d_normed
+        return _rms_backward(getattr(self.layer, norm), x, d_normed, residual, self._offset)
+
+    @property
+    def _offset(self) -> float:
+        return self.runner.layout.norm_offset
+
+    def _norm_heads(self, norm: Any, key: str, d: Tensor) -> Tensor:
+        """dL/d(q or k before its norm), (N, width), from dL/d(its norm's output)."""
+        x = join([r.extra[key] for r in self.records])
+        if self.runner.layout.qk_norm == "projection":
+            return _rms_backward(norm, x, d, None, self._offset)
+        dim = self.layer.self_attn.head_dim
+        flat = _rms_backward(norm, x.reshape(-1, dim), d.reshape(-1, dim), None, self._offset)
+        return flat.view(d.shape)
+
+    def _gate_up(
+        self,
+        mlp: Any,
+        d_gate: Tensor,
+        d_up: Tensor,
+        normed: Callable[[], Tensor],
+        into: Tensor | None,
+    ) -> Tensor | None:
+        """dL/d(MLP input) through gate and up, two linears or one fused (gate first), added
+        to ``into`` where given."""
+        names = self.runner.layout.gate_up
+        if len(names) == 1:
+            fused = torch.cat((d_gate, d_up), dim=-1)
+            return self._linear(f"mlp.{names[0]}", getattr(mlp, names[0]), fused, normed, into)
+        # The input's gradient sums its linears' terms in autograd's order (the linear made
+        # last first, its LoRA before its base), so that it equals the solo run to the bit.
+        gate, up = names
+        d_normed = self._linear(f"mlp.{up}", getattr(mlp, up), d_up, normed, into)
+        return self._linear(f"mlp.{gate}", getattr(mlp, gate), d_gate, normed, d_normed)
+
+    def _qkv(
+        self,
+        attn: Any,
+        dq: Tensor,
+        dk: Tensor,
+        dv: Tensor,
+        normed: Callable[[], Tensor],
+        need_dx: bool,
+        into: Tensor | None,
+    ) -> Tensor | None:
+        """dL/d(attention input) through q, k and v, three linears or one fused, added to
+        ``into`` where given."""
+        names = self.runner.layout.qkv
+        if len(names) == 1:
+            fused = torch.cat((dq, dk, dv), dim=-1)
+            linear = getattr(attn, names[0])
+            return self._linear(
+                f"self_attn.{names[0]}", linear, fused, normed, into, need_dx=need_dx
+            )
+        d_normed = into
+        for name, d in reversed(list(zip(names, (dq, dk, dv), strict=True))):
             d_normed = self._linear(
                 f"self_attn.{name}", getattr(attn, name), d, normed, d_normed, need_dx=need_dx
             )
-        if d_normed is None:  # nobody needs what lies below this block
-            return dys
-        dh0 = _rms_backward(norm1, h0, d_normed, dh1)
-        return [dh0[rows] for rows in self.slices]
+        return d_normed
 
     def _linear(
         self,
@@ -344,9 +424,12 @@ class _Block:
             out = heads.view(-1, length, q.shape[1], head_dim).transpose(1, 2)
             lse = None if part[0].lse is None else join([r.lse for r in part])  # type: ignore[misc]
             mask = self.runner.mask(self.index, length, q)
-            dq, dk, dv = _attend_backward(d_out, q, k, v, out, lse, mask, attn.scaling)
-            cos, sin = self.runner.rotary(length, q)
-            dq, dk = _rope_backward(dq, cos, sin), _rope_backward(dk, cos, sin)
+            dq, dk, dv = _attend_backward(
+                d_out, q, k, v, out, lse, mask, attn.scaling, self.runner.softcap
+            )
+            if self.runner.uses_rope(self.index):
+                cos, sin = self.runner.rotary(length, q, self.index)
+                dq, dk = _rope_backward(dq, cos, sin), _rope_backward(dk, cos, sin)
             flat = [t.transpose(1, 2).reshape(-1, t.shape[1] * head_dim) for t in (dq, dk, dv)]
             if whole:
                 return flat[0], flat[1], flat[2]
@@ -357,6 +440,13 @@ class _Block:
                     target[r] = source[start : start + size]
                 start += size
         return outs[0], outs[1], outs[2]
+
+
+def _start(norm: str | None, residual: Tensor) -> Tensor | None:
+    """Where a branch's input gradient starts: a copy of the residual's gradient when the
+    branch has no input norm (OLMo 2), as autograd sums it first; else None (the norm's
+    backward adds the residual, :func:`_rms_backward`)."""
+    return residual.clone() if norm is None else None
 
 
 class _Lazy:
@@ -381,8 +471,10 @@ def _attend_backward(
     lse: Tensor | None,
     mask: Tensor | None,
     scale: float,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """dL/d(q, k, v) of (B, H, T, D) attention: the fused CPU kernel's backward, or autograd."""
+    """dL/d(q, k, v) of (B, H, T, D) attention: the fused CPU kernel's backward, or autograd
+    (through eager attention where the logits are soft-capped)."""
     causal = mask is None and q.shape[2] > 1
     if lse is not None:
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
@@ -399,6 +491,11 @@ def _attend_backward(
         )
         return dq, dk, dv
     leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    if softcap is not None:
+        with torch.enable_grad():
+            again = eager_attention(leaves[0], leaves[1], leaves[2], mask, scale, softcap)
+            dq, dk, dv = torch.autograd.grad(again, leaves, d_out)
+        return dq, dk, dv
     with torch.enable_grad():
         again = torch.nn.functional.scaled_dot_product_attention(
             leaves[0],
@@ -414,26 +511,48 @@ def _attend_backward(
 
 
 def _rope_backward(d: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """dL/dx of x cos + rotate_half(x) sin; rotate_half's transpose is -rotate_half."""
+    """dL/dx of x cos + rotate_half(x) sin; rotate_half's transpose is -rotate_half. With a
+    partial rotary (cos narrower than x) the dims past it pass their gradient through."""
+    dim = cos.shape[-1]
+    if dim < d.shape[-1]:
+        return torch.cat((_unrotate(d[..., :dim], cos, sin).to(d.dtype), d[..., dim:]), dim=-1)
+    return _unrotate(d, cos, sin).to(d.dtype)
+
+
+def _unrotate(d: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (1, 1, T, D)
     ds = d * sin
     half = d.shape[-1] // 2
     return d * cos + torch.cat((ds[..., half:], -ds[..., :half]), dim=-1)
 
 
-def _rms_backward(norm: Any, x: Tensor, dy: Tensor, residual: Tensor) -> Tensor:
+def _rms_backward(
+    norm: Any, x: Tensor, dy: Tensor, residual: Tensor | None, offset: float = 0.0
+) -> Tensor:
     """dL/dx of ``x + f(norm(x))`` (HF's RMSNorm ``w * x * rsqrt(mean(x^2) + eps)``, its weight
-    frozen) from the residual's gradient and the norm output's gradient ``dy``.
+    frozen) from the residual's gradient and the norm output's gradient ``dy``; without
+    ``residual``, of ``norm(x)`` alone (a post-norm, a q/k norm). ``offset``: the norm scales
+    by ``offset + w`` (Gemma's ``1 + w``, computed in float32 as its norm does).
 
     The three terms are those autograd forms through the residual, mul, pow, mean and rsqrt,
     summed in its order, so the result is the solo run's to the bit:
     (residual + g r) + (sum(g x) * -r^3 / 2) / C * 2 x.
     """
     xf = x.float()
-    r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-    g = (dy * norm.weight).float()
+    r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + _eps(norm))
+    if offset:
+        g = dy.float() * (offset + norm.weight.float())
+    else:
+        g = (dy * norm.weight).float()
     d_var = (g * xf).sum(-1, keepdim=True) * (-0.5 * r.pow(3))  # (N, 1)
-    return ((residual + g * r) + (d_var / x.shape[-1]) * (2 * xf)).to(x.dtype)
+    direct = g * r if residual is None else residual + g * r
+    return (direct + (d_var / x.shape[-1]) * (2 * xf)).to(x.dtype)
+
+
+def _eps(norm: Any) -> float:
+    """An RMSNorm's epsilon (``variance_epsilon``; Gemma's ``eps``)."""
+    eps = getattr(norm, "variance_epsilon", None)
+    return float(norm.eps if eps is None else eps)
 
 
 def _add(grads: Grads, param: nn.Parameter, grad: Tensor) -> None:

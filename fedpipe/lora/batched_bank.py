@@ -35,38 +35,52 @@ from torch import Tensor, nn
 from fedpipe.lora.aggregation import BaseFold
 from fedpipe.lora.base import Family, Group, LoraSettings, global_name, initial_lora_a
 from fedpipe.lora.batched_backward import TapedBlocks, WeightGrads, backward_blocks
-from fedpipe.lora.batched_blocks import AdapterTensors, BlockRunner, Tape
+from fedpipe.lora.batched_blocks import (
+    ACTIVATIONS,
+    AdapterTensors,
+    BlockRunner,
+    Tape,
+    activation_name,
+)
 from fedpipe.lora.peft_bank import GLOBAL_ADAPTER, AdapterBank, SharedAggregation
-from fedpipe.models.families import FAMILIES
+from fedpipe.models.families import FAMILIES, FamilySpec
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BatchedAdapterBank", "adapter_bank", "batchable"]
+__all__ = ["BatchedAdapterBank", "adapter_bank", "batchable", "batched_families"]
 
-# Linears of a Llama-family block that the batched forward computes (attention and MLP).
-_LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_LLAMA_DEFAULT = ("q_proj", "k_proj", "v_proj", "o_proj")
+# Dropout inside the blocks (active while a stage trains): the batched forward has none.
+_BLOCK_DROPOUTS = ("attention_dropout", "resid_pdrop")
 
 # linear -> (A, B): see batched_blocks.AdapterTensors
 
 
+def batched_families() -> tuple[str, ...]:
+    """The model_types whose blocks the batched bank computes, in table order."""
+    return tuple(t for t, s in FAMILIES.items() if s.batched)
+
+
 def batchable(stage: nn.Module, settings: LoraSettings, family: Family) -> str:
     """Why ``stage`` cannot be served by a :class:`BatchedAdapterBank` ("" when it can)."""
+    exact = ", ".join(batched_families())
     if family != "llama":
-        return f"the {family} family has no batched forward (Llama-family blocks only)"
-    model_type = getattr(getattr(stage, "config", None), "model_type", None)
+        return f"the {family} family has no batched forward (Llama-layout blocks only: {exact})"
+    config = getattr(stage, "config", None)
+    model_type = getattr(config, "model_type", None)
     spec = FAMILIES.get(model_type or "")
     if spec is None or not spec.batched:
-        exact = ", ".join(t for t, s in FAMILIES.items() if s.batched)
         return f"model_type {model_type!r} has no batched forward (batched blocks: {exact})"
     if not getattr(stage, "block_indices", ()):
         return "the stage has no blocks"
-    act = getattr(getattr(stage, "config", None), "hidden_act", "silu")
-    if act != "silu":
-        return f"MLP activation {act!r} (the batched backward has SiLU only)"
+    act = activation_name(config, spec.block)
+    if act not in ACTIVATIONS:
+        return f"MLP activation {act!r} (the batched backward has {', '.join(ACTIVATIONS)})"
     if settings.dropout:
         return f"LoRA dropout {settings.dropout} (the batched forward has none)"
-    unknown = set(_targets(settings)) - set(_LLAMA_LINEARS)
+    dropouts = [n for n in _BLOCK_DROPOUTS if getattr(config, n, 0)]
+    if dropouts and stage.training:
+        return f"{', '.join(dropouts)} in a training stage (the batched forward has no dropout)"
+    unknown = set(_targets(settings, spec)) - set(spec.block.linears)
     if unknown:
         return f"LoRA targets {sorted(unknown)} are outside the blocks' linears"
     return ""
@@ -87,8 +101,9 @@ def adapter_bank(
     return AdapterBank(stage, settings, family=family)
 
 
-def _targets(settings: LoraSettings) -> tuple[str, ...]:
-    return settings.targets if settings.targets is not None else _LLAMA_DEFAULT
+def _targets(settings: LoraSettings, spec: FamilySpec) -> tuple[str, ...]:
+    """The linears LoRA adapts: as configured, else the family's default (peft's, the same)."""
+    return settings.targets if settings.targets is not None else spec.lora_targets
 
 
 class BatchedAdapterBank(SharedAggregation):
@@ -113,7 +128,8 @@ class BatchedAdapterBank(SharedAggregation):
             raise ValueError(f"this stage cannot be batched: {reason}; use AdapterBank")
         self.stage = stage.requires_grad_(False)
         self.scale = self.settings.alpha / self.settings.r
-        self._linears = _target_linears(stage, _targets(self.settings))
+        spec = FAMILIES[getattr(stage, "config").model_type]  # noqa: B009
+        self._linears = _target_linears(stage, _targets(self.settings, spec))
         self._adapters: dict[str, AdapterTensors] = {GLOBAL_ADAPTER: self._fresh()}
         self._runner = BlockRunner(stage, self._tensors, self.scale)
         self._initial = self._global_adapter()

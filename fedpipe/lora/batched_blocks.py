@@ -1,11 +1,16 @@
-"""Llama-family blocks over several sessions' microbatches: joined rows, one tape per session.
+"""Llama-layout blocks over several sessions' microbatches: joined rows, one tape per session.
 
 The numbers are those of the Hugging Face decoder layer that :meth:`_Stage.run_blocks` calls
 (RMSNorm, rotary positions arange(T), causal sdpa with GQA, the banded mask of a sliding window,
-SiLU-gated MLP); the difference is only where the work runs. The tokens of every group in a block
-are joined into one (tokens, C) tensor, so each frozen linear, norm, activation and residual is
-ONE op over all groups; each group's LoRA term runs on its own rows, and attention runs once per
-sequence length (the groups of one length joined along the batch).
+gated MLP); the difference is only where the work runs. What a family's layer does beyond the
+Llama block (post-norms, q/k norms, fused projections, a residual multiplier, blocks without
+rotary, soft-capped attention logits, Gemma's ``1 + w`` norms and GELU) is read from its
+:class:`~fedpipe.models.families.BlockLayout`, the ``block`` of its table entry.
+
+The tokens of every group in a block are joined into one (tokens, C) tensor, so each frozen
+linear, norm, activation and residual is ONE op over all groups; each group's LoRA term runs on
+its own rows, and attention runs once per sequence length (the groups of one length joined
+along the batch).
 
 The forward builds no autograd graph. When asked, it records per group a :class:`Tape`: what
 the backward of each block needs (its inputs, q/k/v after rotary, the attention output and its
@@ -27,16 +32,34 @@ from torch import Tensor, nn
 
 from fedpipe.lora.base import Group
 from fedpipe.lora.kernels import group_offsets, grouped_lora
+from fedpipe.models.families import FAMILIES, BlockLayout
 from fedpipe.split.loss import chunked_loss_sum, shifted_loss_sum
 from fedpipe.split.stages import _window_mask, sliding_window
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BlockRunner", "BlockTape", "Tape", "frozen_linear", "frozen_linears"]
+__all__ = [
+    "ACTIVATIONS",
+    "BlockRunner",
+    "BlockTape",
+    "Tape",
+    "eager_attention",
+    "frozen_linear",
+    "frozen_linears",
+]
 
 # linear's global name -> (A, B) of one adapter: (r, in), (out, r).
 AdapterTensors = dict[str, tuple[nn.Parameter, nn.Parameter]]
 Slices = list[slice]  # each group's rows in a joined (tokens, C) tensor
+
+# The MLP activations the batched blocks compute: config name -> (f, (grad, x) -> grad * f'(x)).
+ACTIVATIONS: dict[str, tuple[Callable[[Tensor], Tensor], Callable[[Tensor, Tensor], Tensor]]] = {
+    "silu": (F.silu, torch.ops.aten.silu_backward),
+    "gelu_pytorch_tanh": (
+        lambda x: F.gelu(x, approximate="tanh"),
+        lambda grad, x: torch.ops.aten.gelu_backward(grad, x, approximate="tanh"),
+    ),
+}
 
 
 @dataclass(eq=False)
@@ -44,6 +67,9 @@ class BlockTape:
     """What one group's backward through one block needs, on its rows only.
 
     Row tensors are (b*T, width); attention tensors (b, heads, T, head_dim) after rotary.
+    ``extra`` holds what a family's layout adds (its :meth:`BlockRunner._block`): q and k
+    before their norms (``q``, ``k``), the attention and MLP outputs before their post-norms
+    (``attn``, ``mlp``).
     """
 
     h0: Tensor  # block input (b*T, C)
@@ -56,6 +82,7 @@ class BlockTape:
     gate: Tensor  # gate_proj output before the activation (b*T, I)
     up: Tensor  # (b*T, I)
     lows: dict[str, Tensor] = field(default_factory=dict)  # linear -> x A^T (b*T, r)
+    extra: dict[str, Tensor] = field(default_factory=dict)  # the layout's own (b*T, width)
 
     def _rows(self) -> tuple[Tensor, ...]:
         return self.h0, self.h1, self.heads, self.q, self.k, self.v, self.gate, self.up
@@ -66,14 +93,15 @@ class BlockTape:
         if self.lse is not None:
             yield self.lse
         yield from self.lows.values()
+        yield from self.extra.values()
 
     def map(self, fn: Callable[[Tensor], Tensor]) -> BlockTape:
         """A record of ``fn`` of each tensor (moved elsewhere: host memory and back)."""
         h0, h1, heads, q, k, v, gate, up = (fn(t) for t in self._rows())
         lse = None if self.lse is None else fn(self.lse)
-        return BlockTape(
-            h0, h1, heads, q, k, v, lse, gate, up, {k: fn(v) for k, v in self.lows.items()}
-        )
+        lows = {key: fn(t) for key, t in self.lows.items()}
+        extra = {key: fn(t) for key, t in self.extra.items()}
+        return BlockTape(h0, h1, heads, q, k, v, lse, gate, up, lows, extra)
 
 
 @dataclass(eq=False)
@@ -200,7 +228,7 @@ def float_mask(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
 
 
 class BlockRunner:
-    """Runs a Llama-family stage's blocks (and its loss head) over groups of sessions."""
+    """Runs a Llama-layout stage's blocks (and its loss head) over groups of sessions."""
 
     def __init__(
         self, stage: nn.Module, adapter: Callable[[str], AdapterTensors], scale: float
@@ -209,6 +237,14 @@ class BlockRunner:
         self.adapter = adapter  # an adapter's tensors by name
         self.scale = scale  # LoRA alpha / r
         self.block_indices: tuple[int, ...] = tuple(getattr(stage, "block_indices"))  # noqa: B009
+        config: Any = getattr(stage, "config")  # noqa: B009
+        self.spec = FAMILIES[config.model_type]
+        self.layout: BlockLayout = self.spec.block  # what the family's layer adds to Llama's
+        shape = self.layout
+        self.activation, self.activation_backward = ACTIVATIONS[activation_name(config, shape)]
+        # Granite's residual multiplier and Gemma 2's attention soft-cap (None: none).
+        self.residual_multiplier = _config_value(config, shape.residual_multiplier)
+        self.softcap = _config_value(config, shape.softcap)
         # The fused CPU attention kernel keeps its log-sum-exp for the backward; elsewhere the
         # backward recomputes attention under autograd (the same numbers, one more forward).
         self.fused_attention = True
@@ -263,13 +299,25 @@ class BlockRunner:
             pairs = zip(normed, labels, strict=True)
             return [chunked_loss_sum(n, lb, project, chunk=chunk) for n, lb in pairs]
         logits = frozen_linear(normed, self.stage.lm_head)  # (b, T, V) per group
+        if self.spec.logits is not None:  # Gemma's final soft-capping, Granite's scaling
+            logits = [self.spec.logits(lg, self.stage.config) for lg in logits]
         return [shifted_loss_sum(lg, lb) for lg, lb in zip(logits, labels, strict=True)]
 
-    def rotary(self, length: int, like: Tensor) -> tuple[Tensor, Tensor]:
-        """(cos, sin) at positions arange(T): (1, T, D) each."""
+    def rotary(self, length: int, like: Tensor, index: int | None = None) -> tuple[Tensor, Tensor]:
+        """(cos, sin) at positions arange(T): (1, T, D) each (block ``index``'s where the
+        family has a rotary per layer type: Gemma 3's local and global)."""
         positions = torch.arange(length, device=like.device).unsqueeze(0)  # (1, T)
+        if index is not None and self.spec.rotary_per_layer_type:
+            kind = self.stage.config.layer_types[index]
+            cos, sin = self.stage.rotary_emb(like, positions, kind)
+            return cos, sin
         cos, sin = self.stage.rotary_emb(like, position_ids=positions)
         return cos, sin
+
+    def uses_rope(self, index: int) -> bool:
+        """Whether block ``index`` applies rotary to q and k (SmolLM3's NoPE blocks do not)."""
+        name = self.layout.rope_layers
+        return name is None or bool(getattr(self.stage.config, name)[index])
 
     def mask(self, index: int, length: int, like: Tensor) -> Tensor | None:
         """Block ``index``'s attention mask at length T (None: plain causal)."""
@@ -364,34 +412,113 @@ class BlockRunner:
         adapters: list[AdapterTensors],
         records: list[dict[int, BlockTape]] | None,
     ) -> list[Tensor]:
-        """One decoder layer over the joined rows: h + attn(norm(h)), then h + mlp(norm(h))."""
+        """One decoder layer over the joined rows: h + attn(norm(h)), then h + mlp(norm(h)),
+        with what the family's layout adds (post-norms, q/k norms, fused linears, a residual
+        multiplier)."""
         layer = self.stage.layers[str(index)]
         attn, mlp, prefix = layer.self_attn, layer.mlp, f"layers.{index}"
+        shape = self.layout
         width = hs[0].shape[-1]
         slices = row_slices([h.shape[0] * h.shape[1] for h in hs])
         lows: list[dict[str, Tensor]] | None = None if records is None else [{} for _ in hs]
+        extra: dict[str, Tensor] = {}  # joined rows the layout's backward needs
         h0 = join([h.reshape(-1, width) for h in hs])  # (N, C)
-        normed = layer.input_layernorm(h0)
-        q, k, v = (
-            self.lora(f"{prefix}.self_attn.{n}", getattr(attn, n), normed, slices, adapters, lows)
-            for n in ("q_proj", "k_proj", "v_proj")
-        )
+        normed = _norm(layer, shape.attn_norm, h0)
+        q, k, v = self._qkv(prefix, attn, normed, slices, adapters, lows)
+        if shape.qk_norm != "none":
+            extra["q"], extra["k"] = q, k
+            q = _norm_heads(attn.q_norm, q, shape, attn)
+            k = _norm_heads(attn.k_norm, k, shape, attn)
         heads, saved = self._attention(index, attn, hs, slices, q, k, v)
-        h1 = h0 + self.lora(
-            f"{prefix}.self_attn.o_proj", attn.o_proj, heads, slices, adapters, lows
-        )
-        normed = layer.post_attention_layernorm(h1)
-        gate = self.lora(f"{prefix}.mlp.gate_proj", mlp.gate_proj, normed, slices, adapters, lows)
-        up = self.lora(f"{prefix}.mlp.up_proj", mlp.up_proj, normed, slices, adapters, lows)
-        inner = mlp.act_fn(gate) * up
-        h2 = h1 + self.lora(f"{prefix}.mlp.down_proj", mlp.down_proj, inner, slices, adapters, lows)
+        out = self.lora(f"{prefix}.self_attn.o_proj", attn.o_proj, heads, slices, adapters, lows)
+        h1 = self._residual(layer, shape.attn_post_norm, h0, out, extra, "attn")
+        normed = _norm(layer, shape.mlp_norm, h1)
+        gate, up = self._gate_up(prefix, mlp, normed, slices, adapters, lows)
+        inner = getattr(mlp, shape.act)(gate) * up
+        out = self.lora(f"{prefix}.mlp.down_proj", mlp.down_proj, inner, slices, adapters, lows)
+        h2 = self._residual(layer, shape.mlp_post_norm, h1, out, extra, "mlp")
         if records is not None and lows is not None:
             for i, rows in enumerate(slices):
                 qi, ki, vi, lse = saved[i]
                 records[i][index] = BlockTape(
-                    h0[rows], h1[rows], heads[rows], qi, ki, vi, lse, gate[rows], up[rows], lows[i]
+                    h0[rows],
+                    h1[rows],
+                    heads[rows],
+                    qi,
+                    ki,
+                    vi,
+                    lse,
+                    gate[rows],
+                    up[rows],
+                    lows[i],
+                    {key: t[rows] for key, t in extra.items()},
                 )
         return [h2[rows].view(h.shape) for h, rows in zip(hs, slices, strict=True)]
+
+    def _qkv(
+        self,
+        prefix: str,
+        attn: Any,
+        x: Tensor,
+        slices: Slices,
+        adapters: Sequence[AdapterTensors],
+        lows: Sequence[dict[str, Tensor]] | None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k and v (N, width) of the joined rows: three linears, or one fused (Phi-3)."""
+        names = self.layout.qkv
+        if len(names) == 1:
+            fused = self.lora(
+                f"{prefix}.self_attn.{names[0]}", getattr(attn, names[0]), x, slices, adapters, lows
+            )
+            q, k, v = fused.split(qkv_widths(attn), dim=-1)
+            return q, k, v
+        q, k, v = (
+            self.lora(f"{prefix}.self_attn.{n}", getattr(attn, n), x, slices, adapters, lows)
+            for n in names
+        )
+        return q, k, v
+
+    def _gate_up(
+        self,
+        prefix: str,
+        mlp: Any,
+        x: Tensor,
+        slices: Slices,
+        adapters: Sequence[AdapterTensors],
+        lows: Sequence[dict[str, Tensor]] | None,
+    ) -> tuple[Tensor, Tensor]:
+        """The MLP's gate and up (N, I) of the joined rows: two linears, or one fused (Phi-3:
+        gate first)."""
+        names = self.layout.gate_up
+        if len(names) == 1:
+            fused = self.lora(
+                f"{prefix}.mlp.{names[0]}", getattr(mlp, names[0]), x, slices, adapters, lows
+            )
+            gate, up = fused.chunk(2, dim=-1)
+            return gate, up
+        gate, up = (
+            self.lora(f"{prefix}.mlp.{n}", getattr(mlp, n), x, slices, adapters, lows)
+            for n in names
+        )
+        return gate, up
+
+    def _residual(
+        self,
+        layer: Any,
+        post_norm: str | None,
+        h: Tensor,
+        out: Tensor,
+        extra: dict[str, Tensor],
+        key: str,
+    ) -> Tensor:
+        """h + out: out after the layer's post-norm where it has one (kept for the backward
+        as ``extra[key]``), times the residual multiplier where the family has one."""
+        if post_norm is not None:
+            extra[key] = out
+            out = getattr(layer, post_norm)(out)
+        if self.residual_multiplier is not None:
+            return h + out * self.residual_multiplier
+        return h + out
 
     def _attention(
         self,
@@ -420,8 +547,9 @@ class BlockRunner:
                 .transpose(1, 2)
                 for t in (q, k, v)
             )  # (B, heads, T, D)
-            cos, sin = self.rotary(length, qc)
-            qc, kc = _rope(qc, cos, sin), _rope(kc, cos, sin)
+            if self.uses_rope(index):
+                cos, sin = self.rotary(length, qc, index)
+                qc, kc = _rope(qc, cos, sin), _rope(kc, cos, sin)
             out, lse = self._attend(qc, kc, vc, self.mask(index, length, qc), attn.scaling)
             flat = out.transpose(1, 2).reshape(-1, q.shape[-1])  # (B*T, H*D)
             if whole:
@@ -440,6 +568,8 @@ class BlockRunner:
         self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float
     ) -> tuple[Tensor, Tensor | None]:
         """(B, H, T, D) attention output, and the log-sum-exp when the fused kernel ran."""
+        if self.softcap is not None:  # Gemma 2: eager attention with soft-capped logits
+            return eager_attention(q, k, v, mask, scale, self.softcap), None
         causal = mask is None and q.shape[2] > 1
         if self.fused_attention and q.device.type == "cpu":
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
@@ -459,8 +589,70 @@ class BlockRunner:
 
 
 def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotary embedding of (B, heads, T, D) at (1, T, D) cos and sin (HF's formula)."""
+    """Rotary embedding of (B, heads, T, D) at (1, T, D') cos and sin (HF's formula); with
+    D' < D (Phi-3's partial_rotary_factor) the first D' dims rotate and the rest pass. In x's
+    dtype (OLMo 2's rotary is float32 whatever the weights' dtype; its code casts back)."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    dim = cos.shape[-1]
+    if dim < x.shape[-1]:
+        return torch.cat((_rotate(x[..., :dim], cos, sin).to(x.dtype), x[..., dim:]), dim=-1)
+    return _rotate(x, cos, sin).to(x.dtype)
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+def eager_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, softcap: float | None
+) -> Tensor:
+    """(B, H, T, D) causal attention as Hugging Face's eager code computes it (Gemma 2's, with
+    the logits soft-capped: cap * tanh(scores / cap)); ``mask`` the banded keep-mask or None."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:  # HF's repeat_kv
+        b, heads, length, dim = k.shape
+        k = k[:, :, None].expand(b, heads, groups, length, dim).reshape(b, -1, length, dim)
+        v = v[:, :, None].expand(b, heads, groups, length, dim).reshape(b, -1, length, dim)
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    length = q.shape[2]
+    if mask is None:
+        mask = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
+    floor = torch.tensor(torch.finfo(scores.dtype).min, dtype=scores.dtype, device=q.device)
+    scores = scores + torch.where(mask, torch.zeros((), dtype=scores.dtype, device=q.device), floor)
+    weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(weights, v)
+
+
+def _config_value(config: Any, name: str | None) -> float | None:
+    """The config field ``name`` as a float (None without a name or a value)."""
+    value = None if name is None else getattr(config, name, None)
+    return None if value is None else float(value)
+
+
+def activation_name(config: Any, layout: BlockLayout) -> str:
+    """The MLP activation ``config`` names (the field its family's layout says)."""
+    return str(getattr(config, layout.act_config, None) or "silu")
+
+
+def qkv_widths(attn: Any) -> list[int]:
+    """The widths of q, k and v in a fused projection (Phi-3's ``qkv_proj``)."""
+    config, dim = attn.config, attn.head_dim
+    kv = config.num_key_value_heads * dim
+    return [config.num_attention_heads * dim, kv, kv]
+
+
+def _norm(layer: Any, name: str | None, x: Tensor) -> Tensor:
+    """The layer's norm ``name`` of ``x`` (``x`` itself where the layout has none there)."""
+    return x if name is None else getattr(layer, name)(x)
+
+
+def _norm_heads(norm: nn.Module, x: Tensor, layout: BlockLayout, attn: Any) -> Tensor:
+    """q or k (N, heads * D) through its norm: over each head (Qwen3, Gemma 3) or the whole
+    projection (OLMo 2)."""
+    if layout.qk_norm == "projection":
+        return norm(x)
+    return norm(x.view(x.shape[0], -1, attn.head_dim)).view(x.shape[0], -1)

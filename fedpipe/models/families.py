@@ -5,12 +5,15 @@ embedding ``model.embed_tokens``, decoder layers ``model.layers.N`` called as
 ``layer(hidden, attention_mask=, position_ids=, position_embeddings=)``, a rotary embedding
 ``model.rotary_emb`` computed from the config, a final norm ``model.norm`` and ``lm_head``. What a
 family does beyond that (a scaled embedding, logits soft-capping or scaling, a rotary per layer
-type, eager attention, fused LoRA targets) is a field of its :class:`FamilySpec`. Adding a dense
-family of that layout is one entry. GPT-2 has its own layout and is not in the table.
+type, eager attention, fused LoRA targets) is a field of its :class:`FamilySpec`; how its decoder
+layer computes, for the batched server bank's own forward and backward, is its
+:class:`BlockLayout`. Adding a dense family of that layout is one entry. GPT-2 has its own
+layout and is not in the table.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +24,7 @@ from torch import Tensor
 
 __all__ = [
     "FAMILIES",
+    "BlockLayout",
     "FamilySpec",
     "attention_implementation",
     "family_spec",
@@ -55,6 +59,56 @@ def _logits_scaling(logits: Tensor, config: Any) -> Tensor:
 
 
 @dataclass(frozen=True)
+class BlockLayout:
+    """How a family's decoder layer computes, for the batched server bank's own forward and
+    backward of it (:mod:`fedpipe.lora.batched_blocks`): the Llama block by default.
+
+    Norms are attribute names of the layer (None: the block has none there): ``attn_norm`` and
+    ``mlp_norm`` normalise the branch inputs (Llama's ``input_layernorm`` and
+    ``post_attention_layernorm``), ``attn_post_norm`` and ``mlp_post_norm`` the branch outputs
+    before their residual add (OLMo 2, Gemma). ``norm_offset``: the RMSNorms scale by
+    ``offset + w`` (Gemma's ``1 + w``). ``qk_norm``: ``self_attn.q_norm`` / ``k_norm`` on q and k
+    before rotary, over each head (Qwen3, Gemma 3) or over the whole projection (OLMo 2).
+    ``qkv`` and ``gate_up`` name the attention's and the MLP's input linears, one fused linear
+    split in that order (Phi-3) or one each. ``act`` is the MLP's activation attribute and
+    ``act_config`` the config field naming it. The other fields name config fields:
+    ``residual_multiplier`` scales both branches before their residual add (Granite),
+    ``rope_layers`` says per block whether it applies rotary (SmolLM3's ``no_rope_layers``),
+    ``softcap`` caps the attention logits, ``cap * tanh(scores / cap)`` (Gemma 2). The attention
+    scale is the layer's own ``self_attn.scaling`` (Granite's ``attention_multiplier``, Gemma's
+    ``query_pre_attn_scalar``), the mask the stages' (causal, or banded where a block slides).
+    """
+
+    attn_norm: str | None = "input_layernorm"
+    attn_post_norm: str | None = None
+    mlp_norm: str | None = "post_attention_layernorm"
+    mlp_post_norm: str | None = None
+    norm_offset: float = 0.0
+    qk_norm: Literal["none", "head", "projection"] = "none"
+    qkv: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")
+    gate_up: tuple[str, ...] = ("gate_proj", "up_proj")
+    act: str = "act_fn"
+    act_config: str = "hidden_act"
+    residual_multiplier: str | None = None
+    rope_layers: str | None = None
+    softcap: str | None = None
+
+    @property
+    def linears(self) -> tuple[str, ...]:
+        """Every linear of the block, in the order its forward runs them."""
+        return (*self.qkv, "o_proj", *self.gate_up, "down_proj")
+
+
+_GEMMA = BlockLayout(
+    attn_post_norm="post_attention_layernorm",
+    mlp_norm="pre_feedforward_layernorm",
+    mlp_post_norm="post_feedforward_layernorm",
+    norm_offset=1.0,
+    act_config="hidden_activation",
+)
+
+
+@dataclass(frozen=True)
 class FamilySpec:
     """What fedpipe needs to know of one model_type beyond the common Llama layout.
 
@@ -65,8 +119,8 @@ class FamilySpec:
     ``layer_types`` entry (Gemma 3's local and global rotaries); ``eager`` runs eager attention
     (Gemma 2's attention soft-capping); ``sliding`` says which blocks a config's
     ``sliding_window`` applies to (those ``layer_types`` mark ``sliding_attention``, every block,
-    or none); ``batched`` marks families whose blocks the batched server bank computes exactly
-    (plain Llama blocks).
+    or none); ``block`` describes the decoder layer's computation for the batched server bank,
+    and ``batched`` marks the families whose blocks it computes exactly.
     """
 
     module: str
@@ -78,6 +132,7 @@ class FamilySpec:
     eager: bool = False
     sliding: Literal["layer_types", "every_block", "none"] = "layer_types"
     batched: bool = False
+    block: BlockLayout = BlockLayout()
 
     def _class(self, suffix: str) -> Any:
         # Deferred: importing every family's modeling module would slow each start.
@@ -106,16 +161,57 @@ FAMILIES: dict[str, FamilySpec] = {
     "llama": FamilySpec("llama", "Llama", sliding="none", batched=True),
     "qwen2": FamilySpec("qwen2", "Qwen2", batched=True),
     "mistral": FamilySpec("mistral", "Mistral", sliding="every_block", batched=True),
-    "qwen3": FamilySpec("qwen3", "Qwen3"),
-    "olmo2": FamilySpec("olmo2", "Olmo2", sliding="none"),
-    "granite": FamilySpec(
-        "granite", "Granite", embed=_embedding_multiplier, logits=_logits_scaling, sliding="none"
+    "qwen3": FamilySpec("qwen3", "Qwen3", batched=True, block=BlockLayout(qk_norm="head")),
+    "olmo2": FamilySpec(
+        "olmo2",
+        "Olmo2",
+        sliding="none",
+        batched=True,
+        block=BlockLayout(
+            attn_norm=None,
+            attn_post_norm="post_attention_layernorm",
+            mlp_norm=None,
+            mlp_post_norm="post_feedforward_layernorm",
+            qk_norm="projection",
+        ),
     ),
-    "smollm3": FamilySpec("smollm3", "SmolLM3"),
-    "phi3": FamilySpec("phi3", "Phi3", lora_targets=("qkv_proj", "o_proj"), sliding="every_block"),
-    "gemma2": FamilySpec("gemma2", "Gemma2", embed=_sqrt_hidden, logits=_final_softcap, eager=True),
+    "granite": FamilySpec(
+        "granite",
+        "Granite",
+        embed=_embedding_multiplier,
+        logits=_logits_scaling,
+        sliding="none",
+        batched=True,
+        block=BlockLayout(residual_multiplier="residual_multiplier"),
+    ),
+    "smollm3": FamilySpec(
+        "smollm3", "SmolLM3", batched=True, block=BlockLayout(rope_layers="no_rope_layers")
+    ),
+    "phi3": FamilySpec(
+        "phi3",
+        "Phi3",
+        lora_targets=("qkv_proj", "o_proj"),
+        sliding="every_block",
+        batched=True,
+        block=BlockLayout(qkv=("qkv_proj",), gate_up=("gate_up_proj",), act="activation_fn"),
+    ),
+    "gemma2": FamilySpec(
+        "gemma2",
+        "Gemma2",
+        embed=_sqrt_hidden,
+        logits=_final_softcap,
+        eager=True,
+        batched=True,
+        block=dataclasses.replace(_GEMMA, softcap="attn_logit_softcapping"),
+    ),
     "gemma3_text": FamilySpec(
-        "gemma3", "Gemma3", embed=_sqrt_hidden, logits=_final_softcap, rotary_per_layer_type=True
+        "gemma3",
+        "Gemma3",
+        embed=_sqrt_hidden,
+        logits=_final_softcap,
+        rotary_per_layer_type=True,
+        batched=True,
+        block=dataclasses.replace(_GEMMA, qk_norm="head"),
     ),
 }
 

@@ -1,7 +1,9 @@
 """The StageRuntime batching sessions: same replies and updates as one message at a time.
 
-A real runtime (worker thread, fair queue, policy, executor, streams) on tiny-llama; the worker
-is held on the first message so that the others queue up and the next call batches them.
+A real runtime (worker thread, fair queue, policy, executor, streams) on tiny-llama, and on a tiny
+random model of every other family the batched bank computes (:mod:`harness.tiny_families`, each
+with its default LoRA targets: Phi-3's fused ``qkv_proj``); the worker is held on the first
+message so that the others queue up and the next call batches them.
 """
 
 from __future__ import annotations
@@ -9,20 +11,30 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+import pytest
 import torch
 from harness.stage import hold_compute
+from harness.tiny_families import CASES, save_tiny
 from harness.waits import wait_for
 
 from fedpipe.config import FedpipeConfig, ServerConfig
 from fedpipe.errors import InvalidRequestError
 from fedpipe.lora import AdapterBank, BatchedAdapterBank
 from fedpipe.messages import Kind, StageMsg
+from fedpipe.models import resolve_model
 from fedpipe.server.build import build_runtime
 from fedpipe.server.streams import StreamHandle
 from fedpipe.trace import Tracer
 
 TIMEOUT = 30.0
 SHAPES = {"a": (1, 9), "b": (3, 16), "c": (2, 5)}  # rows, tokens: they differ within a call
+
+
+@pytest.fixture(scope="module", params=["tiny-llama", *CASES])
+def folder(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if request.param == "tiny-llama":
+        return resolve_model("tiny-llama")
+    return save_tiny(request.param, tmp_path_factory.mktemp(request.param))
 
 
 def _x(name: str, step: int, mb: int) -> torch.Tensor:

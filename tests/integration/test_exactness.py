@@ -347,7 +347,7 @@ def test_a_failed_server_update_still_surfaces(setups, wait: bool) -> None:
 
 
 # The families of the table beyond Llama, Qwen2 and Mistral: tiny random models of each, whose
-# blocks the server serves with peft's bank (the batched bank refuses them by model_type).
+# blocks the server serves with the batched bank (its own forward and backward of each layout).
 _FAMILY_CONFIGS: dict[str, dict] = {
     "qwen3": {"head_dim": 16, "use_sliding_window": True, "max_window_layers": 2},
     "olmo2": {},
@@ -397,7 +397,7 @@ def test_every_family_over_the_wire_equals_unsplit(
 ) -> None:
     folder = family_folders[model_type]
     setup = _setup(setups, folder, split)
-    assert type(setup.runtime.bank).__name__ == "AdapterBank"  # peft's: batched refuses it
+    assert type(setup.runtime.bank).__name__ == "BatchedAdapterBank"
     batches = _batches(setup.vocab)
     ref_losses, ref_grads, ref_weights = setup.reference_run(batches)
     losses, grads, weights = _pipelined(setup, _config(folder, split, "gpipe", 2), batches)

@@ -4,23 +4,28 @@ The reference is peft's AdapterBank through the HF decoder layers, one session a
 batched bank records a tape per group in one forward call (or several) and runs the backward of
 any set of them in one call: input gradients and every adapter's A and B gradients must agree at
 fp32 tolerance, for groups of different rows and lengths, subsets, the banded mask of a sliding
-window, GQA, groups with their own block range, and frozen heads.
+window, GQA, groups with their own block range, and frozen heads; on tiny-llama and on a tiny
+random stage of every other family the batched bank computes (:mod:`harness.tiny_families`).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import weakref
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from harness.tiny_families import CASES, lora_targets, tiny_stage
 from transformers import MistralConfig
 
 from fedpipe.lora import AdapterBank, BatchedAdapterBank, Group, LoraSettings
 from fedpipe.lora.batched_blocks import Tape
 from fedpipe.models import load_config, resolve_model
+from fedpipe.models.families import FAMILIES
 from fedpipe.split import MiddleStage, build_stage, split_layout
 
 torch.set_num_threads(1)
@@ -29,6 +34,7 @@ TOL = {"atol": 1e-5, "rtol": 1e-5}
 # (adapter, rows, tokens): different sizes and lengths, adapter "a" twice.
 SHAPES = [("a", 1, 7), ("b", 3, 12), ("c", 2, 4), ("a", 2, 12), ("b", 1, 4)]
 Grads = list[torch.Tensor | None]
+FAMILY_CASES = ["tiny-llama", *CASES]  # tiny-llama, then each other family batched
 
 
 @pytest.fixture(scope="module")
@@ -36,10 +42,12 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return resolve_model("tiny-llama", cache_dir=tmp_path_factory.mktemp("cache"))
 
 
-def _banks(stage: torch.nn.Module) -> tuple[AdapterBank, BatchedAdapterBank]:
+def _banks(
+    stage: torch.nn.Module, settings: LoraSettings = SETTINGS
+) -> tuple[AdapterBank, BatchedAdapterBank]:
     """The same stage under peft's bank and the batched one, with the same three adapters."""
-    solo = AdapterBank(copy.deepcopy(stage), SETTINGS, family="llama")
-    batched = BatchedAdapterBank(stage, SETTINGS, family="llama")
+    solo = AdapterBank(copy.deepcopy(stage), settings, family="llama")
+    batched = BatchedAdapterBank(stage, settings, family="llama")
     for seed, name in enumerate("abc", start=1):
         gen = torch.Generator().manual_seed(seed)
         state = {
@@ -48,6 +56,14 @@ def _banks(stage: torch.nn.Module) -> tuple[AdapterBank, BatchedAdapterBank]:
         solo.add(name, init=state)
         batched.add(name, init=state)
     return solo, batched
+
+
+def _family_banks(family: str, folder: Path) -> tuple[AdapterBank, BatchedAdapterBank]:
+    """Both banks over ``family``'s middle stage, SETTINGS' targets in its linears' names."""
+    if family == "tiny-llama":
+        return _banks(build_stage(folder, split_layout(load_config(folder)), "middle"))
+    targets = lora_targets(family, SETTINGS.targets or ())
+    return _banks(tiny_stage(family), dataclasses.replace(SETTINGS, targets=targets))
 
 
 def _cases(width: int, seed: int = 0) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
@@ -109,8 +125,9 @@ def _forward(
     return batched.run_taped([Group(n, x) for n, x, _ in cases])
 
 
-def test_one_backward_over_every_session_equals_solo(folder: Path) -> None:
-    solo, batched = _banks(build_stage(folder, split_layout(load_config(folder)), "middle"))
+@pytest.mark.parametrize("family", FAMILY_CASES)
+def test_one_backward_over_every_session_equals_solo(folder: Path, family: str) -> None:
+    solo, batched = _family_banks(family, folder)
     cases = _cases(64)
     taped = _forward(batched, cases)
     for (y, _), (name, x, _) in zip(taped, cases, strict=True):
@@ -119,12 +136,13 @@ def test_one_backward_over_every_session_equals_solo(folder: Path) -> None:
     _check(solo, batched, cases, list(range(len(cases))), got)
 
 
+@pytest.mark.parametrize("family", FAMILY_CASES)
 @pytest.mark.parametrize("chunk_rows", [None, 30])
 def test_subsets_from_several_forward_calls_equal_solo(
-    folder: Path, chunk_rows: int | None
+    folder: Path, chunk_rows: int | None, family: str
 ) -> None:
     """Tapes of two forward calls, backward in two calls that mix them (and run by chunks)."""
-    solo, batched = _banks(build_stage(folder, split_layout(load_config(folder)), "middle"))
+    solo, batched = _family_banks(family, folder)
     batched._runner.cpu_chunk_rows = chunk_rows
     cases = _cases(64, seed=1)
     tapes = [t for _, t in _forward(batched, cases[:3])] + [
@@ -156,6 +174,64 @@ def test_sliding_window_and_gqa_equal_the_hf_layers(fused: bool) -> None:
     assert all((t.blocks[1].lse is not None) == fused for _, t in taped)
     got = batched.backward([(tape, g) for (_, tape), (_, _, g) in zip(taped, cases, strict=True)])
     _check(solo, batched, cases, list(range(len(cases))), got)
+
+
+@pytest.mark.parametrize("family", list(CASES))
+@pytest.mark.parametrize("fused", [True, False])
+def test_each_family_with_and_without_the_fused_attention_kernel(family: str, fused: bool) -> None:
+    """Attention's backward from the fused CPU kernel's log-sum-exp, or recomputed (Gemma 2's
+    soft-capped eager attention always recomputes), and frozen heads on a tape."""
+    solo, batched = _family_banks(family, Path())
+    batched._runner.fused_attention = fused
+    cases = _cases(64, seed=2)
+    taped = batched.run_taped([Group(n, x) for n, x, _ in cases], [True, False, True, True, True])
+    capped = batched._runner.softcap is not None
+    assert all((t.blocks[1].lse is not None) == (fused and not capped) for _, t in taped)
+    got = batched.backward([(tape, g) for (_, tape), (_, _, g) in zip(taped, cases, strict=True)])
+    assert got[1] is None
+    want, grads = _solo(solo, cases, list(range(len(cases))))
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        if i != 1:
+            torch.testing.assert_close(g, w, **TOL)
+    for name in "abc":
+        _close(_take(batched, name), grads[name])
+
+
+# (family, layout field, value): without it the batched numbers are not the family's.
+_WITHOUT = [
+    ("qwen3", "qk_norm", "none"),
+    ("smollm3", "rope_layers", None),
+    ("granite", "residual_multiplier", None),
+    ("olmo2", "attn_post_norm", None),
+    ("olmo2", "mlp_post_norm", None),
+    ("gemma2", "softcap", None),
+    ("gemma2", "norm_offset", 0.0),
+    ("gemma3", "qk_norm", "none"),
+]
+
+
+@pytest.mark.parametrize(("family", "field", "value"), _WITHOUT)
+def test_each_layout_field_changes_the_numbers(
+    family: str, field: str, value: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tests above would see a layout detail missed: each field moves an output or a
+    gradient beyond their tolerance."""
+    model_type = CASES[family][0]
+    spec = FAMILIES[model_type]
+    plain = dataclasses.replace(spec, block=dataclasses.replace(spec.block, **{field: value}))
+    solo, _ = _family_banks(family, Path())
+    monkeypatch.setitem(FAMILIES, model_type, plain)
+    batched = BatchedAdapterBank(tiny_stage(family), solo.settings, family="llama")
+    batched.add("a", init=solo.state_dict("a"))
+    name, x, g = _cases(64, seed=5)[1]
+    x = x.clone().requires_grad_(True)
+    y = solo.run([Group("a", x)])[0]
+    y.backward(g)
+    ((got, tape),) = batched.run_taped([Group("a", x.detach())])
+    (dx,) = batched.backward([(tape, g)])
+    assert dx is not None and x.grad is not None
+    differs = not torch.allclose(got, y.detach(), **TOL) or not torch.allclose(dx, x.grad, **TOL)
+    assert differs, f"{family} without {field} computes the same numbers"
 
 
 def test_a_group_with_its_own_block_range_skips_the_others_in_backward(folder: Path) -> None:

@@ -5,6 +5,7 @@ fused projections); and the types fedpipe cannot split are refused in one line."
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from pathlib import Path
 from types import SimpleNamespace
@@ -16,7 +17,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-from fedpipe.lora import LoraSettings, apply_lora
+from fedpipe.lora import AdapterBank, Group, LoraSettings, adapter_bank, apply_lora
 from fedpipe.lora.base import lora_layers
 from fedpipe.lora.batched_bank import BatchedAdapterBank, batchable
 from fedpipe.models import load_config, model_family
@@ -275,18 +276,65 @@ def test_default_lora_targets_are_the_family_attention_and_exact(
         torch.testing.assert_close(param.grad, expected[f"model.{key}"].grad, atol=1e-6, rtol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["qwen3-untied", "gemma2-tied", "phi3", "granite"])
-def test_the_batched_bank_refuses_families_it_does_not_compute(
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_batched_bank_computes_every_family_as_peft_does(
     saved: dict[str, Path], name: str
 ) -> None:
+    """The server's middle stage of each case (loaded as the server loads it, its default LoRA
+    targets): the batched bank's outputs, input gradients and LoRA gradients are peft's."""
     folder = saved[name]
     plan = split_layout(load_config(folder), head_layers=1, tail_layers=1)
     middle = build_stage(folder, plan, "middle")
-    model_type = CASES[name][0]
+    settings = LoraSettings(r=4, alpha=8)
+    assert batchable(middle, settings, "llama") == ""
+    solo = AdapterBank(copy.deepcopy(middle), settings, family="llama")
+    batched = adapter_bank(middle, settings, family="llama")
+    assert isinstance(batched, BatchedAdapterBank)
+    gen = torch.Generator().manual_seed(2)
+    state = {k: torch.randn(v.shape, generator=gen) * 0.1 for k, v in solo.global_state().items()}
+    for bank in (solo, batched):
+        bank.add("a", init=state)
+    xs = [torch.randn(b, t, 64, generator=gen) for b, t in ((2, LENGTH), (1, WINDOW - 1))]
+    gs = [torch.randn(x.shape, generator=gen) for x in xs]
+    taped = batched.run_taped([Group("a", x) for x in xs])
+    dxs = batched.backward([(tape, g) for (_, tape), g in zip(taped, gs, strict=True)])
+    for (y, _), x, g, dx in zip(taped, xs, gs, dxs, strict=True):
+        x = x.clone().requires_grad_(True)
+        want = solo.run([Group("a", x)])[0]
+        want.backward(g)
+        torch.testing.assert_close(y, want.detach(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(dx, x.grad, rtol=1e-5, atol=1e-5)
+    want_grads = {k: p.grad for k, p in solo.named_parameters("a").items()}
+    for key, param in batched.named_parameters("a").items():
+        torch.testing.assert_close(param.grad, want_grads[key], rtol=1e-5, atol=1e-5, msg=key)
+
+
+def test_the_batched_bank_refuses_families_it_does_not_compute(
+    saved: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    middle = build_stage(
+        saved["qwen3-untied"], split_layout(load_config(saved["qwen3-untied"])), "middle"
+    )
+    monkeypatch.setitem(FAMILIES, "qwen3", dataclasses.replace(FAMILIES["qwen3"], batched=False))
     reason = batchable(middle, LoraSettings(), "llama")
-    assert f"model_type {model_type!r} has no batched forward" in reason
-    with pytest.raises(ValueError, match=f"cannot be batched: model_type '{model_type}'"):
+    assert "model_type 'qwen3' has no batched forward" in reason
+    with pytest.raises(ValueError, match="cannot be batched: model_type 'qwen3'"):
         BatchedAdapterBank(middle, LoraSettings())
+    assert isinstance(adapter_bank(middle, LoraSettings(), family="llama"), AdapterBank)
+
+
+def test_the_batched_bank_refuses_what_its_blocks_do_not_compute(saved: dict[str, Path]) -> None:
+    """LoRA targets outside the family's linears (Phi-3 has no q_proj), and dropout in the
+    blocks of a training stage (the server's stages run in eval mode)."""
+    plan = split_layout(load_config(saved["phi3"]))
+    phi3 = build_stage(saved["phi3"], plan, "middle")
+    assert batchable(phi3, LoraSettings(targets=("gate_up_proj", "down_proj")), "llama") == ""
+    reason = batchable(phi3, LoraSettings(targets=("q_proj", "qkv_proj")), "llama")
+    assert reason == "LoRA targets ['q_proj'] are outside the blocks' linears"
+    phi3.config.resid_pdrop = 0.1
+    assert batchable(phi3, LoraSettings(), "llama") == ""  # eval mode: no dropout runs
+    reason = batchable(phi3.train(), LoraSettings(), "llama")
+    assert reason.startswith("resid_pdrop in a training stage")
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,9 @@
 
 The reference is peft's AdapterBank running the HF decoder layers (``run_blocks``) one session at
 a time; the batched bank runs several sessions' microbatches of different sizes and lengths in
-one call. Outputs, input gradients and adapter gradients must agree at fp32 tolerance.
+one call. Outputs, input gradients and adapter gradients must agree at fp32 tolerance, for
+tiny-llama and for a tiny random stage of every other family the batched bank computes
+(:mod:`harness.tiny_families`: q/k norms, post-norms, fused projections, multipliers, ...).
 """
 
 from __future__ import annotations
@@ -14,9 +16,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from harness.tiny_families import CASES, tiny_stage
 from transformers import MistralConfig
 
-from fedpipe.lora import AdapterBank, BatchedAdapterBank, Group, LoraSettings, adapter_bank
+from fedpipe.lora import (
+    AdapterBank,
+    BatchedAdapterBank,
+    Group,
+    LoraSettings,
+    adapter_bank,
+    batchable,
+)
 from fedpipe.models import load_config, resolve_model
 from fedpipe.split import MiddleStage, build_stage, split_layout
 
@@ -25,11 +35,22 @@ SETTINGS = LoraSettings(r=4, alpha=8, seed=3)
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 # (adapter, rows, tokens): different sizes and lengths in one call, one adapter twice.
 SHAPES = [("a", 1, 7), ("b", 3, 12), ("c", 2, 4), ("a", 2, 12)]
+# tiny-llama, then a tiny random stage of each other family the batched bank computes.
+FAMILY_CASES = ["tiny-llama", *CASES]
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return resolve_model("tiny-llama", cache_dir=tmp_path_factory.mktemp("cache"))
+
+
+def _stage(family: str, folder: Path, mode: str = "u") -> torch.nn.Module:
+    """The server's stage of ``family`` in split ``mode``: tiny-llama's from its folder, the
+    others' tiny random blocks 1 and 2 (the loss stage in mode "two")."""
+    if family == "tiny-llama":
+        plan = split_layout(load_config(folder), mode=mode)
+        return build_stage(folder, plan, "middle" if mode == "u" else "server_loss")
+    return tiny_stage(family, "middle" if mode == "u" else "loss")
 
 
 def _random_adapter(template: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
@@ -71,9 +92,9 @@ def _close(got: list[torch.Tensor | None], want: list[torch.Tensor | None]) -> N
             torch.testing.assert_close(g, w, **TOL)
 
 
-def test_same_keys_init_and_state_as_the_peft_bank(folder: Path) -> None:
-    stage = build_stage(folder, split_layout(load_config(folder)), "middle")
-    solo, batched = _banks(stage)
+@pytest.mark.parametrize("family", FAMILY_CASES)
+def test_same_keys_init_and_state_as_the_peft_bank(folder: Path, family: str) -> None:
+    solo, batched = _banks(_stage(family, folder))
     for name in ("global", "a"):
         want, got = solo.state_dict(name), batched.state_dict(name)
         assert list(got) == list(want)  # same keys, same order
@@ -84,9 +105,9 @@ def test_same_keys_init_and_state_as_the_peft_bank(folder: Path) -> None:
     assert not any(p.requires_grad for p in batched.parameters("global"))
 
 
-def test_u_mode_batched_equals_solo(folder: Path) -> None:
-    stage = build_stage(folder, split_layout(load_config(folder)), "middle")
-    solo, batched = _banks(stage)
+@pytest.mark.parametrize("family", FAMILY_CASES)
+def test_u_mode_batched_equals_solo(folder: Path, family: str) -> None:
+    solo, batched = _banks(_stage(family, folder))
     inputs = _inputs()
     gen = torch.Generator().manual_seed(9)
     out_grads = [torch.randn(x.shape, generator=gen) for _, x, _ in inputs]
@@ -105,9 +126,20 @@ def test_u_mode_batched_equals_solo(folder: Path) -> None:
         _close(_grads(batched, name), want[i][2])
 
 
-def test_two_mode_loss_and_grads_equal_solo(folder: Path) -> None:
-    plan = split_layout(load_config(folder), mode="two")
-    solo, batched = _banks(build_stage(folder, plan, "server_loss"))
+@pytest.mark.parametrize(
+    ("family", "loss_chunk"),
+    [*((f, None) for f in FAMILY_CASES), ("granite", 0), ("gemma2", 0)],
+    ids=lambda v: "chunked" if v is None else "full-logits" if v == 0 else v,
+)
+def test_two_mode_loss_and_grads_equal_solo(
+    folder: Path, family: str, loss_chunk: int | None
+) -> None:
+    """The loss over chunks of tokens, or over the full logits (``loss_chunk`` 0: each
+    family's logits post-processing, Granite's scaling and Gemma's soft-capping, applies)."""
+    stage = _stage(family, folder, mode="two")
+    if loss_chunk is not None:
+        stage.loss_chunk = loss_chunk
+    solo, batched = _banks(stage)
     inputs = _inputs(seed=4)
     want = []
     for name, x, labels in inputs:
@@ -129,6 +161,38 @@ def test_two_mode_loss_and_grads_equal_solo(folder: Path) -> None:
         g1 + g2 for g1, g2 in zip(want[0][3], want[3][3], strict=True) if g1 is not None
     ]  # both groups of "a"
     _close(_grads(batched, "a"), summed)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("family", FAMILY_CASES)
+def test_optimizer_steps_leave_each_adapter_as_the_peft_bank_does(
+    folder: Path, family: str
+) -> None:
+    """Two AdamW steps per session (the server's path: tapes, one backward over every
+    session's gradients): every adapter ends where peft's bank, one session at a time, takes it."""
+    solo, batched = _banks(_stage(family, folder))
+    names = "abc"
+    optimizers = {
+        bank: {n: torch.optim.AdamW(bank.parameters(n), lr=1e-2) for n in names}
+        for bank in (solo, batched)
+    }
+    for step in range(2):
+        inputs = _inputs(seed=10 + step)
+        gen = torch.Generator().manual_seed(20 + step)
+        out_grads = [torch.randn(x.shape, generator=gen) for _, x, _ in inputs]
+        for (name, x, _), g in zip(inputs, out_grads, strict=True):
+            solo.run([Group(name, x)])[0].backward(g)
+        taped = batched.run_taped([Group(name, x) for name, x, _ in inputs])
+        batched.backward([(tape, g) for (_, tape), g in zip(taped, out_grads, strict=True)])
+        for bank in (solo, batched):
+            for optimizer in optimizers[bank].values():
+                optimizer.step()
+                optimizer.zero_grad()
+    for name in names:
+        want, got = solo.state_dict(name), batched.state_dict(name)
+        assert list(got) == list(want)
+        for key, value in want.items():
+            assert not torch.equal(value, _random_adapter(want, names.index(name) + 1)[key])
+            torch.testing.assert_close(got[key], value, **TOL, msg=key)
 
 
 def test_lone_backward_needs_and_costs_only_its_own_session(folder: Path) -> None:
@@ -200,6 +264,9 @@ def test_adapter_bank_falls_back_where_batching_cannot_run(tmp_path: Path) -> No
     stage = build_stage(folder, split_layout(load_config(folder)), "middle")
     bank = adapter_bank(stage, SETTINGS, family="gpt2")
     assert isinstance(bank, AdapterBank)
+    assert "gpt2 family has no batched forward (Llama-layout blocks only" in batchable(
+        stage, SETTINGS, "gpt2"
+    )
     bank.add("a")
     (y,) = bank.run([Group("a", torch.randn(1, 3, 64))])
     assert y.shape == (1, 3, 64)
