@@ -288,3 +288,45 @@ def test_label_resampling_needs_the_u_split_and_a_rate_below_one() -> None:
             {"model.split": "two", "model.tail_layers": 0, "privacy.label_resample": 0.5},
         )
     assert load_config(None, {"privacy.label_resample": 0.5}).privacy.label_resample == 0.5
+
+
+def test_resampled_labels_on_a_real_tail_never_hold_the_full_logits_and_train_the_same() -> None:
+    """A tail stage with ``loss_chunk`` > 0: the true loss and the tail's gradients are the
+    chunked loss's (the full logits' to fp32 rounding), and the gradient sent up is the loss's
+    against exactly the labels drawn, computed here over the full logits."""
+    from fedpipe.models import load_config, resolve_model
+    from fedpipe.split import build_device_stages, split_layout
+
+    folder = resolve_model("tiny-llama")
+    _, tail = build_device_stages(
+        folder, split_layout(load_config(folder), head_layers=1, tail_layers=2)
+    )
+    assert tail is not None and tail.loss_chunk > 0
+    tail.loss_chunk = 16  # several chunks of the 2 x 39 positions
+    for p in tail.parameters():
+        p.requires_grad_(True)
+    gen = torch.Generator().manual_seed(11)
+    x0 = torch.randn(2, 40, tail.config.hidden_size, generator=gen)
+    labels = torch.randint(0, tail.config.vocab_size, (2, 40), generator=gen)
+    labels[1, 30:] = -100
+    tokens = int((labels[:, 1:] != -100).sum())
+
+    tail.zero_grad(set_to_none=True)
+    x = x0.clone().requires_grad_(True)
+    loss_sum, sent = LabelResample(0.5, seed=3)(tail, x, labels, tokens)
+    got_grads = {n: p.grad.clone() for n, p in tail.named_parameters() if p.grad is not None}
+
+    # The same seed draws the same lies; the references run over the full logits.
+    x = x0.clone().requires_grad_(True)
+    lies = LabelResample(0.5, seed=3).relabel_chunked(tail.normed(x), labels, tail.project, 16)
+    assert 0 < int((lies != labels).sum()) and bool((lies[1, 30:] == -100).all())
+    tail.zero_grad(set_to_none=True)
+    logits = tail.logits(x)
+    told, _ = shifted_loss_sum(logits, lies)
+    (want_sent,) = torch.autograd.grad(told / tokens, x, retain_graph=True)
+    true_loss, _ = shifted_loss_sum(logits, labels)
+    (true_loss / tokens).backward()
+    torch.testing.assert_close(loss_sum, true_loss.detach(), rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(sent, want_sent / 0.5, rtol=1e-5, atol=1e-7)
+    for name, grad in got_grads.items():
+        torch.testing.assert_close(grad, tail.get_parameter(name).grad, rtol=1e-5, atol=1e-7)
