@@ -553,6 +553,45 @@ def _quality(r: dict[str, Any]) -> list[Table]:
     return tables
 
 
+def _share(value: Any) -> str:
+    """A share as a percentage, unsigned (``0.4`` -> ``40.0%``)."""
+    return f"{100 * value:.1f}%" if isinstance(value, int | float) else "–"
+
+
+def _instruct(r: dict[str, Any]) -> list[Table]:
+    s = r.get("settings", {})
+    caption = (
+        f"{r.get('model')}, {s.get('devices')} devices ({s.get('profiles')}), "
+        f"{r.get('rounds')} rounds x {s.get('local_steps')} steps of {s.get('batch_size')}; "
+        f"held-out: {r.get('held_out')}"
+    )
+    headers = ["model", "answer loss", "exact match", "contains", "questions"]
+    rows = [
+        [
+            side,
+            num(get(r, key, "answer_loss"), 4),
+            _share(get(r, key, "exact_match")),
+            _share(get(r, key, "contains")),
+            get(r, key, "answered", default="–"),
+        ]
+        for side, key in (("base", "base"), (f"round {r.get('rounds')}", "finetuned"))
+    ]
+    gain = r.get("exact_match_gain_points")
+    wall = f"train {num(r.get('train_wall_s'), 0)} s, eval {num(r.get('eval_wall_s'), 0)} s"
+    tables = [(f"{caption}; exact match gain {num(gain, 1)} points; {wall}", headers, rows)]
+    samples = list(
+        zip(
+            get(r, "base", "samples", default=[]),
+            get(r, "finetuned", "samples", default=[]),
+            strict=False,
+        )
+    )
+    if samples:
+        rows = [[b.get("reference"), b.get("generated"), f.get("generated")] for b, f in samples]
+        tables.append(("the first held-out answers", ["reference", "base", "fine-tuned"], rows))
+    return tables
+
+
 def _whole(value: Any) -> Any:
     """A mean count of bytes as a whole number (``None`` as it is)."""
     return round(value) if isinstance(value, float) else value
@@ -660,6 +699,7 @@ BENCHES: dict[str, Bench] = {
     ),
     "quality": Bench("fedpipe bench quality --json", _quality, ("--quick",)),
     "privacy": Bench("fedpipe bench privacy --json", _privacy, ("--quick",)),
+    "instruct": Bench("fedpipe bench instruct --json", _instruct, ("--limit", "--set")),
     "transport": Bench(
         "python benchmarks/transport_bench.py --json", _generic, ("--messages", "--trials")
     ),

@@ -70,6 +70,22 @@ def register(bsub: Any) -> None:
         metavar="SECTION.KEY=VALUE",
         help="override one setting of every run (repeatable), e.g. federated.rounds=5",
     )
+    ib = add_command(
+        bsub,
+        "instruct",
+        f"{_HERE}:cmd_bench_instruct",
+        "examples/instruct.toml federated, then base vs fine-tuned exact match on held-out",
+    )
+    ib.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    ib.add_argument("--limit", type=int, help="score the first N held-out questions (default: all)")
+    ib.add_argument("--max-new-tokens", type=int, default=16, help="tokens to generate at most")
+    ib.add_argument("--runs-dir", type=Path, help="keep the run folder here (default: a temp dir)")
+    ib.add_argument(
+        "--set",
+        action="append",
+        metavar="SECTION.KEY=VALUE",
+        help="override one setting of the example (repeatable), e.g. federated.rounds=2",
+    )
     pl = add_command(
         bsub, "plan", f"{_HERE}:cmd_bench_plan", "the planner's predicted vs measured step"
     )
@@ -333,6 +349,34 @@ def cmd_bench_quality(args: argparse.Namespace) -> int:
             f"{r['eval_ppl']:>8.2f} {r['bytes_per_token']:>11.1f} {r['wall_s']:>7.1f} "
             f"{r['steps']:>5}"
         )
+    return 0
+
+
+def cmd_bench_instruct(args: argparse.Namespace) -> int:
+    """`fedpipe bench instruct`: the example federated, then base vs fine-tuned on held-out."""
+    overrides = parse_overrides(args.set or [])
+    from fedpipe_bench.instruct import run_instruct_bench
+
+    report = run_instruct_bench(
+        overrides=overrides,
+        limit=args.limit,
+        max_new_tokens=args.max_new_tokens,
+        runs_dir=args.runs_dir,
+        progress=not args.json,
+    )
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    s = report["settings"]
+    print(f"model {report['model']}, {s['devices']} devices, {report['rounds']} rounds")
+    print(f"{'':>12} {'answer loss':>11} {'exact':>7} {'contains':>8} {'answered':>8}")
+    for side in ("base", "finetuned"):
+        r = report[side]
+        loss = "-" if r["answer_loss"] is None else f"{r['answer_loss']:.4f}"
+        exact = "-" if r["exact_match"] is None else f"{100 * r['exact_match']:.1f}%"
+        has = "-" if r["contains"] is None else f"{100 * r['contains']:.1f}%"
+        print(f"{side:>12} {loss:>11} {exact:>7} {has:>8} {r['answered']:>8}")
+    print(f"wall {report['wall_s']:.0f} s (train {report['train_wall_s']:.0f} s)")
     return 0
 
 

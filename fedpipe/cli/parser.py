@@ -400,6 +400,35 @@ def _add_generate(sub: Any) -> None:
     p.add_argument("--seed", type=int, default=0, help="the sampling seed")
 
 
+def _add_eval(sub: Any) -> None:
+    p = add_command(
+        sub,
+        "eval",
+        "fedpipe.cli.eval:cmd_eval",
+        "score a run's model against its base on held-out examples: answer loss, exact match "
+        "and containment of greedy answers (writes RUN_FOLDER/eval.json)",
+    )
+    p.add_argument("run", type=Path, metavar="RUN_FOLDER", help="the run's folder (runs/NAME)")
+    p.add_argument(
+        "--data",
+        type=Path,
+        required=True,
+        help="held-out examples: JSONL in the training formats (prompt/completion, messages)",
+    )
+    p.add_argument(
+        "--round",
+        type=int,
+        help="the checkpoint's round (default: the last saved; writes eval-round-N.json)",
+    )
+    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate at most")
+    p.add_argument("--limit", type=int, help="score the first N records only")
+    p.add_argument(
+        "--model",
+        help="the base model, if not where the run found it (default: the run's model.name); "
+        "its fingerprint must be the run's",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The whole command line; imports nothing heavy."""
     parser = argparse.ArgumentParser(
@@ -420,4 +449,5 @@ def build_parser() -> argparse.ArgumentParser:
     _add_certs(sub)
     _add_export(sub)
     _add_generate(sub)
+    _add_eval(sub)
     return parser

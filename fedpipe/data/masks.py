@@ -28,7 +28,7 @@ from jinja2 import TemplateError
 from fedpipe.config import LOSS_ON
 from fedpipe.data.documents import Document
 
-__all__ = ["IGNORE_INDEX", "LOSS_ON", "LossOn", "encode_example"]
+__all__ = ["IGNORE_INDEX", "LOSS_ON", "LossOn", "encode_example", "prompt_and_answer"]
 
 IGNORE_INDEX = -100  # labels that do not count (torch's cross-entropy default, as the tail's)
 LossOn = Literal["answers", "all"]
@@ -54,6 +54,31 @@ def encode_example(
     if eos:
         ids, mask = [*ids, _eos_id(tokenizer)], [*mask, True]
     return ids, _labels(ids, mask)
+
+
+def prompt_and_answer(doc: Document, tokenizer: Any) -> tuple[str, str] | None:
+    """(the text a model answers, the reference answer) of an example, rendered as training
+    renders it; None for plain text or a chat without an assistant turn.
+
+    A string prompt/completion pair: the prompt as it is (training tokenizes prompt +
+    completion). A chat: the turns before its last assistant turn, with the template's
+    generation prompt, and that turn's content; a prompt/completion pair of chats: the prompt
+    turns, with the generation prompt, and the completion's last assistant turn (or its last
+    turn).
+    """
+    if doc.completion is not None:
+        return doc.prompt or "", doc.completion
+    if doc.messages is None:
+        return None
+    messages = list(doc.messages)
+    if doc.prompt_turns:
+        completion = messages[doc.prompt_turns :]
+        answers = [m for m in completion if m["role"] == "assistant"] or completion
+        return _render(tokenizer, messages[: doc.prompt_turns], prompt=True), answers[-1]["content"]
+    last = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if not last:
+        return None
+    return _render(tokenizer, messages[: last[-1]], prompt=True), messages[last[-1]]["content"]
 
 
 def _labels(ids: Sequence[int], mask: Sequence[bool]) -> list[int]:

@@ -17,6 +17,7 @@ COMMANDS = [
     ["register-node"],
     ["export"],
     ["generate"],
+    ["eval"],
     ["bench", "pipeline"],
     ["bench", "memory"],
     ["bench", "server"],

@@ -288,3 +288,22 @@ def test_the_step_memory_record_shows_device_against_whole(tmp_path: Path) -> No
     text = rb.render("memory-steps", tmp_path)
     assert "| llama-3.2-1b | fp32 | 1024.0 MiB | 2048.0 MiB | 3072.0 MiB |" in text
     assert "| 8192.0 MiB (16 blocks) | 0.25 | 256.0 MiB |" in text
+
+
+def test_instruct_tables_show_both_sides_shares_and_the_gain() -> None:
+    side = {"answer_loss": 1.5, "contains": 0.5, "answered": 50}
+    r = {
+        "model": "default",
+        "rounds": 3,
+        "settings": {"devices": 4},
+        "base": {**side, "exact_match": 0.1, "samples": [{"reference": "Ruth", "generated": "It"}]},
+        "finetuned": {**side, "exact_match": 0.42, "samples": [{"generated": "Ruth"}]},
+        "exact_match_gain_points": 32.0,
+    }
+    (caption, headers, rows), (_, _, answers) = rb._instruct(r)
+    assert "exact match gain 32.0 points" in caption and headers[2] == "exact match"
+    assert [row[:3] for row in rows] == [
+        ["base", "1.5000", "10.0%"],
+        ["round 3", "1.5000", "42.0%"],
+    ]
+    assert answers == [["Ruth", "It", "Ruth"]]
