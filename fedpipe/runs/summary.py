@@ -83,6 +83,8 @@ def _add_train(entry: dict[str, Any], rec: dict[str, Any], names: dict[str, str]
         entry.setdefault("plans", {})[device] = rec["plan"]
     if rec.get("cut"):  # the device's head+tail blocks (model.cuts, federated.device_cuts)
         entry.setdefault("cuts", {})[device] = rec["cut"]
+    if rec.get("weights"):  # how it stored its frozen weights (device.weights)
+        entry.setdefault("weights", {})[device] = rec["weights"]
     if rec.get("examples"):  # instruction data: rows made, truncated, dropped
         entry.setdefault("examples", {})[device] = rec["examples"]
     entry["_losses"].append(_get(rec, "train_loss"))
