@@ -188,8 +188,8 @@ def _random_rows(
     def rows(start: int, stop: int) -> torch.Tensor:
         gen = torch.Generator().manual_seed(seed + start)
         if uniform:
-            return (torch.rand(stop - start, width, generator=gen) * 2 - 1) * scale
-        return torch.randn(stop - start, width, generator=gen) * scale
+            return torch.rand(stop - start, width, generator=gen).mul_(2).sub_(1).mul_(scale)
+        return torch.randn(stop - start, width, generator=gen).mul_(scale)
 
     return rows
 

@@ -148,6 +148,9 @@ def build_summary(history: list[dict[str, Any]], *, config: dict[str, Any]) -> d
     cuts = {d: c for entry in out for d, c in entry.get("cuts", {}).items()}  # the latest
     if cuts:
         summary["cuts"] = cuts
+    weights = {d: w for entry in out for d, w in entry.get("weights", {}).items()}
+    if weights:  # per device, how it stored its frozen weights (device.weights)
+        summary["weights"] = weights
     examples = {d: e for entry in out for d, e in entry.get("examples", {}).items()}
     if examples:  # per device, the latest (its data does not change between rounds)
         summary["examples"] = examples

@@ -329,3 +329,25 @@ def test_folding_base_deltas_into_stored_weights_is_refused() -> None:
         load_config(None, {"device.weights": "int8", "federated.aggregation": "exact"})
     assert "\n" not in str(info.value)
     load_config(None, {"device.weights": "int8", "federated.aggregation": "ffa"})
+
+
+def test_each_device_is_dealt_its_storage_and_says_it() -> None:
+    from fedpipe.edge.trainer import RoundReport
+    from fedpipe.fl.device_work import DeviceWork
+    from fedpipe.fl.replies import train_content
+    from fedpipe.runs.summary import build_summary
+
+    config = load_config(None, {"model.name": "tiny-llama", "device.weights": "int4,fp32"})
+    works = [DeviceWork(config, device_id=f"d{p}", partition=p, num_partitions=2) for p in (0, 1)]
+    assert [w.trainer.weights for w in works] == ["int4", "fp32"]
+    own = DeviceWork(config, device_id="own", partition=0, num_partitions=2, weights="int8")
+    assert own.trainer.weights == "int8"  # `fedpipe client --weights` wins over the cycle
+    content = train_content(RoundReport(), {}, 0, "1+1", weights=own.trainer.weights)
+    assert dict(content["device"]) == {"cut": "1+1", "weights": "int8"}
+    history = [
+        {"event": "train", "round": 1, "partition": p, "train_loss": 3.0, "weights": w}
+        for p, w in ((0, "int4"), (1, "fp32"))
+    ]
+    summary = build_summary(history, config={})
+    assert summary["weights"] == {"0": "int4", "1": "fp32"}
+    assert summary["rounds"][0]["weights"] == {"0": "int4", "1": "fp32"}
