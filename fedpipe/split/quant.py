@@ -53,7 +53,7 @@ __all__ = [
 ]
 
 INT4_GROUP = 64  # int4: weights per scale, along a row
-# Weights dequantized at once: 4 MiB in fp32 (a 128k x 2048 LM head in 256 slabs of 512 rows).
+# Weights dequantized at once: 4 MiB in fp32 (a 128k x 2048 LM head in 251 slabs of 512 rows).
 # What a slab costs besides its product is held only while it runs.
 SLAB = 1 << 20
 
