@@ -342,13 +342,22 @@ def _memory(r: dict[str, Any]) -> list[Table]:
 
 
 def _memory_steps(r: dict[str, Any]) -> list[Table]:
-    """The device's step peak (chunked loss and full logits) against whole-model peft LoRA."""
+    """The device's step peak (chunked loss and full logits) against whole-model peft LoRA, per
+    model and device.weights; the last column: the peak against the fp32 device's."""
     headers = ["model", "weights", "device parameters", "device step peak"]
     headers += ["with full logits", "whole model, peft LoRA", "device / whole", "baseline"]
+    headers += ["device / fp32 device"]
+    fp32 = {
+        row.get("model"): row.get("device_step_peak_bytes")
+        for row in r.get("rows", [])
+        if row.get("weights", "fp32") == "fp32"
+    }
     rows: list[Row] = []
     for row in r.get("rows", []):
         device, whole = row.get("device_step_peak_bytes"), row.get("whole_lora_step_peak_bytes")
         ratio = device / whole if isinstance(device, int) and whole else None
+        base = fp32.get(row.get("model"))
+        vs_fp32 = device / base if isinstance(device, int) and isinstance(base, int) else None
         rows.append(
             [
                 row.get("model"),
@@ -359,6 +368,7 @@ def _memory_steps(r: dict[str, Any]) -> list[Table]:
                 f"{mib(whole)} ({row.get('whole_blocks')} blocks)",
                 "–" if ratio is None else f"{ratio:.2f}",
                 mib(row.get("baseline_rss_bytes")),
+                "–" if vs_fp32 is None else f"{vs_fp32:.2f}",
             ]
         )
     caption = (

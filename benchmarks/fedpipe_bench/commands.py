@@ -125,6 +125,11 @@ def _add_step_memory_flags(r: Any) -> None:
     r.add_argument(
         "--whole-blocks", type=int, help="blocks of the whole model fine-tuned (default: all)"
     )
+    r.add_argument(
+        "--weights",
+        help="comma-separated device.weights the device is measured at: fp32, bf16, int8, int4 "
+        "(default: all four)",
+    )
 
 
 def _add_bench_scale(bsub: Any) -> None:
@@ -452,13 +457,16 @@ def cmd_bench_memory(args: argparse.Namespace) -> int:
 
 
 def _bench_step_memory(args: argparse.Namespace) -> int:
-    from fedpipe_bench.step_memory import MODEL_SHAPES, StepSpec, step_memory_report
+    from fedpipe_bench.step_memory import MODEL_SHAPES, WEIGHTS, StepSpec, step_memory_report
 
     config = config_from_args(args)
     shapes = args.shapes.split(",") if args.shapes else list(MODEL_SHAPES)
     unknown = sorted(set(shapes) - set(MODEL_SHAPES))
     if unknown:
         raise SystemExit(f"--shapes: unknown {unknown}; known: {', '.join(MODEL_SHAPES)}")
+    weights = tuple(w.strip() for w in (args.weights or ",".join(WEIGHTS)).split(",") if w)
+    if not weights or set(weights) - set(WEIGHTS):
+        raise SystemExit(f"--weights {args.weights!r}: choose among {', '.join(WEIGHTS)}")
     specs = [
         StepSpec(
             model=name,
@@ -474,7 +482,7 @@ def _bench_step_memory(args: argparse.Namespace) -> int:
         )
         for name in shapes
     ]
-    report = step_memory_report(specs, loss_chunk=config.train.loss_chunk)
+    report = step_memory_report(specs, loss_chunk=config.train.loss_chunk, weights=weights)
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -485,16 +493,17 @@ def _bench_step_memory(args: argparse.Namespace) -> int:
 def _print_step_memory_table(report: dict[str, Any]) -> None:
     mib = 2**20
     print(
-        f"{'model':>14} {'device params':>14} {'device peak':>12} {'full logits':>12} "
-        f"{'whole LoRA peak':>16} {'baseline':>9}  (MiB)"
+        f"{'model':>14} {'weights':>7} {'device params':>14} {'device peak':>12} "
+        f"{'full logits':>12} {'whole LoRA peak':>16} {'baseline':>9}  (MiB) {'steps s':>8}"
     )
     for row in report["rows"]:
+        full = row["device_step_peak_full_logits_bytes"]
         print(
-            f"{row['model']:>14} {row['device_param_bytes'] / mib:>14.0f} "
+            f"{row['model']:>14} {row['weights']:>7} {row['device_param_bytes'] / mib:>14.0f} "
             f"{row['device_step_peak_bytes'] / mib:>12.0f} "
-            f"{row['device_step_peak_full_logits_bytes'] / mib:>12.0f} "
+            f"{'-' if full is None else f'{full / mib:.0f}':>12} "
             f"{row['whole_lora_step_peak_bytes'] / mib:>16.0f} "
-            f"{row['baseline_rss_bytes'] / mib:>9.0f}"
+            f"{row['baseline_rss_bytes'] / mib:>9.0f}       {row['device_steps_s']:>8.1f}"
         )
 
 

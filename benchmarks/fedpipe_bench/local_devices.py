@@ -99,7 +99,13 @@ class LocalDevices:
         )
         adapters = work.trainer.adapters()
         self._count(order.round, report)
-        content = train_content(report, adapters, work.partition, format_cut(work.trainer.cut))
+        content = train_content(
+            report,
+            adapters,
+            work.partition,
+            format_cut(work.trainer.cut),
+            weights=work.trainer.weights,
+        )
         return Message(content=content, reply_to=msg)
 
     def _count(self, round_: int, report: RoundReport) -> None:

@@ -169,12 +169,20 @@ ADAPTER_CODEC: list[dict[str, Any]] = [
         "federated.adapter_downlink_codec": "int4",
     },
 ]
+# The devices' frozen weights stored in fewer bits (device.weights, fedpipe.split.quant): the
+# lossless run with every device's embedding, block linears and LM head in bf16, int8 or int4
+# (the evaluator beside the server keeps fp32: the held-out loss is the trained adapters' on
+# the model itself). Measured beside `lossless`.
+DEVICE_WEIGHTS: list[dict[str, Any]] = [
+    {"name": f"device-{weights}", "device.weights": weights} for weights in ("bf16", "int8", "int4")
+]
 # Known but not run by default (--runs noniid-stack).
 EXTRA_RUNS: list[dict[str, Any]] = [
     # lossless with the lowest blocks frozen as their adapters converge (pipeline.freeze); its
     # row holds each round's frozen blocks (`frozen_below`) beside its bytes and wall time.
     {"name": "progressive", "pipeline.freeze": "progressive"},
     *ADAPTER_CODEC,
+    *DEVICE_WEIGHTS,
     {"name": "noniid-stack", **_NONIID, "federated.aggregation": "stack"},
     {"name": "int8-delta", **_DELTA},
     {"name": "int8-delta-session", **_DELTA, "pipeline.delta_resume": False},

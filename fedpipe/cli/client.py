@@ -31,6 +31,7 @@ def client_setup(args: argparse.Namespace) -> ClientSetup:
         stage_key=args.tls_key,
         cut=args.cut,
         privacy=args.privacy,
+        weights=args.weights,
     )
 
 
@@ -47,6 +48,8 @@ def node_config(setup: ClientSetup) -> dict[str, Any]:
         config["cut"] = setup.cut
     if setup.privacy:
         config["privacy"] = setup.privacy
+    if setup.weights:
+        config["weights"] = setup.weights
     if setup.stage_server:
         config["stage-address"] = setup.stage_server
     if setup.stage_ca:
@@ -64,6 +67,7 @@ def own_settings(setup: ClientSetup) -> str:
         ("profile", setup.profile if setup.profile != "loopback" else None),
         ("cut", setup.cut),
         ("privacy", setup.privacy),
+        ("weights", setup.weights),
     ]
     return ", ".join(f"{key} {value}" for key, value in own if value)
 

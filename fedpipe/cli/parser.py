@@ -208,6 +208,14 @@ def _add_client(sub: Any) -> None:
         "or 'off' (default: the run's, or privacy.devices)",
     )
     p.add_argument(
+        "--weights",
+        metavar="W",
+        default="",
+        help="how this device stores its frozen embedding, block linears and LM head: fp32, "
+        "bf16, int8 or int4, dequantized block by block; LoRA stays fp32 "
+        "(default: the run's device.weights)",
+    )
+    p.add_argument(
         "--supernode-port", type=int, help="this SuperNode's own port (default: a free one)"
     )
     _deprecated(p, "--port", "--supernode-port PORT", dest="supernode_port", type=int)

@@ -20,6 +20,7 @@ from typing import Any
 
 from fedpipe.config import FedpipeConfig, PrivacyConfig, parse_cuts
 from fedpipe.config.privacy_spec import parse_privacy_spec
+from fedpipe.config.settings import parse_device_weights
 from fedpipe.data import default_corpus, load_documents, partition, train_eval_split
 from fedpipe.emulation import link_names, parse_device_profile, parse_link, split_specs
 from fedpipe.errors import FedpipeError
@@ -469,6 +470,7 @@ class ClientSetup:
     stage_key: str | None = None
     cut: str = ""  # this device's head+tail blocks ("" = the run's)
     privacy: str = ""  # this device's own defences over the run's [privacy] ("" = the run's)
+    weights: str = ""  # how this device stores its frozen weights ("" = device.weights)
 
 
 def _check_cut(cut: str) -> None:
@@ -491,6 +493,17 @@ def _check_privacy(spec: str) -> None:
         raise SettingsError(f"--privacy {spec!r}: {exc}") from None
 
 
+def _check_weights(weights: str) -> None:
+    if not weights:
+        return
+    try:
+        entries = parse_device_weights(weights, "--weights")
+    except ValueError as exc:
+        raise SettingsError(str(exc)) from None
+    if len(entries) > 1:
+        raise SettingsError(f"--weights {weights!r}: a device stores its weights one way")
+
+
 def check_client(setup: ClientSetup) -> None:
     """Partition, profile, data, key and CA files, its own port, and the servers' protocols."""
     if not 0 <= setup.partition_id < setup.num_partitions:
@@ -501,6 +514,7 @@ def check_client(setup: ClientSetup) -> None:
     check_profiles([setup.profile], "--profile")
     _check_cut(setup.cut)
     _check_privacy(setup.privacy)
+    _check_weights(setup.weights)
     if setup.data:
         check_data(setup.data, "--data")
     for ca in (setup.superlink_ca, setup.stage_ca):

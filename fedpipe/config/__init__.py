@@ -4,7 +4,8 @@ The bottom of fedpipe's layers: it imports nothing else of fedpipe, so anything 
 setting (and a typo fails before any model, server or process starts).
 
 - :mod:`~fedpipe.config.settings`: the sections (``model``, ``pipeline``, ``train``, ``data``,
-  ``server``, ``federated``, ``privacy``) and loading them from TOML, ``--set`` and Flower;
+  ``server``, ``federated``, ``privacy``, ``device``) and loading them from TOML, ``--set``
+  and Flower;
 - :mod:`~fedpipe.config.codecs`: codec names (``fp32`` ... ``int4tg128``), parsed without torch;
 - :mod:`~fedpipe.config.profiles` and :mod:`~fedpipe.config.profile_spec`: named device and
   link profiles and the inline specs (``100mbit-100ms``) that the emulation takes.
@@ -12,10 +13,12 @@ setting (and a typo fails before any model, server or process starts).
 
 from fedpipe.config.settings import (
     AGGREGATIONS,
+    DEVICE_WEIGHTS,
     LOSS_ON,
     OVERLONG,
     SCHEDULE_NAMES,
     DataConfig,
+    DeviceConfig,
     FederatedConfig,
     FedpipeConfig,
     ModelConfig,
@@ -31,10 +34,12 @@ from fedpipe.config.settings import (
 
 __all__ = [
     "AGGREGATIONS",
+    "DEVICE_WEIGHTS",
     "LOSS_ON",
     "OVERLONG",
     "SCHEDULE_NAMES",
     "DataConfig",
+    "DeviceConfig",
     "FederatedConfig",
     "FedpipeConfig",
     "ModelConfig",

@@ -21,11 +21,13 @@ from fedpipe.config.profile_spec import parse_device_profiles
 
 __all__ = [
     "AGGREGATIONS",
+    "DEVICE_WEIGHTS",
     "FREEZE_MODES",
     "LOSS_ON",
     "OVERLONG",
     "SCHEDULE_NAMES",
     "DataConfig",
+    "DeviceConfig",
     "FedpipeConfig",
     "FederatedConfig",
     "ModelConfig",
@@ -36,6 +38,7 @@ __all__ = [
     "format_cut",
     "load_config",
     "parse_cuts",
+    "parse_device_weights",
     "parse_overrides",
 ]
 
@@ -47,6 +50,8 @@ SCHEDULE_NAMES = ("sequential", "gpipe", "1f1b", "greedy")
 FREEZE_MODES = ("off", "progressive")  # pipeline.freeze (fedpipe.fl.freeze)
 LOSS_ON = ("answers", "all")  # data.loss_on (fedpipe.data.masks)
 OVERLONG = ("truncate", "drop")  # data.overlong (fedpipe.data.rows)
+# device.weights: how a device stores its frozen weights (fedpipe.split.quant)
+DEVICE_WEIGHTS = ("fp32", "bf16", "int8", "int4")
 _BOOLS = {"1": True, "true": True, "yes": True, "on": True}
 _BOOLS |= {"0": False, "false": False, "no": False, "off": False}
 
@@ -671,6 +676,39 @@ class PrivacyConfig:
         return replace(self, devices="", **entry) if entry else self
 
 
+def parse_device_weights(text: str, key: str = "device.weights") -> tuple[str, ...]:
+    """``"int4, fp32"`` -> ("int4", "fp32"); each one of :data:`DEVICE_WEIGHTS`."""
+    entries = tuple(w.strip() for w in text.split(",") if w.strip())
+    _check(bool(entries), f"{key} is empty; choose one of {', '.join(DEVICE_WEIGHTS)}")
+    for entry in entries:
+        _check(
+            entry in DEVICE_WEIGHTS,
+            f"{key} {entry!r} unknown; choose one of {', '.join(DEVICE_WEIGHTS)}",
+        )
+    return entries
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    """What each device holds of the model, whatever the server runs (fedpipe.split.quant)."""
+
+    # How a device stores its frozen token embedding, block linears and LM head: fp32 as read,
+    # or bf16, int8 (per output channel) or int4 (groups of 64, two per byte), dequantized
+    # slab by slab into fp32 compute; LoRA, its gradients and AdamW stay fp32. Several,
+    # comma-separated ("int4,fp32"), are dealt to simulated devices in turn; `fedpipe client
+    # --weights` sets a deployed device's own.
+    weights: str = "fp32"
+
+    def __post_init__(self) -> None:
+        parse_device_weights(self.weights)
+
+    @property
+    def stored(self) -> str:
+        """The storage of a device built from this config: the first entry (a device's own
+        config carries one; ``FedpipeConfig.with_device_weights`` makes it)."""
+        return parse_device_weights(self.weights)[0]
+
+
 @dataclass(frozen=True)
 class FedpipeConfig:
     """All settings of a run."""
@@ -682,6 +720,7 @@ class FedpipeConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     federated: FederatedConfig = field(default_factory=FederatedConfig)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)  # defences, all off by default
+    device: DeviceConfig = field(default_factory=DeviceConfig)  # what a device stores
 
     def __post_init__(self) -> None:
         _check(
@@ -700,6 +739,14 @@ class FedpipeConfig:
         )
         for entry in ({}, *parse_privacy_specs(self.privacy.devices, "privacy.devices")):
             self._check_device_privacy(self.privacy.for_device(entry))
+        stored = [w for w in parse_device_weights(self.device.weights) if w != "fp32"] or [""]
+        _check(
+            not stored[0] or self.federated.aggregation not in ("exact", "stack"),
+            f"device.weights = {stored[0]} stores the device's frozen weights rounded, but "
+            f"federated.aggregation = {self.federated.aggregation} folds each round's base "
+            "deltas into them, which a rounded weight cannot hold; use aggregation separate or "
+            "ffa, or device.weights = fp32",
+        )
 
     def _check_device_privacy(self, privacy: PrivacyConfig) -> None:
         """The device-side defences a device runs (the run's, or its own) fit its pipeline."""
@@ -763,6 +810,19 @@ class FedpipeConfig:
             f"federated.device_cuts names {missing}, which the server does not offer "
             f"({', '.join(format_cut(c) for c in offered)}): add them to model.cuts",
         )
+
+    def device_weights(self, partition: int) -> str:
+        """The storage simulated device ``partition`` uses: ``device.weights`` cycled (the
+        evaluator beside the server, partition -1, keeps fp32)."""
+        entries = parse_device_weights(self.device.weights)
+        return "fp32" if partition < 0 else entries[partition % len(entries)]
+
+    def with_device_weights(self, weights: str) -> FedpipeConfig:
+        """A copy whose devices store their frozen weights as ``weights`` (one entry)."""
+        parse_device_weights(weights, "--weights")
+        if weights == self.device.weights:
+            return self
+        return replace(self, device=replace(self.device, weights=weights))
 
     def device_cut(self, partition: int) -> tuple[int, int]:
         """The cut simulated device ``partition`` uses: ``federated.device_cuts`` cycled."""

@@ -36,6 +36,7 @@ from fedpipe.models import load_config, model_family, model_fingerprint, resolve
 from fedpipe.models.cache import write_atomic
 from fedpipe.privacy import Decorrelation, LabelResample, LinkDefence
 from fedpipe.split import SplitTerms, build_device_stages, split_layout
+from fedpipe.split.memory import device_param_bytes
 from fedpipe.trace import Tracer
 from fedpipe.wire.link_client import StageClient, StageSession
 
@@ -184,6 +185,8 @@ class DeviceTrainer:
         self.device_id = device_id
         self.profile = profile
         self.folder = folder or resolve_model(config.model.name)
+        # device.weights: how this device stores its frozen weights (fedpipe.split.quant)
+        self.weights = config.device.stored
         # pipeline.freeze: the adapters of blocks below this train nothing (the ServerApp's
         # decision, set each round by freeze_below)
         self.frozen_below = 0
@@ -225,7 +228,14 @@ class DeviceTrainer:
             fingerprint=model_fingerprint(self.folder),
             hidden_size=int(hf_config.hidden_size),
         )
-        head, tail = build_device_stages(self.folder, self.layout)
+        head, tail = build_device_stages(self.folder, self.layout, weights=self.weights)
+        if self.weights != "fp32":
+            log.info(
+                "[device %s] frozen weights stored as %s: %.1f MiB",
+                self.device_id,
+                self.weights,
+                device_param_bytes(self.folder, self.layout, self.weights) / 2**20,
+            )
         if tail is not None:
             tail.loss_chunk = config.train.loss_chunk
         settings = lora_settings(config)

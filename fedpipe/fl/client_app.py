@@ -102,6 +102,7 @@ def client_train(msg: Message, context: Context) -> Message:
         cut=str(node.get("cut", "")),  # `fedpipe client --cut`; else federated.device_cuts
         delta_dir=_delta_dir(node, run),
         privacy=str(node.get("privacy", "")),  # `fedpipe client --privacy`; else privacy.devices
+        weights=str(node.get("weights", "")),  # `fedpipe client --weights`; else device.weights
     )
     order = TrainOrder.read(cast(ConfigRecord, msg.content["config"]))
     work.trainer.load_adapters(cast(ArrayRecord, msg.content["arrays"]).to_torch_state_dict())
@@ -114,6 +115,10 @@ def client_train(msg: Message, context: Context) -> Message:
         frozen_below=order.frozen_below,
     )
     content = train_content(
-        report, work.trainer.adapters(), partition, format_cut(work.trainer.cut)
+        report,
+        work.trainer.adapters(),
+        partition,
+        format_cut(work.trainer.cut),
+        weights=work.trainer.weights,
     )
     return Message(content=content, reply_to=msg)

@@ -182,6 +182,7 @@ class DeviceWork:
         cut: str = "",
         delta_dir: str = "",
         privacy: str = "",
+        weights: str = "",
     ) -> None:
         # The device's cut: its own (`fedpipe client --cut`), else federated.device_cuts
         # cycled over partitions, else the model's; the server must offer it (model.cuts).
@@ -191,6 +192,9 @@ class DeviceWork:
         # The device's own defences (`fedpipe client --privacy`), else privacy.devices cycled
         # over partitions, else the run's [privacy].
         cfg = cfg.for_device_privacy(privacy or cfg.device_privacy(partition))
+        # How it stores its frozen weights: its own (`fedpipe client --weights`), else
+        # device.weights cycled over partitions (the evaluator, partition -1: fp32).
+        cfg = cfg.with_device_weights(weights or cfg.device_weights(partition))
         self.cfg, self.partition = cfg, partition
         # The device's own files (node config / `fedpipe client` flags), never the server's:
         # the StageServer's CA, and its client certificate and key for mutual TLS.

@@ -29,7 +29,7 @@ from typing import cast
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
-from fedpipe.config import FedpipeConfig, format_cut
+from fedpipe.config import DEVICE_WEIGHTS, FedpipeConfig, format_cut
 from fedpipe.edge.trainer import RoundReport
 from fedpipe.lora.aggregation import DELTA_SUFFIX, adapter_block
 
@@ -138,6 +138,9 @@ def _problem(reply: Message, rules: ReplyRules) -> str:
     if why:
         return why
     device = content.get("device", ConfigRecord())
+    weights = cast(ConfigRecord, device).get("weights", "fp32")
+    if weights not in DEVICE_WEIGHTS:  # only recorded, but a record holds known names only
+        return f"it declares device weights {weights!r}, not one of {', '.join(DEVICE_WEIGHTS)}"
     cut = str(cast(ConfigRecord, device).get("cut", rules.default_cut))
     if cut not in rules.keys_by_cut:
         offered = ", ".join(rules.keys_by_cut)
@@ -198,9 +201,15 @@ def _data_problem(content: RecordDict) -> str:
 
 
 def train_content(
-    report: RoundReport, adapters: dict[str, torch.Tensor], partition: int, cut: str
+    report: RoundReport,
+    adapters: dict[str, torch.Tensor],
+    partition: int,
+    cut: str,
+    *,
+    weights: str = "fp32",
 ) -> RecordDict:
-    """A device's train reply: adapters, metrics, and its plan, privacy figures and cut."""
+    """A device's train reply: adapters, metrics, and its plan, privacy figures, cut and how
+    it stores its frozen weights (device.weights)."""
     metrics = MetricRecord({**report.metrics(), "partition-id": partition})
     content = RecordDict({"arrays": ArrayRecord(adapters), "metrics": metrics})
     if report.plan:
@@ -209,7 +218,7 @@ def train_content(
         content["privacy"] = ConfigRecord(dict(report.privacy))
     if report.data:
         content["data"] = ConfigRecord(dict(report.data))
-    content["device"] = ConfigRecord({"cut": cut})
+    content["device"] = ConfigRecord({"cut": cut, "weights": weights})
     return content
 
 

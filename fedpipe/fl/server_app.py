@@ -222,6 +222,8 @@ class RoundHooks:
             record = cast(ConfigRecord, reply.content.get("device", ConfigRecord()))
             if "cut" in record:  # head+tail blocks the device ran (model.cuts)
                 metrics["cut"] = str(record["cut"])
+            if "weights" in record:  # how it stored its frozen weights (device.weights)
+                metrics["weights"] = str(record["weights"])
             self.log({"event": "train", "round": round_, **self.devices.fields(node), **metrics})
         failed = len(self.grid.failures) if self.grid is not None else len(replies) - len(ok)
         self.failures_total += failed

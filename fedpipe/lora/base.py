@@ -121,6 +121,9 @@ def apply_lora(
     earlier = {n: p.requires_grad for n, p in module.named_parameters() if ".lora_" in n}
     with warnings.catch_warnings():  # "multiple adapters" is what we want when adding one
         warnings.filterwarnings("ignore", message=".*multiple adapters.*")
+        # GPT-2's Conv1D stored as a linear (device.weights, fedpipe.split.quant): peft then
+        # turns fan_in_fan_out off for it, which is right (its weight is stored (out, in))
+        warnings.filterwarnings("ignore", message="fan_in_fan_out is set to True but the target")
         peft_config = settings.peft_config(family, _model_type(module))
         inject_adapter_in_model(peft_config, module, adapter_name=adapter)
     for name, param in module.named_parameters():  # base frozen, earlier adapters as they were

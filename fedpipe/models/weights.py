@@ -67,6 +67,28 @@ class WeightFiles:
                     out[key] = tensor.to(device=device, dtype=dtype or tensor.dtype)
         return out
 
+    def read_rows(
+        self,
+        key: str,
+        start: int,
+        stop: int,
+        *,
+        dtype: torch.dtype | None = None,
+        device: Any = "cpu",
+    ) -> torch.Tensor:
+        """Rows ``[start:stop)`` of tensor ``key`` only (the rest of it is never read): how a
+        stored device weight is filled a slab at a time (fedpipe.split.quant)."""
+        path = self.folder / self._file(key)
+        with _opened(path) as f:
+            try:
+                tensor = f.get_slice(key)[start:stop]
+            except Exception as exc:
+                raise ModelFileError(
+                    f"{path}: cannot read rows {start}:{stop} of tensor {key!r} ({_reason(exc)}); "
+                    "the file is probably truncated or corrupt: copy or convert it again"
+                ) from None
+        return tensor.to(device=device, dtype=dtype or tensor.dtype)
+
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every tensor in key order across all files (the same order sharded or not)."""
         with ExitStack() as stack:

@@ -83,6 +83,8 @@ def _add_train(entry: dict[str, Any], rec: dict[str, Any], names: dict[str, str]
         entry.setdefault("plans", {})[device] = rec["plan"]
     if rec.get("cut"):  # the device's head+tail blocks (model.cuts, federated.device_cuts)
         entry.setdefault("cuts", {})[device] = rec["cut"]
+    if rec.get("weights"):  # how it stored its frozen weights (device.weights)
+        entry.setdefault("weights", {})[device] = rec["weights"]
     if rec.get("examples"):  # instruction data: rows made, truncated, dropped
         entry.setdefault("examples", {})[device] = rec["examples"]
     entry["_losses"].append(_get(rec, "train_loss"))
@@ -146,6 +148,9 @@ def build_summary(history: list[dict[str, Any]], *, config: dict[str, Any]) -> d
     cuts = {d: c for entry in out for d, c in entry.get("cuts", {}).items()}  # the latest
     if cuts:
         summary["cuts"] = cuts
+    weights = {d: w for entry in out for d, w in entry.get("weights", {}).items()}
+    if weights:  # per device, how it stored its frozen weights (device.weights)
+        summary["weights"] = weights
     examples = {d: e for entry in out for d, e in entry.get("examples", {}).items()}
     if examples:  # per device, the latest (its data does not change between rounds)
         summary["examples"] = examples

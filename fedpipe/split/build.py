@@ -17,6 +17,7 @@ from fedpipe.errors import ModelFileError
 from fedpipe.models.loading import load_config
 from fedpipe.models.weights import WeightFiles
 from fedpipe.split.layout import SplitLayout
+from fedpipe.split.quant import StoredEmbedding, store_module, stored_modules
 from fedpipe.split.stages import (
     HeadStage,
     MiddleStage,
@@ -65,18 +66,79 @@ def build_device_stages(
     *,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    weights: str = "fp32",
 ) -> tuple[HeadStage, TailStage | None]:
     """The device's (head, tail); tail is None in mode "two".
 
     When the model ties its embedding and LM head, both stages share one tensor (one copy).
+    ``weights`` (``device.weights``): fp32 builds them as read; bf16, int8 or int4 store the
+    embedding, the block linears and the LM head so (fedpipe.split.quant), each weight read and
+    packed a slab of rows at a time, the tied pair stored once.
     """
     folder = Path(folder)
+    if weights != "fp32":
+        return _build_stored_device(folder, layout, weights=weights, device=device)
     head = _build(folder, layout, "head", dtype=dtype, device=device)
     if layout.mode == "two":
         return head, None
     shared = head.embedding.weight if _ties_embeddings(folder, head.config) else None
     tail = _build(folder, layout, "tail", dtype=dtype, device=device, lm_head=shared)
     return head, tail
+
+
+def _build_stored_device(
+    folder: Path, layout: SplitLayout, *, weights: str, device: str | torch.device
+) -> tuple[HeadStage, TailStage | None]:
+    """``build_device_stages`` with the frozen weights stored as ``weights``."""
+    head = cast(HeadStage, _build_stored(folder, layout, "head", weights=weights, device=device))
+    if layout.mode == "two":
+        return head, None
+    embedding = cast(StoredEmbedding, head.embedding)
+    tied = embedding.stored() if _ties_embeddings(folder, head.config) else None
+    tail = _build_stored(folder, layout, "tail", weights=weights, device=device, tied=tied)
+    return head, cast(TailStage, tail)
+
+
+def _build_stored(
+    folder: Path,
+    layout: SplitLayout,
+    part: Part,
+    *,
+    weights: str,
+    device: str | torch.device,
+    tied: tuple[nn.Parameter, nn.Parameter | None] | None = None,
+) -> Any:
+    """One device stage whose embedding, block linears and LM head are stored as ``weights``:
+    the other tensors (norms, biases) are read whole in fp32; each stored weight is read a slab
+    of rows at a time and packed, so at most one slab of it is ever held in fp32."""
+    config = load_config(folder)
+    _check_depth(folder, config, layout)
+    stage = _meta_stage(config, layout, part)
+    stored = stored_modules(stage)
+    packed = {f"{name}.weight" for name in stored}
+    files = WeightFiles(folder)
+    prefix = _body_prefix(files.keys(), folder)
+    plain = [n for n in stage.state_dict() if n not in packed]
+    if plain:
+        tensors = _read_tensors(folder, plain, dtype=torch.float32, device=device)
+        stage.load_state_dict(tensors, strict=False, assign=True)
+    for name in stored:
+        if name == "lm_head" and tied is not None:
+            store_module(stage, name, weights, None, device=device, tied=tied)
+            continue
+        key = _file_key(f"{name}.weight", prefix, files.keys())
+
+        def read(start: int, stop: int, key: str = key) -> torch.Tensor:
+            return files.read_rows(key, start, stop, dtype=torch.float32)
+
+        store_module(stage, name, weights, read, device=device)
+    if stage.family == "llama" and stage.block_indices:
+        stage.rotary_emb = rotary_embedding(config).to(device)  # computed buffers, not weights
+    meta = [n for n, t in (*stage.named_parameters(), *stage.named_buffers()) if t.is_meta]
+    if meta:  # every tensor is either read or stored: a name left over is a bug here
+        raise RuntimeError(f"stage {part}: tensors left unread: {meta[:4]}")
+    stage.requires_grad_(False)
+    return stage.eval()
 
 
 def _build(
@@ -89,12 +151,7 @@ def _build(
     lm_head: nn.Parameter | None = None,
 ) -> Any:
     config = load_config(folder)
-    if int(config.num_hidden_layers) != layout.num_layers:
-        raise ValueError(
-            f"layout is for {layout.num_layers} blocks but {folder} has "
-            f"{config.num_hidden_layers}; "
-            "make the layout with split_layout(config) for this model"
-        )
+    _check_depth(folder, config, layout)
     stage = _meta_stage(config, layout, part)
     names = [n for n in stage.state_dict() if not (lm_head is not None and n == "lm_head.weight")]
     tensors = _read_tensors(folder, names, dtype=dtype, device=device)
@@ -108,6 +165,15 @@ def _build(
         stage.rotary_emb = rotary_embedding(config).to(device)  # computed buffers, not weights
     stage.requires_grad_(False)
     return stage.eval()
+
+
+def _check_depth(folder: Path, config: Any, layout: SplitLayout) -> None:
+    if int(config.num_hidden_layers) != layout.num_layers:
+        raise ValueError(
+            f"layout is for {layout.num_layers} blocks but {folder} has "
+            f"{config.num_hidden_layers}; "
+            "make the layout with split_layout(config) for this model"
+        )
 
 
 def _meta_stage(config: Any, layout: SplitLayout, part: Part) -> Any:

@@ -16,10 +16,12 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
+from transformers.pytorch_utils import Conv1D
 
 from fedpipe.models.loading import load_config
 from fedpipe.models.weights import WeightFiles
 from fedpipe.split.layout import SplitLayout
+from fedpipe.split.quant import stored_bytes, stored_modules
 from fedpipe.split.stages import HeadStage, TailStage
 
 __all__ = ["device_memory_report", "device_param_bytes"]
@@ -74,17 +76,42 @@ def device_memory_report(folder: Path, layout: SplitLayout) -> dict[str, Any]:
     }
 
 
-def device_param_bytes(folder: Path, layout: SplitLayout) -> int:
-    """fp32 bytes of the device's head (+ tail) parameters, a tied embedding counted once."""
+def device_param_bytes(folder: Path, layout: SplitLayout, weights: str = "fp32") -> int:
+    """Bytes of the device's head (+ tail) parameters, a tied embedding counted once: fp32, or
+    with the embedding, block linears and LM head stored as ``weights`` (``device.weights``,
+    scales included; fedpipe.split.quant)."""
     config = load_config(folder)
     with torch.device("meta"):
         stages: list[torch.nn.Module] = [HeadStage(config, layout.head_blocks)]
         if layout.mode == "u":
             stages.append(TailStage(config, layout.tail_blocks))
+    tied = layout.mode == "u" and _tied(folder, config)
+    if weights != "fp32":
+        return _stored_param_bytes(stages, weights, tied=tied)
     numel = sum(p.numel() for s in stages for p in s.parameters())
-    if layout.mode == "u" and _tied(folder, config):
+    if tied:
         numel -= cast(TailStage, stages[1]).lm_head.weight.numel()  # shares the head's embedding
     return numel * 4
+
+
+def _stored_param_bytes(stages: list[torch.nn.Module], weights: str, *, tied: bool) -> int:
+    """``device_param_bytes`` of meta ``stages`` whose frozen weights are stored as ``weights``."""
+    total = 0
+    for index, stage in enumerate(stages):
+        stored = set(stored_modules(stage))
+        for name, module in stage.named_modules():
+            own = module.named_parameters(recurse=False)
+            for pname, param in own:
+                if name in stored and pname == "weight":
+                    if tied and index == 1 and name == "lm_head":
+                        continue  # the head's embedding, stored once
+                    rows, width = param.shape
+                    if isinstance(module, Conv1D):  # GPT-2 stores (in, out)
+                        rows, width = width, rows
+                    total += stored_bytes(int(rows), int(width), weights)
+                else:
+                    total += param.numel() * 4
+    return total
 
 
 def _file_param_bytes(folder: Path) -> int:

@@ -8,6 +8,7 @@ import math
 import pytest
 from fedpipe_bench.quality import (
     COMPRESSION,
+    DEVICE_WEIGHTS,
     EXTRA_RUNS,
     RUNS,
     over_seeds,
@@ -34,6 +35,19 @@ def test_every_run_is_a_valid_setting_and_codec_runs_are_named_by_codec() -> Non
             assert run["name"] == expected
     names = run_names()
     assert names[:3] == ["centralized", "lossless", "noniid"] and "frozen" in names
+
+
+def test_the_device_weights_runs_store_each_devices_weights_and_change_nothing_else() -> None:
+    names = run_names()
+    for run in DEVICE_WEIGHTS:
+        assert run["name"] in names and run["name"] not in {r["name"] for r in RUNS}  # extras
+        assert set(run) == {"name", "device.weights"}  # lossless but for the storage
+        weights = run["device.weights"]
+        assert run["name"] == f"device-{weights}"
+        config = FedpipeConfig().with_overrides({"device.weights": weights})
+        assert [config.device_weights(p) for p in range(4)] == [weights] * 4
+        assert config.device_weights(-1) == "fp32"  # the evaluator
+    assert [r["name"] for r in DEVICE_WEIGHTS] == ["device-bf16", "device-int8", "device-int4"]
 
 
 def test_seeds_combine_into_means_with_each_seed_and_the_spread() -> None:

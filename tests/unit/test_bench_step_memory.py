@@ -7,6 +7,8 @@ import torch
 from fedpipe_bench import step_memory
 from fedpipe_bench.step_memory import StepSpec
 
+torch.set_num_threads(1)  # tiny products: two threads on a busy machine wait ~20 ms each
+
 TINY = {
     "hidden_size": 32,
     "intermediate_size": 64,
@@ -60,6 +62,60 @@ def test_a_child_reports_its_params_and_its_memory() -> None:
     assert embedding + 4 * block < whole["param_bytes"] < embedding + 5 * block
     for result in (device, whole):  # in this process the peak is pytest's own: only > 0
         assert result["peak_bytes"] > 0 and result["baseline_rss_bytes"] > 0
+
+
+@pytest.mark.parametrize("weights", ["bf16", "int8", "int4"])
+def test_a_stored_device_is_packed_from_random_rows_and_trains(weights: str) -> None:
+    from fedpipe.split.quant import StoredEmbedding, StoredLinear
+
+    spec = StepSpec(**{**_spec("device").__dict__, "weights": weights})
+    head, tail = step_memory._device_stages(spec, step_memory.model_config(spec))
+    embedding, lm_head = head.embedding, tail.lm_head
+    assert isinstance(embedding, StoredEmbedding) and isinstance(lm_head, StoredLinear)
+    assert lm_head.qweight is embedding.qweight  # tied: stored once
+    assert not any(t.is_meta for s in (head, tail) for t in (*s.parameters(), *s.buffers()))
+    losses = step_memory._device_steps(spec, head, tail, vocab=300)
+    assert len(losses) == 2 and all(5.0 < loss < 6.5 for loss in losses)
+    stored = step_memory._child(spec)
+    embedding = 300 * 32 * 4
+    block = 4 * (2 * 32 * 32 + 2 * 32 * 16 + 3 * 32 * 64 + 2 * 32)
+    assert stored["param_bytes"] < embedding + 2 * block  # fp32 holds more (the test above)
+    assert stored["steps_s"] > 0
+
+
+def test_the_report_has_a_row_per_model_and_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The JSON contract: per model and weights, the device's figures beside the whole
+    model's (measured once per model), the full logits at fp32 only."""
+    measured: list[StepSpec] = []
+
+    def fake(spec: StepSpec) -> dict[str, object]:
+        measured.append(spec)
+        base = {"fp32": 8, "bf16": 4, "int8": 2, "int4": 1}[spec.weights]
+        peak = 100 if spec.what == "whole" else base * (2 if spec.loss_chunk == 0 else 1)
+        return {"param_bytes": base, "peak_bytes": peak, "baseline_rss_bytes": 1,
+                "steps_s": 0.5}  # fmt: skip
+
+    monkeypatch.setattr(step_memory, "_measure", fake)
+    monkeypatch.setitem(step_memory.MODEL_SHAPES, "other", TINY)
+    specs = [_spec("device"), StepSpec(**{**_spec("device").__dict__, "model": "other"})]
+    report = step_memory.step_memory_report(specs, loss_chunk=32)
+    rows = report["rows"]
+    assert [(r["model"], r["weights"]) for r in rows] == [
+        (m, w) for m in ("tiny", "other") for w in ("fp32", "bf16", "int8", "int4")
+    ]
+    for row in rows:
+        assert {"model", "weights", "device_param_bytes", "device_step_peak_bytes",
+                "whole_lora_step_peak_bytes"} <= set(row)  # fmt: skip
+        assert row["whole_lora_step_peak_bytes"] == 100
+        assert row["device_step_peak_full_logits_bytes"] == (
+            16 if row["weights"] == "fp32" else None
+        )
+    int4 = rows[3]
+    assert int4["device_param_bytes"] == 1 and int4["device_step_peak_bytes"] == 1
+    assert sum(s.what == "whole" for s in measured) == 2  # once per model
+    only = step_memory.step_memory_report(specs[:1], loss_chunk=32, weights=("int4",))
+    assert [r["weights"] for r in only["rows"]] == ["int4"]
+    assert only["rows"][0]["device_step_peak_full_logits_bytes"] is None
 
 
 def test_the_echo_server_answers_each_message_with_its_reply() -> None:

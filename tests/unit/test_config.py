@@ -112,7 +112,7 @@ def test_wrongly_typed_values_are_refused(key: str, value: object, message: str)
         ("pipelines.microbatches", "did you mean 'pipeline.microbatches'?"),
         ("train.l", "did you mean 'train.lr'?"),
         ("train.zzz", "known here: train.batch_size, train.seq_len, "),
-        ("lr", "known here: data, federated, model, pipeline, privacy, server, train"),
+        ("lr", "known here: data, device, federated, model, pipeline, privacy, server, train"),
     ],
 )
 def test_unknown_key_names_the_close_match_or_the_choices(key: str, hint: str) -> None:

@@ -287,7 +287,30 @@ def test_the_step_memory_record_shows_device_against_whole(tmp_path: Path) -> No
     write(tmp_path, "memory-steps", record(result, command="fedpipe bench memory --json"))
     text = rb.render("memory-steps", tmp_path)
     assert "| llama-3.2-1b | fp32 | 1024.0 MiB | 2048.0 MiB | 3072.0 MiB |" in text
-    assert "| 8192.0 MiB (16 blocks) | 0.25 | 256.0 MiB |" in text
+    assert "| 8192.0 MiB (16 blocks) | 0.25 | 256.0 MiB | 1.00 |" in text
+
+
+def test_the_step_memory_record_shows_each_weights_against_the_fp32_device(
+    tmp_path: Path,
+) -> None:
+    def row(weights: str, params: int, peak: int, full: int | None) -> dict[str, object]:
+        return {
+            "model": "llama-3.2-1b",
+            "weights": weights,
+            "device_param_bytes": params,
+            "device_step_peak_bytes": peak,
+            "device_step_peak_full_logits_bytes": full,
+            "whole_lora_step_peak_bytes": 8 * 2**30,
+            "baseline_rss_bytes": 2**28,
+            "whole_blocks": 16,
+        }
+
+    rows = [row("fp32", 2**30, 4 * 2**30, 5 * 2**30), row("int4", 2**27, 2**30, None)]
+    result = {"loss_chunk": 256, "steps": 2, "batch_size": 2, "seq_len": 512, "rows": rows}
+    write(tmp_path, "memory-steps", record(result, command="fedpipe bench memory --json"))
+    text = rb.render("memory-steps", tmp_path)
+    assert "| llama-3.2-1b | int4 | 128.0 MiB | 1024.0 MiB | – |" in text
+    assert "| 8192.0 MiB (16 blocks) | 0.12 | 256.0 MiB | 0.25 |" in text
 
 
 def test_instruct_tables_show_both_sides_shares_and_the_gain() -> None:

@@ -63,6 +63,7 @@ class PlannedDevice(Protocol):
     device_id: str
     folder: Path
     layout: SplitLayout
+    weights: str  # device.weights: the storage its parameters are counted at
     split: SplitTerms
     tracer: Tracer
     throttle: ComputeThrottle | None
@@ -210,7 +211,7 @@ class DevicePlanner:
         server, s_opt, c_opt = server_times(step, device, rows)
         budget = 0
         if pipe.memory_cap_mb > 0:
-            params = device_param_bytes(trainer.folder, trainer.layout)
+            params = device_param_bytes(trainer.folder, trainer.layout, trainer.weights)
             budget = max(1, int(pipe.memory_cap_mb * 2**20) - params)
         assert self.link is not None, "begin() probes the link first"
         figures = Measured(
@@ -243,7 +244,7 @@ class DevicePlanner:
             budget = 0
             if self.pipe.memory_cap_mb > 0:
                 layout = SplitLayout(trainer.layout.num_layers, cut[0], cut[1], trainer.layout.mode)
-                params = device_param_bytes(trainer.folder, layout)
+                params = device_param_bytes(trainer.folder, layout, trainer.weights)
                 budget = max(1, int(self.pipe.memory_cap_mb * 2**20) - params)
             out[name] = figures_for_cut(
                 figures,
