@@ -26,15 +26,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from fedpipe.data import load_documents
 from fedpipe.data.documents import Document
-from fedpipe.data.masks import IGNORE_INDEX, prompt_and_answer
+from fedpipe.data.masks import prompt_and_answer
 from fedpipe.data.rows import example_rows
 from fedpipe.models import load_causal_lm, load_tokenizer
 from fedpipe.models.cache import write_atomic
 from fedpipe.runs.export import load_run_model, merged_model
+from fedpipe.split.loss import shifted_loss_sum
 
 __all__ = [
     "Answer",
@@ -113,17 +113,8 @@ def answer_loss(
         for start in range(0, int(rows.input_ids.shape[0]), _LOSS_BATCH):
             ids = rows.input_ids[start : start + _LOSS_BATCH].to(device)  # (B, T)
             labels = rows.labels[start : start + _LOSS_BATCH].to(device)  # (B, T)
-            logits = model(input_ids=ids).logits.float()  # (B, T, V)
-            shifted = labels[:, 1:]
-            total += float(
-                F.cross_entropy(
-                    logits[:, :-1].reshape(-1, logits.shape[-1]),
-                    shifted.reshape(-1),
-                    ignore_index=IGNORE_INDEX,
-                    reduction="sum",
-                )
-            )
-            count += int((shifted != IGNORE_INDEX).sum())
+            loss_sum, tokens = shifted_loss_sum(model(input_ids=ids).logits, labels)
+            total, count = total + float(loss_sum), count + tokens
     return (total / count if count else None), count, rows.counts.rows
 
 
