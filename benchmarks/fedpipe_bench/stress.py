@@ -1,6 +1,7 @@
 """The stage link under stress: every reply, under an oversubscribed CPU, equals its unloaded run.
 
-    python benchmarks/stress_bench.py [--devices 12] [--steps 3] [--seconds 600] [--json]
+    python benchmarks/stress_bench.py [--devices 12] [--steps 3] [--seconds 600] [--forks 0]
+                                      [--json]
 
 One StageServer (its own process, loopback, tiny-llama) and ``--devices`` emulated devices
 (threads with real :class:`StageClient` sessions), each on its own mix of the wire's codecs
@@ -12,6 +13,14 @@ round, all devices run at once while ``--burners`` processes spin on the cores, 
 device's hash is compared with its reference. A corrupted, crossed, lost or reordered byte in
 any reply changes the hash; a frame whose checksum does not match is refused by the receiver
 (:class:`fedpipe.errors.CorruptMessageError`), and is counted as such.
+
+``--forks N``: N threads in the devices' process start short-lived processes one after another
+the way Ray starts its own (``subprocess.Popen`` with a ``preexec_fn``: a real ``fork()`` with
+Python running in the child before ``exec``), as Ray does in the ServerApp's process of
+Flower's simulation while the evaluator streams. gRPC's fork handlers follow
+``GRPC_ENABLE_FORK_SUPPORT`` as this process found it when grpc was imported (fedpipe sets it
+to 0 unless it is set): run once with ``GRPC_ENABLE_FORK_SUPPORT=1`` (gRPC's own default)
+beside a run without it to see what the handlers do to live streams.
 
 Prints one JSON object with ``--json``: ``rounds``, ``messages`` (stage-link messages both
 ways), ``payload_mb`` (encoded bytes both ways), ``mismatched`` (device runs whose
@@ -28,9 +37,11 @@ import json
 import logging
 import multiprocessing
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -43,7 +54,10 @@ from fedpipe.messages import Kind, StageMsg
 from fedpipe.wire.link_client import StageClient
 from fedpipe_bench.load import LoadDevice, LoadShape, ServerProcess, _tensor, device_split
 
-__all__ = ["DeviceMix", "StressReport", "device_mixes", "run_stress"]
+__all__ = ["DeviceMix", "Forkers", "StressReport", "device_mixes", "run_stress"]
+
+# What grpc read when this module (and so fedpipe, which sets a default first) was imported.
+_GRPC_FORK_SUPPORT = os.environ.get("GRPC_ENABLE_FORK_SUPPORT", "")
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +97,8 @@ class StressReport:
     seconds: float = 0.0
     burners: int = 0
     cores: int = 0
+    forks: int = 0  # processes forked in the devices' process during the loaded rounds
+    grpc_fork_support: str = ""  # GRPC_ENABLE_FORK_SUPPORT as grpc found it
 
     @property
     def clean(self) -> bool:
@@ -154,6 +170,36 @@ class Burners:
             proc.wait(timeout=30)
 
 
+def _exec_at_once() -> None:  # pragma: no cover - runs in the forked child
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # what Ray's preexec_fn does
+
+
+class Forkers:
+    """``count`` threads forking short-lived processes as Ray starts its own, until stopped."""
+
+    def __init__(self, count: int) -> None:
+        self.count = 0
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        program = shutil.which("true") or sys.executable
+        self._argv = [program] if program != sys.executable else [program, "-c", ""]
+        self._threads = [threading.Thread(target=self._fork, daemon=True) for _ in range(count)]
+        for thread in self._threads:
+            thread.start()
+
+    def _fork(self) -> None:
+        while not self._stop.is_set():
+            subprocess.run(self._argv, preexec_fn=_exec_at_once, check=False)
+            with self._lock:
+                self.count += 1
+
+    def stop(self) -> int:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=30)
+        return self.count
+
+
 def _round(
     address: str, mixes: list[DeviceMix], steps: int, round_: int, report: StressReport
 ) -> dict[int, _Run]:
@@ -179,12 +225,18 @@ def _round(
 
 
 def run_stress(
-    devices: int = 12, steps: int = 3, seconds: float = 600.0, burners: int | None = None
+    devices: int = 12,
+    steps: int = 3,
+    seconds: float = 600.0,
+    burners: int | None = None,
+    forks: int = 0,
 ) -> StressReport:
-    """References on an idle machine, then loaded rounds for ``seconds`` (at least one)."""
+    """References on an idle machine, then loaded rounds for ``seconds`` (at least one), with
+    ``forks`` threads forking in this process during them."""
     cores = multiprocessing.cpu_count()
     burners = 2 * cores if burners is None else burners
     report = StressReport(devices, steps, burners=burners, cores=cores)
+    report.grpc_fork_support = _GRPC_FORK_SUPPORT
     mixes = device_mixes(devices)
     server = ServerProcess(max_sessions=2 * devices + 8)
     try:
@@ -193,6 +245,7 @@ def run_stress(
         }
         server.discard_round(0)  # the global adapter stays as it was for every round
         load = Burners(burners)
+        forkers = Forkers(forks)
         start = time.monotonic()
         try:
             while report.rounds == 0 or time.monotonic() - start < seconds:
@@ -202,6 +255,7 @@ def run_stress(
                 report.rounds = round_
                 _tally(report, round_, solo, runs)
         finally:
+            report.forks = forkers.stop()
             load.stop()
         report.seconds = round(time.monotonic() - start, 1)
     finally:
@@ -223,10 +277,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=600.0, help="how long to keep loading")
     parser.add_argument("--burners", type=int, default=None, help="spinning processes (2x cores)")
+    parser.add_argument(
+        "--forks", type=int, default=0, help="threads forking as Ray does, in the devices' process"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.ERROR, stream=sys.stderr)
-    report = run_stress(args.devices, args.steps, args.seconds, args.burners)
+    report = run_stress(args.devices, args.steps, args.seconds, args.burners, args.forks)
     if args.json:
         print(json.dumps(report.as_dict()))
     else:
