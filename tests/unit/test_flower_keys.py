@@ -93,8 +93,9 @@ def test_a_list_setting_with_inline_commas_keeps_its_entries_through_flower(
     assert names == ["phone-lte", "up=10,down=25,rtt=50ms", "rpi-wifi"]
 
 
-def test_the_client_app_reads_a_run_configs_settings_once() -> None:
-    """The same run config gives the same (cached) objects; another one is read anew."""
+def test_run_settings_are_built_once_per_run_config() -> None:
+    """What the ClientApp calls every round: the same run config gives the same (kept)
+    objects; another one is read anew."""
     flat = run_config_of(FedpipeConfig().with_overrides(CHANGED), RUN)
     first = run_settings(flat)
     assert run_settings(dict(flat)) is first
