@@ -35,6 +35,7 @@ __all__ = [
     "PrivacyConfig",
     "ServerConfig",
     "TrainConfig",
+    "coerce_value",
     "format_cut",
     "load_config",
     "parse_cuts",
@@ -876,22 +877,28 @@ def _unknown_setting(key: str, known: list[str]) -> str:
 
 def _coerce(cls: type, section: str, name: str, value: Any) -> Any:
     kind = get_type_hints(get_type_hints(cls)[section])[name]
+    return coerce_value(f"{section}.{name}", kind, value)
+
+
+def coerce_value(key: str, kind: type, value: Any) -> Any:
+    """``value`` as a ``kind`` (bool, int, float or str), from a string or a number; a value
+    of another type is refused in one line naming ``key``."""
     if isinstance(value, str) and kind is not str:
         text = value.strip()
         if kind is bool:
             if text.lower() not in _BOOLS:
-                raise ValueError(f"{section}.{name} must be true or false, got {value!r}")
+                raise ValueError(f"{key} must be true or false, got {value!r}")
             return _BOOLS[text.lower()]
         try:
             return kind(text)
         except ValueError:
-            raise ValueError(f"{section}.{name} must be {kind.__name__}, got {value!r}") from None
+            raise ValueError(f"{key} must be {kind.__name__}, got {value!r}") from None
     if kind is float and isinstance(value, int):
         return float(value)
     if kind is int and isinstance(value, float) and value.is_integer():
         return int(value)
     if not isinstance(value, kind):
-        raise ValueError(f"{section}.{name} must be {kind.__name__}, got {value!r}")
+        raise ValueError(f"{key} must be {kind.__name__}, got {value!r}")
     return value
 
 
