@@ -46,8 +46,11 @@ __all__ = [
     "StoredEmbedding",
     "StoredLinear",
     "dequantize",
+    "linear_product",
+    "linear_product_t",
     "quantize",
     "stored_bytes",
+    "storage_of",
     "stored_modules",
     "store_module",
 ]
@@ -291,6 +294,31 @@ class StoredEmbedding(_Stored, nn.Embedding):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, weights={self.weights}"
+
+
+def linear_product(linear: nn.Linear, x: Tensor) -> Tensor:
+    """``x @ W.T + b`` of a frozen linear, no graph through its weight: a stored one's weight
+    dequantized slab by slab, a plain one's ``F.linear`` (what the server's batched bank calls
+    on the joined rows of all its sessions)."""
+    if isinstance(linear, StoredLinear):
+        out = linear.product(x)
+        return out if linear.bias is None else out + linear.bias
+    return F.linear(x, linear.weight, linear.bias)
+
+
+def linear_product_t(linear: nn.Linear, grad: Tensor) -> Tensor:
+    """``grad @ W``: the input's gradient through a frozen linear, stored or plain."""
+    if isinstance(linear, StoredLinear):
+        return linear.product_t(grad)
+    return grad @ linear.weight
+
+
+def storage_of(module: nn.Module) -> str:
+    """How ``module``'s linears are stored: the first stored linear's format, else fp32."""
+    for sub in module.modules():
+        if isinstance(sub, StoredLinear):
+            return sub.weights
+    return "fp32"
 
 
 def stored_modules(stage: nn.Module) -> list[str]:
