@@ -241,7 +241,7 @@ class StoredLinear(_Stored, nn.Linear):
             for start in slabs:
                 stop = min(start + slabs.step, self.out_features)
                 out[:, start:stop] = flat @ self.rows(start, stop).to(x.dtype).t()
-        return out.view(*x.shape[:-1], self.out_features)
+        return _shaped(out, x.shape[:-1])
 
     def product_t(self, grad: Tensor) -> Tensor:
         """(..., out) -> (..., in) ``grad @ w``: the input's gradient, slab by slab."""
@@ -254,7 +254,7 @@ class StoredLinear(_Stored, nn.Linear):
             for start in slabs:
                 stop = min(start + slabs.step, self.out_features)
                 out.addmm_(flat[:, start:stop], self.rows(start, stop).to(grad.dtype))
-        return out.view(*grad.shape[:-1], self.in_features)
+        return _shaped(out, grad.shape[:-1])
 
     def forward(self, x: Tensor) -> Tensor:
         out = cast(Tensor, _FrozenProduct.apply(x, self))
@@ -265,6 +265,13 @@ class StoredLinear(_Stored, nn.Linear):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, weights={self.weights}"
         )
+
+
+def _shaped(out: Tensor, lead: torch.Size) -> Tensor:
+    """(rows, width) ``out`` as (*lead, width); itself, not a view of it, when 2-D already:
+    the batched bank adds LoRA terms into its rows in place, which autograd refuses on a view
+    whose slice covers the whole of a leaf (as a plain linear's product never is)."""
+    return out if len(lead) == 1 else out.view(*lead, out.shape[-1])
 
 
 class StoredEmbedding(_Stored, nn.Embedding):

@@ -91,6 +91,25 @@ def test_a_stored_middle_stays_near_fp32_and_both_banks_agree(folder: Path, weig
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_a_lone_sessions_batched_backward_on_a_stored_base_equals_peft(folder: Path) -> None:
+    """The executor's path with one session (its rows are the whole joined tensor, under grad
+    mode): run_taped and one backward give peft's input and LoRA gradients."""
+    gen = torch.Generator().manual_seed(9)
+    x, dy = torch.randn(2, 6, 64, generator=gen), torch.randn(2, 6, 64, generator=gen)
+    batched = _bank(folder, "int8", batched=True)
+    assert isinstance(batched, BatchedAdapterBank)
+    ((_, tape),) = batched.run_taped([Group("a", x)])
+    (dx,) = batched.backward([(tape, dy)])
+    peft = _bank(folder, "int8", batched=False)
+    xp = x.clone().requires_grad_(True)
+    peft.run([Group("a", xp)])[0].backward(dy)
+    assert dx is not None and xp.grad is not None
+    torch.testing.assert_close(dx, xp.grad, rtol=1e-5, atol=1e-6)
+    for got, want in zip(batched.parameters("a"), peft.parameters("a"), strict=True):
+        assert got.grad is not None and want.grad is not None
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-6)
+
+
 def test_fp32_builds_the_plain_stage_as_before(folder: Path) -> None:
     plan = split_layout(load_hf_config(folder), mode="u")
     plain, fp32 = (
