@@ -25,7 +25,8 @@ beside a run without it to see what the handlers do to live streams.
 Prints one JSON object with ``--json``: ``rounds``, ``messages`` (stage-link messages both
 ways), ``payload_mb`` (encoded bytes both ways), ``mismatched`` (device runs whose
 hash differed from the reference), ``corrupted`` (runs that failed on a refused frame),
-``failed`` (runs that failed otherwise, with their errors), ``seconds`` and ``clean``.
+``failed`` (runs that failed otherwise, with their errors), ``seconds``, ``forks`` and
+``forks_hung`` (forked children stuck before ``exec`` for 20 s, killed) and ``clean``.
 Messages and bytes are the devices' sessions' own counts of encoded frames.
 """
 
@@ -98,11 +99,12 @@ class StressReport:
     burners: int = 0
     cores: int = 0
     forks: int = 0  # processes forked in the devices' process during the loaded rounds
+    forks_hung: int = 0  # of them, children stuck between fork and exec (killed)
     grpc_fork_support: str = ""  # GRPC_ENABLE_FORK_SUPPORT as grpc found it
 
     @property
     def clean(self) -> bool:
-        return not (self.mismatched or self.corrupted or self.failed)
+        return not (self.mismatched or self.corrupted or self.failed or self.forks_hung)
 
     def as_dict(self) -> dict[str, object]:
         return {**self.__dict__, "clean": self.clean}
@@ -170,6 +172,9 @@ class Burners:
             proc.wait(timeout=30)
 
 
+FORK_TIMEOUT_S = 20.0  # a forked child that has not exec'd a trivial program by then is stuck
+
+
 def _exec_at_once() -> None:  # pragma: no cover - runs in the forked child
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # what Ray's preexec_fn does
 
@@ -179,6 +184,7 @@ class Forkers:
 
     def __init__(self, count: int) -> None:
         self.count = 0
+        self.hung = 0  # children that never reached exec within FORK_TIMEOUT_S
         self._stop = threading.Event()
         self._lock = threading.Lock()
         program = shutil.which("true") or sys.executable
@@ -189,15 +195,28 @@ class Forkers:
 
     def _fork(self) -> None:
         while not self._stop.is_set():
-            subprocess.run(self._argv, preexec_fn=_exec_at_once, check=False)
+            try:  # the child's output nowhere: a hung child must not hold the bench's pipes
+                subprocess.run(
+                    self._argv,
+                    preexec_fn=_exec_at_once,
+                    check=False,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    timeout=FORK_TIMEOUT_S,
+                )
+            except subprocess.TimeoutExpired:  # stuck between fork and exec: killed by run()
+                with self._lock:
+                    self.hung += 1
             with self._lock:
                 self.count += 1
 
-    def stop(self) -> int:
+    def stop(self) -> tuple[int, int]:
+        """(processes forked, of them hung before exec)."""
         self._stop.set()
         for thread in self._threads:
-            thread.join(timeout=30)
-        return self.count
+            thread.join(timeout=2 * FORK_TIMEOUT_S)
+        return self.count, self.hung
 
 
 def _round(
@@ -255,7 +274,7 @@ def run_stress(
                 report.rounds = round_
                 _tally(report, round_, solo, runs)
         finally:
-            report.forks = forkers.stop()
+            report.forks, report.forks_hung = forkers.stop()
             load.stop()
         report.seconds = round(time.monotonic() - start, 1)
     finally:
