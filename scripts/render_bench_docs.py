@@ -76,6 +76,13 @@ def mib(nbytes: Any) -> str:
     return "–" if not isinstance(nbytes, int | float) else f"{nbytes / 2**20:.1f} MiB"
 
 
+def size(nbytes: Any) -> str:
+    """Bytes in KiB below one MiB (the tiny models), in MiB from there."""
+    if isinstance(nbytes, int | float) and abs(nbytes) < 2**20:
+        return f"{nbytes / 2**10:.1f} KiB"
+    return mib(nbytes)
+
+
 def escape_pipes(text: str) -> str:
     """``|`` escaped for a Markdown table cell, except inside code spans (kept as they are)."""
     parts = text.split("`")
@@ -328,17 +335,24 @@ def _plan(r: dict[str, Any]) -> list[Table]:
 
 
 def _memory(r: dict[str, Any]) -> list[Table]:
+    """One model's load report, or (``--families``) a row per model."""
     headers = ["model", "split", "device parameters", "whole model", "device RSS growth"]
     headers += ["whole model RSS growth"]
-    row = [
-        r.get("model"),
-        r.get("plan"),
-        f"{mib(r.get('device_param_bytes'))} ({pct(r.get('param_fraction')).lstrip('+')})",
-        mib(r.get("model_param_bytes")),
-        f"{mib(r.get('device_rss_bytes'))} ({pct(r.get('rss_fraction')).lstrip('+')})",
-        mib(r.get("model_rss_bytes")),
+    reports = r["rows"] if "rows" in r else [r]
+    rows = [
+        [
+            report.get("model"),
+            report.get("plan"),
+            f"{size(report.get('device_param_bytes'))} "
+            f"({pct(report.get('param_fraction')).lstrip('+')})",
+            size(report.get("model_param_bytes")),
+            f"{size(report.get('device_rss_bytes'))} "
+            f"({pct(report.get('rss_fraction')).lstrip('+')})",
+            size(report.get("model_rss_bytes")),
+        ]
+        for report in reports
     ]
-    return [("fp32 parameters, and resident memory growth while loading", headers, [row])]
+    return [("fp32 parameters, and resident memory growth while loading", headers, rows)]
 
 
 def _memory_steps(r: dict[str, Any]) -> list[Table]:
