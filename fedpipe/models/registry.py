@@ -297,7 +297,7 @@ def _convert_gguf_unchecked(path: Path, out: Path) -> None:
 def _check_fields_read(
     path: Path, metadata: dict[str, Any], tensor_names: tuple[str, ...], config: Any
 ) -> None:
-    """Refuse a GGUF whose metadata sets what transformers' GGUF reader does not read.
+    """Refuse a GGUF whose metadata sets what transformers' GGUF reader does not carry over.
 
     The reader maps a fixed set of llama.cpp's keys per architecture to config fields and leaves
     every other field at the config class's default; a file that sets one of the keys below to
@@ -336,6 +336,17 @@ def _check_fields_read(
         )
         if not same:
             _refuse_unread(path, f"{key} = {stated}", f"{field} = {value}")
+    scale_key = f"{arch}.attention.key_length"
+    if arch in ("gemma2", "gemma3") and scale_key in metadata:
+        # llama.cpp scales Gemma's attention scores by 1/sqrt(head size) (27B: of hidden size /
+        # heads); transformers by 1/sqrt(query_pre_attn_scalar), which the reader leaves at 256
+        scalar = config.query_pre_attn_scalar
+        if not math.isclose(float(metadata[scale_key]), float(scalar), rel_tol=1e-6):
+            _refuse_unread(
+                path,
+                f"{scale_key} = {metadata[scale_key]} (llama.cpp scales attention by 1/sqrt of it)",
+                f"query_pre_attn_scalar = {scalar}",
+            )
     scaling = metadata.get(f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
         _refuse_unread(path, f"{arch}.rope.scaling.type = {scaling!r}", "no rope scaling")
@@ -346,8 +357,8 @@ def _check_fields_read(
 
 def _refuse_unread(path: Path, stated: str, converted: str) -> None:
     raise ModelFileError(
-        f"{path}: the GGUF has {stated}, which transformers' GGUF reader does not read: the "
-        f"converted model would have {converted} and compute differently; give the model's "
+        f"{path}: the GGUF has {stated}, which transformers' GGUF reader does not carry over: "
+        f"the converted model would have {converted} and compute differently; give the model's "
         "Hugging Face folder instead"
     )
 

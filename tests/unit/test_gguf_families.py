@@ -12,16 +12,22 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from harness.gguf_files import VOCAB, tiny_model, write_gguf
 from transformers import AutoModelForCausalLM
 
 from fedpipe.errors import ModelFileError
 from fedpipe.models import load_config
 from fedpipe.models.registry import gguf_architectures, resolve_model
 from fedpipe.split import build_device_stages, build_stage, split_layout
-from tests.harness.gguf_files import VOCAB, tiny_model, write_gguf
 
 torch.set_num_threads(1)
 LENGTH, WINDOW = 12, 4  # the sliding window is shorter than the sequence
+_GEMMA = {
+    "head_dim": 256,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "sliding_window": WINDOW,
+}
 # name -> (model_type, config overrides, GGUF architecture, model_type the reader gives back)
 CASES: dict[str, tuple[str, dict[str, Any], str, str]] = {
     "llama": ("llama", {"tie_word_embeddings": False}, "llama", "llama"),
@@ -36,20 +42,11 @@ CASES: dict[str, tuple[str, dict[str, Any], str, str]] = {
         "qwen3",
     ),
     "phi3": ("phi3", {"tie_word_embeddings": False}, "phi3", "phi3"),
-    # alternating sliding (window 4) and full blocks, soft-capping, (1 + w) norms
-    "gemma2": (
-        "gemma2",
-        {"head_dim": 16, "sliding_window": WINDOW, "attn_implementation": "eager"},
-        "gemma2",
-        "gemma2",
-    ),
+    # Gemma: head size 256, the query_pre_attn_scalar the reader leaves (llama.cpp scales by the
+    # head size). Alternating sliding (window 4) and full blocks, soft-capping, (1 + w) norms
+    "gemma2": ("gemma2", {**_GEMMA, "attn_implementation": "eager"}, "gemma2", "gemma2"),
     # five sliding blocks then a full one (Gemma 3's pattern), local and global rotaries
-    "gemma3": (
-        "gemma3_text",
-        {"head_dim": 16, "sliding_window": WINDOW, "num_hidden_layers": 6},
-        "gemma3",
-        "gemma3_text",
-    ),
+    "gemma3": ("gemma3_text", {**_GEMMA, "num_hidden_layers": 6}, "gemma3", "gemma3_text"),
     "gpt2": ("gpt2", {}, "gpt2", "gpt2"),
 }
 
@@ -136,6 +133,14 @@ def test_a_gguf_of_a_family_the_reader_does_not_read_is_refused_in_one_line(
             "gemma2.final_logit_softcapping = 3.0",
             "final_logit_softcapping = 30.0",
         ),
+        (  # a Gemma whose head size is not the 256 transformers scales its attention by
+            "gemma3",
+            {"head_dim": 16, "num_attention_heads": 4, "num_key_value_heads": 2},
+            {},
+            {},
+            "gemma3.attention.key_length = 16 (llama.cpp scales attention by 1/sqrt of it)",
+            "query_pre_attn_scalar = 256",
+        ),
         (  # Gemma 3 4B and larger: linear rope scaling
             "gemma3",
             {},
@@ -172,5 +177,6 @@ def test_a_gguf_setting_what_the_reader_does_not_read_is_refused_naming_both_val
     message = str(info.value)
     assert "\n" not in message
     assert message.startswith(f"{gguf_file}: the GGUF has {stated}, which transformers' GGUF")
+    assert "reader does not carry over" in message
     assert f"the converted model would have {converted} and compute differently" in message
     assert not list((tmp_path / "cache" / "models").iterdir())
