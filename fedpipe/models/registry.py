@@ -344,8 +344,9 @@ def _check_fields_read(
         if not math.isclose(float(metadata[scale_key]), float(scalar), rel_tol=1e-6):
             _refuse_unread(
                 path,
-                f"{scale_key} = {metadata[scale_key]} (llama.cpp scales attention by 1/sqrt of it)",
-                f"query_pre_attn_scalar = {scalar}",
+                f"{scale_key} = {metadata[scale_key]}",
+                f"query_pre_attn_scalar = {scalar} where llama.cpp scales attention by the head "
+                "size (27B: hidden size / heads)",
             )
     scaling = metadata.get(f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):

@@ -138,8 +138,9 @@ def test_a_gguf_of_a_family_the_reader_does_not_read_is_refused_in_one_line(
             {"head_dim": 16, "num_attention_heads": 4, "num_key_value_heads": 2},
             {},
             {},
-            "gemma3.attention.key_length = 16 (llama.cpp scales attention by 1/sqrt of it)",
-            "query_pre_attn_scalar = 256",
+            "gemma3.attention.key_length = 16",
+            "query_pre_attn_scalar = 256 where llama.cpp scales attention by the head size (27B: "
+            "hidden size / heads)",
         ),
         (  # Gemma 3 4B and larger: linear rope scaling
             "gemma3",
