@@ -335,24 +335,34 @@ def _plan(r: dict[str, Any]) -> list[Table]:
 
 
 def _memory(r: dict[str, Any]) -> list[Table]:
-    """One model's load report, or (``--families``) a row per model."""
+    """One model's load report, or (``--families``) each model's parameter bytes."""
+    if "rows" in r:
+        headers = ["model", "model_type", "split", "device parameters", "whole model"]
+        rows = [
+            [
+                report.get("model"),
+                report.get("model_type"),
+                report.get("plan"),
+                f"{size(report.get('device_param_bytes'))} "
+                f"({pct(report.get('param_fraction')).lstrip('+')})",
+                size(report.get("model_param_bytes")),
+            ]
+            for report in r["rows"]
+        ]
+        return [
+            ("fp32 parameters: the device's head and tail against the whole model", headers, rows)
+        ]
     headers = ["model", "split", "device parameters", "whole model", "device RSS growth"]
     headers += ["whole model RSS growth"]
-    reports = r["rows"] if "rows" in r else [r]
-    rows = [
-        [
-            report.get("model"),
-            report.get("plan"),
-            f"{size(report.get('device_param_bytes'))} "
-            f"({pct(report.get('param_fraction')).lstrip('+')})",
-            size(report.get("model_param_bytes")),
-            f"{size(report.get('device_rss_bytes'))} "
-            f"({pct(report.get('rss_fraction')).lstrip('+')})",
-            size(report.get("model_rss_bytes")),
-        ]
-        for report in reports
+    row = [
+        r.get("model"),
+        r.get("plan"),
+        f"{mib(r.get('device_param_bytes'))} ({pct(r.get('param_fraction')).lstrip('+')})",
+        mib(r.get("model_param_bytes")),
+        f"{mib(r.get('device_rss_bytes'))} ({pct(r.get('rss_fraction')).lstrip('+')})",
+        mib(r.get("model_rss_bytes")),
     ]
-    return [("fp32 parameters, and resident memory growth while loading", headers, rows)]
+    return [("fp32 parameters, and resident memory growth while loading", headers, [row])]
 
 
 def _memory_steps(r: dict[str, Any]) -> list[Table]:

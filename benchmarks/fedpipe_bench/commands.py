@@ -120,8 +120,9 @@ def _add_step_memory_flags(r: Any) -> None:
     r.add_argument(
         "--families",
         action="store_true",
-        help="the load report of a tiny random model of every family fedpipe splits and of the "
-        "bundled model, at the model.head_layers / model.tail_layers cut (one JSON object)",
+        help="the device's and the whole model's fp32 parameter bytes of a tiny random model of "
+        "every family fedpipe splits and of the bundled model, at the model.head_layers / "
+        "model.tail_layers cut (one JSON object)",
     )
     r.add_argument("--shapes", help="comma-separated model shapes (default: all)")
     r.add_argument("--steps", type=int, default=2, help="training steps per setting")
@@ -468,13 +469,14 @@ def cmd_bench_memory(args: argparse.Namespace) -> int:
 
 def _bench_memory_families(args: argparse.Namespace) -> int:
     """``--families``: each family's tiny random model (fedpipe_bench.families) and the bundled
-    model, their device parameter bytes and load memory at the configured cut, one row each."""
+    model, the device's and the whole model's parameter bytes at the configured cut, one row
+    each (nothing is loaded: ``--model M`` measures one model's load memory)."""
     import tempfile
 
     from fedpipe.models import load_config as load_hf_config
     from fedpipe.models import resolve_model
     from fedpipe.models.families import supported_types
-    from fedpipe.split import device_memory_report, split_layout
+    from fedpipe.split import device_param_report, split_layout
     from fedpipe_bench.families import tiny_family_folder
 
     config = config_from_args(args)
@@ -490,7 +492,7 @@ def _bench_memory_families(args: argparse.Namespace) -> int:
                 tail_layers=config.model.tail_layers,
                 mode=config.model.split,  # type: ignore[arg-type]
             )
-            report = device_memory_report(folder, plan)
+            report = device_param_report(folder, plan)
             rows.append({"model": name, "model_type": hf_config.model_type, **report})
     print(json.dumps({"rows": rows}, indent=2))
     return 0
