@@ -73,10 +73,11 @@ def device_param_report(folder: Path, layout: SplitLayout) -> dict[str, Any]:
 def device_memory_report(folder: Path, layout: SplitLayout) -> dict[str, Any]:
     """Device-side vs whole-model memory: fp32 parameter bytes and measured RSS growth."""
     folder = Path(folder)
+    params = device_param_report(folder, layout)  # first: a broken weight file says so here
     device = _measure(folder, layout, "device")
     whole = _measure(folder, layout, "model")
     return {
-        **device_param_report(folder, layout),
+        **params,
         "device_rss_bytes": device["rss_growth"],
         "model_rss_bytes": whole["rss_growth"],
         "rss_fraction": device["rss_growth"] / max(1, whole["rss_growth"]),
