@@ -3,9 +3,10 @@ random model of the family saved as a Hugging Face folder (fedpipe_bench.familie
 of tests/integration/test_family_rounds.py), two devices, two rounds. Each run exits 0, both
 devices train in both rounds, and the held-out loss falls (summary.json).
 
-Each run costs Flower's and Ray's start (most of its time, about a minute on 2 cores), so each
-family is its own test and the runs overlap on the suite's workers; the settings are
-test_family_rounds' (where the loss is known to fall) at one block per device side.
+Each run costs Flower's and Ray's start, most of its time (170 to 410 s a run on the shared
+2-core machine they were written on, load 10 to 40), so each family is its own test and the runs
+overlap on the suite's workers; the settings are test_family_rounds' (where the loss is known
+to fall) at one block per device side.
 """
 
 from __future__ import annotations
