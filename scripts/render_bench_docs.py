@@ -76,6 +76,13 @@ def mib(nbytes: Any) -> str:
     return "–" if not isinstance(nbytes, int | float) else f"{nbytes / 2**20:.1f} MiB"
 
 
+def size(nbytes: Any) -> str:
+    """Bytes in KiB below one MiB (the tiny models), in MiB from there."""
+    if isinstance(nbytes, int | float) and abs(nbytes) < 2**20:
+        return f"{nbytes / 2**10:.1f} KiB"
+    return mib(nbytes)
+
+
 def escape_pipes(text: str) -> str:
     """``|`` escaped for a Markdown table cell, except inside code spans (kept as they are)."""
     parts = text.split("`")
@@ -328,6 +335,23 @@ def _plan(r: dict[str, Any]) -> list[Table]:
 
 
 def _memory(r: dict[str, Any]) -> list[Table]:
+    """One model's load report, or (``--families``) each model's parameter bytes."""
+    if "rows" in r:
+        headers = ["model", "model_type", "split", "device parameters", "whole model"]
+        rows = [
+            [
+                report.get("model"),
+                report.get("model_type"),
+                report.get("plan"),
+                f"{size(report.get('device_param_bytes'))} "
+                f"({pct(report.get('param_fraction')).lstrip('+')})",
+                size(report.get("model_param_bytes")),
+            ]
+            for report in r["rows"]
+        ]
+        return [
+            ("fp32 parameters: the device's head and tail against the whole model", headers, rows)
+        ]
     headers = ["model", "split", "device parameters", "whole model", "device RSS growth"]
     headers += ["whole model RSS growth"]
     row = [

@@ -117,6 +117,13 @@ def register(bsub: Any) -> None:
 def _add_step_memory_flags(r: Any) -> None:
     """`fedpipe bench memory`'s step-peak run (without --model)."""
     r.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    r.add_argument(
+        "--families",
+        action="store_true",
+        help="the device's and the whole model's fp32 parameter bytes of a tiny random model of "
+        "every family fedpipe splits and of the bundled model, at the model.head_layers / "
+        "model.tail_layers cut (one JSON object)",
+    )
     r.add_argument("--shapes", help="comma-separated model shapes (default: all)")
     r.add_argument("--steps", type=int, default=2, help="training steps per setting")
     r.add_argument("--batch-size", type=int, default=2, help="sequences per step")
@@ -445,6 +452,10 @@ def cmd_bench_memory(args: argparse.Namespace) -> int:
     """
     if args.server_weights:
         return _bench_server_weights(args)
+    if args.families:
+        if args.model:
+            raise SystemExit("--families reports its own models: give it without --model")
+        return _bench_memory_families(args)
     if not args.model:
         return _bench_step_memory(args)
     from fedpipe.cli.preflight import check_model
@@ -505,6 +516,37 @@ def _bench_server_weights(args: argparse.Namespace) -> int:
             f"{row['weights']:>7} {row['server_param_bytes'] / 2**20:>17.1f} "
             f"{row['step_s']:>7.2f} {ratio:>7} {'-' if err is None else f'{err:.1e}':>10}"
         )
+    return 0
+
+
+def _bench_memory_families(args: argparse.Namespace) -> int:
+    """``--families``: each family's tiny random model (fedpipe_bench.families) and the bundled
+    model, the device's and the whole model's parameter bytes at the configured cut, one row
+    each (nothing is loaded: ``--model M`` measures one model's load memory)."""
+    import tempfile
+
+    from fedpipe.models import load_config as load_hf_config
+    from fedpipe.models import resolve_model
+    from fedpipe.models.families import supported_types
+    from fedpipe.split import device_param_report, split_layout
+    from fedpipe_bench.families import tiny_family_folder
+
+    config = config_from_args(args)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="fedpipe-families-") as root:
+        models = [(f"tiny {t}", tiny_family_folder(Path(root), t)) for t in supported_types()]
+        models.append(("default", resolve_model("default")))
+        for name, folder in models:
+            hf_config = load_hf_config(folder)
+            plan = split_layout(
+                hf_config,
+                head_layers=config.model.head_layers,
+                tail_layers=config.model.tail_layers,
+                mode=config.model.split,  # type: ignore[arg-type]
+            )
+            report = device_param_report(folder, plan)
+            rows.append({"model": name, "model_type": hf_config.model_type, **report})
+    print(json.dumps({"rows": rows}, indent=2))
     return 0
 
 

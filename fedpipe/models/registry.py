@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import math
 import os
 import shutil
 import uuid
@@ -19,6 +20,7 @@ from typing import Any
 
 import torch
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
     GPT2Config,
@@ -233,7 +235,7 @@ def _convert_gguf(path: Path, out: Path) -> None:
         reason = " ".join(str(exc).split())[:200]
         raise ModelFileError(
             f"{path}: cannot convert this GGUF model ({type(exc).__name__}: {reason}); fedpipe "
-            f"reads GGUF files of the architectures {', '.join(gguf_architectures())}"
+            f"reads GGUF files of the architectures {', '.join(_gguf_names())}"
         ) from None
 
 
@@ -242,16 +244,39 @@ def gguf_architectures() -> list[str]:
     # Deferred: the GGUF utilities are only needed when a GGUF file is being converted.
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
-    readable = {"gemma3_text" if a == "gemma3" else a for a in GGUF_SUPPORTED_ARCHITECTURES}
+    readable = {_GGUF_TYPES.get(a, a) for a in GGUF_SUPPORTED_ARCHITECTURES}
     return [t for t in supported_types() if t in readable]
 
 
+# A GGUF file's ``general.architecture`` where it differs from the model_type transformers gives it.
+_GGUF_TYPES = {"gemma3": "gemma3_text"}
+
+
+def _gguf_names() -> list[str]:
+    """:func:`gguf_architectures` as GGUF files name them (``general.architecture``)."""
+    names = {t: a for a, t in _GGUF_TYPES.items()}
+    return sorted(names.get(t, t) for t in gguf_architectures())
+
+
 def _convert_gguf_unchecked(path: Path, out: Path) -> None:
+    from transformers.integrations.gguf import read_gguf_metadata
+
+    metadata, tensor_names = read_gguf_metadata(str(path))
+    architecture = metadata.get("general.architecture")
+    model_type = _GGUF_TYPES.get(str(architecture), str(architecture))
+    if model_type in supported_types() and model_type not in gguf_architectures():
+        raise ModelFileError(
+            f"{path}: a GGUF of architecture {architecture!r}, which fedpipe splits but "
+            "transformers' GGUF reader does not read; give the model's Hugging Face folder "
+            f"instead (fedpipe reads GGUF files of the architectures {', '.join(_gguf_names())})"
+        )
     folder, name = path.parent, path.name
-    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    reason = refusal(loaded.config)
+    gguf_config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    reason = refusal(gguf_config)
     if reason:
         raise ModelFileError(f"{path}: {reason}")
+    _check_fields_read(path, metadata, tensor_names, gguf_config)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     config = _plain_config(loaded.config)
     with torch.device("meta"):
@@ -267,6 +292,76 @@ def _convert_gguf_unchecked(path: Path, out: Path) -> None:
     model.tie_weights()
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+
+
+def _check_fields_read(
+    path: Path, metadata: dict[str, Any], tensor_names: tuple[str, ...], config: Any
+) -> None:
+    """Refuse a GGUF whose metadata sets what transformers' GGUF reader does not carry over.
+
+    The reader maps a fixed set of llama.cpp's keys per architecture to config fields and leaves
+    every other field at the config class's default; a file that sets one of the keys below to
+    anything else would convert to a model that computes differently, silently. Each key is
+    compared with the field the converted config ended up with, in one line naming both.
+    """
+    if config.model_type == "gpt2":
+        return  # llama.cpp's GPT-2 files carry none of these keys
+    arch = metadata["general.architecture"]
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    rope = config.rope_parameters or {}
+    partial = rope.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None)
+    rotary = int(head_dim * (partial or 1.0))
+    window = getattr(config, "sliding_window", None)
+    fields: dict[str, tuple[str, Any]] = {
+        "attention.key_length": ("head_dim", head_dim),
+        "attention.value_length": ("head_dim", head_dim),
+        "rope.dimension_count": ("the rotary dimensions", rotary),
+        "attention.sliding_window": ("sliding_window", window),
+        "attn_logit_softcapping": (
+            "attn_logit_softcapping",
+            getattr(config, "attn_logit_softcapping", None),
+        ),
+        "final_logit_softcapping": (
+            "final_logit_softcapping",
+            getattr(config, "final_logit_softcapping", None),
+        ),
+    }
+    for suffix, (field, value) in fields.items():
+        key = f"{arch}.{suffix}"
+        if key not in metadata:
+            continue
+        stated = metadata[key] or None  # llama.cpp writes 0 for "no sliding window"
+        same = (stated is None) == (value is None) and (
+            stated is None or math.isclose(float(stated), float(value), rel_tol=1e-6)
+        )
+        if not same:
+            _refuse_unread(path, f"{key} = {stated}", f"{field} = {value}")
+    scale_key = f"{arch}.attention.key_length"
+    if arch in ("gemma2", "gemma3") and scale_key in metadata:
+        # llama.cpp scales Gemma's attention scores by 1/sqrt(head size) (27B: of hidden size /
+        # heads); transformers by 1/sqrt(query_pre_attn_scalar), which the reader leaves at 256
+        scalar = config.query_pre_attn_scalar
+        if not math.isclose(float(metadata[scale_key]), float(scalar), rel_tol=1e-6):
+            _refuse_unread(
+                path,
+                f"{scale_key} = {metadata[scale_key]}",
+                f"query_pre_attn_scalar = {scalar} where llama.cpp scales attention by the head "
+                "size (27B: hidden size / heads)",
+            )
+    scaling = metadata.get(f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        _refuse_unread(path, f"{arch}.rope.scaling.type = {scaling!r}", "no rope scaling")
+    for tensor in ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"):
+        if tensor in tensor_names:
+            _refuse_unread(path, f"a {tensor} tensor (rope scaling factors)", "no rope scaling")
+
+
+def _refuse_unread(path: Path, stated: str, converted: str) -> None:
+    raise ModelFileError(
+        f"{path}: the GGUF has {stated}, which transformers' GGUF reader does not carry over: "
+        f"the converted model would have {converted} and compute differently; give the model's "
+        "Hugging Face folder instead"
+    )
 
 
 def _plain_config(config: Any) -> Any:

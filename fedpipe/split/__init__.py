@@ -4,7 +4,7 @@ from fedpipe.split.agreement import SplitLike, SplitTerms, check_agreement
 from fedpipe.split.build import build_device_stages, build_stage, stage_blocks, stage_file_keys
 from fedpipe.split.layout import SplitLayout, SplitMode, split_layout
 from fedpipe.split.loss import chunked_loss_sum
-from fedpipe.split.memory import device_memory_report
+from fedpipe.split.memory import device_memory_report, device_param_report
 from fedpipe.split.stages import (
     IGNORE_INDEX,
     HeadStage,
@@ -30,6 +30,7 @@ __all__ = [
     "check_agreement",
     "chunked_loss_sum",
     "device_memory_report",
+    "device_param_report",
     "split_layout",
     "shifted_loss_sum",
     "sliding_window",

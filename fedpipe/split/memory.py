@@ -24,7 +24,7 @@ from fedpipe.split.layout import SplitLayout
 from fedpipe.split.quant import stored_bytes, stored_modules
 from fedpipe.split.stages import HeadStage, TailStage
 
-__all__ = ["device_memory_report", "device_param_bytes"]
+__all__ = ["device_memory_report", "device_param_bytes", "device_param_report"]
 
 _PROBE = r"""
 import gc, json, resource, sys
@@ -56,18 +56,28 @@ print(json.dumps({"rss_growth": after - before, "peak_growth": max(0, peak - bef
 """
 
 
-def device_memory_report(folder: Path, layout: SplitLayout) -> dict[str, Any]:
-    """Device-side vs whole-model memory: fp32 parameter bytes and measured RSS growth."""
+def device_param_report(folder: Path, layout: SplitLayout) -> dict[str, Any]:
+    """Device-side vs whole-model fp32 parameter bytes (from the stage definitions and the
+    weight files' headers: nothing is loaded)."""
     folder = Path(folder)
     device_bytes = device_param_bytes(folder, layout)
     model_bytes = _file_param_bytes(folder)
-    device = _measure(folder, layout, "device")
-    whole = _measure(folder, layout, "model")
     return {
         "plan": str(layout),
         "device_param_bytes": device_bytes,
         "model_param_bytes": model_bytes,
         "param_fraction": device_bytes / model_bytes,
+    }
+
+
+def device_memory_report(folder: Path, layout: SplitLayout) -> dict[str, Any]:
+    """Device-side vs whole-model memory: fp32 parameter bytes and measured RSS growth."""
+    folder = Path(folder)
+    params = device_param_report(folder, layout)  # first: a broken weight file says so here
+    device = _measure(folder, layout, "device")
+    whole = _measure(folder, layout, "model")
+    return {
+        **params,
         "device_rss_bytes": device["rss_growth"],
         "model_rss_bytes": whole["rss_growth"],
         "rss_fraction": device["rss_growth"] / max(1, whole["rss_growth"]),

@@ -8,66 +8,29 @@ over loopback gRPC, each on a tiny random model of the family saved as a Hugging
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from fedpipe_bench.families import tiny_family_folder
 from fedpipe_bench.local_devices import LocalDevices
 from fedpipe_bench.local_grid import LocalGrid
 from flwr.app import ArrayRecord, MetricRecord
-from transformers import AutoModelForCausalLM
-from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from fedpipe.config import load_config
 from fedpipe.fl.device_work import DeviceWork, RunSettings, evaluate_split
 from fedpipe.fl.server_app import RoundHooks, run_rounds, seeded_adapters
-from fedpipe.models import resolve_model
 from fedpipe.models.families import FAMILIES
 from fedpipe.server.build import build_stage_server
 from fedpipe.wire.control_client import StageControlClient
 
 ROUNDS = 2
-EXTRA: dict[str, dict[str, Any]] = {  # what makes each family's tiny config its own
-    "mistral": {"sliding_window": 8},
-    "qwen2": {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2},
-    "qwen3": {"tie_word_embeddings": True},
-    "smollm3": {"no_rope_layer_interval": 2},
-    "granite": {"embedding_multiplier": 2.0, "logits_scaling": 2.0, "residual_multiplier": 0.5},
-    "phi3": {"tie_word_embeddings": False},
-    "gemma2": {"head_dim": 16, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
-    "gemma3_text": {"head_dim": 16, "sliding_window": 8},
-}
-
-
-def _folder(root: Path, model_type: str) -> Path:
-    """A tiny random ``model_type`` with tiny-llama's tokenizer (258 byte-level ids)."""
-    config = CONFIG_MAPPING[model_type](
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=258,
-        max_position_embeddings=64,
-        pad_token_id=256,
-        eos_token_id=256,
-        bos_token_id=None,
-        **EXTRA.get(model_type, {}),
-    )
-    torch.manual_seed(0)
-    out = root / model_type
-    AutoModelForCausalLM.from_config(config).save_pretrained(out)
-    tiny = resolve_model("tiny-llama")
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(tiny / name, out / name)
-    return out
 
 
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))
 def test_two_rounds_of_two_devices_lower_the_held_out_loss(tmp_path: Path, model_type: str) -> None:
-    folder = _folder(tmp_path, model_type)
+    folder = tiny_family_folder(tmp_path, model_type)
     cfg = load_config(
         None,
         {

@@ -122,6 +122,20 @@ def test_a_second_record_of_one_bench_uses_its_renderer(tmp_path: Path) -> None:
     assert "| m | u:1+1 | 1.0 MiB" in rb.render("memory@1-1", tmp_path)
 
 
+def test_the_families_memory_record_renders_a_row_per_model(tmp_path: Path) -> None:
+    rows = [
+        {"model": "tiny qwen3", "model_type": "qwen3", "plan": "u:1+1"}
+        | {"device_param_bytes": 66 * 2**10, "param_fraction": 0.5},
+        {"model": "default", "model_type": "llama", "plan": "u:1+1"}
+        | {"device_param_bytes": 162 * 2**20, "model_param_bytes": 513 * 2**20},
+    ]
+    command = "fedpipe bench memory --families"
+    write(tmp_path, "memory@families", record({"rows": rows}, command=command))
+    text = rb.render("memory@families", tmp_path)
+    assert "| tiny qwen3 | qwen3 | u:1+1 | 66.0 KiB (50.0%) |" in text
+    assert "| default | llama | u:1+1 | 162.0 MiB (–) | 513.0 MiB |" in text
+
+
 def test_an_unknown_result_shape_still_renders_every_figure(tmp_path: Path) -> None:
     result = {"ratio": 0.8, "rows": [{"size_mb": 9.4, "mb_per_s": 500.0}]}
     write(tmp_path, "transport", record(result))

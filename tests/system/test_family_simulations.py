@@ -1,0 +1,54 @@
+"""`fedpipe simulate --model DIR` on Flower's simulation engine for each new family: a tiny
+random model of the family saved as a Hugging Face folder (fedpipe_bench.families, the models
+of tests/integration/test_family_rounds.py), two devices, two rounds. Each run exits 0, both
+devices train in both rounds, and the held-out loss falls (summary.json).
+
+Each run costs Flower's and Ray's start, most of its time (170 to 410 s a run on the shared
+2-core machine they were written on, load 10 to 40), so each family is its own test and the runs
+overlap on the suite's workers; the settings are test_family_rounds' (where the loss is known
+to fall) at one block per device side.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from fedpipe_bench.families import tiny_family_folder
+
+NEW_FAMILIES = ["qwen3", "gemma3_text", "smollm3", "phi3", "olmo2", "granite"]
+SETTINGS = {
+    "model.head_layers": 1,
+    "model.tail_layers": 1,
+    "train.batch_size": 2,
+    "train.seq_len": 32,
+    "train.local_steps": 3,
+    "train.lr": 1e-2,
+    "pipeline.microbatches": 2,
+}
+
+
+@pytest.mark.parametrize("model_type", NEW_FAMILIES)
+def test_simulate_trains_two_rounds_of_the_family(model_type: str, tmp_path: Path) -> None:
+    folder = tiny_family_folder(tmp_path, model_type)
+    runs = tmp_path / "runs"
+    command = [
+        sys.executable, "-m", "fedpipe.cli", "simulate", "--model", str(folder),
+        "--devices", "2", "--rounds", "2", "--profiles", "loopback",
+        "--runs-dir", str(runs), "--name", model_type, "--no-progress", "--timeout", "540",
+        *(arg for key, value in SETTINGS.items() for arg in ("--set", f"{key}={value}")),
+    ]  # fmt: skip
+    done = subprocess.run(
+        command, cwd=tmp_path, capture_output=True, text=True, timeout=580, check=False
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    summary = json.loads((runs / model_type / "summary.json").read_text())
+    assert summary["ok"], summary["problems"]
+    assert summary["config"]["model.name"] == str(folder)
+    rounds = {r["round"]: r for r in summary["rounds"]}
+    assert sorted(rounds) == [0, 1, 2]
+    assert all(rounds[r]["devices_trained"] == 2 for r in (1, 2)), summary["rounds"]
+    assert summary["last_eval_loss"] < summary["first_eval_loss"], summary["rounds"]
