@@ -1,12 +1,19 @@
-"""`fedpipe simulate --model DIR` on Flower's simulation engine for each new family: a tiny
+"""`fedpipe simulate --model DIR` on Flower's simulation engine for new families: a tiny
 random model of the family saved as a Hugging Face folder (fedpipe_bench.families, the models
 of tests/integration/test_family_rounds.py), two devices, two rounds. Each run exits 0, both
 devices train in both rounds, and the held-out loss falls (summary.json).
 
 Each run costs Flower's and Ray's start, most of its time (170 to 410 s a run on the shared
-2-core machine they were written on, load 10 to 40), so each family is its own test and the runs
-overlap on the suite's workers; the settings are test_family_rounds' (where the loss is known
-to fall) at one block per device side.
+2-core machine they were written on, load 10 to 40), so the suite runs three families whose
+blocks differ most from Llama's and from each other: qwen3 (q/k norms), gemma3_text (sliding
+and global layers with their own rotaries, a scaled embedding) and phi3 (fused qkv and
+gate_up linears). What the engine adds to the ServerApp's rounds (the launcher, the ClientApp
+in Ray's workers building its stages from the folder) is the same code for every family; every
+family, these three and smollm3, olmo2 and granite too, trains two rounds through the
+ServerApp's own rounds in tests/integration/test_family_rounds.py. All six passed here with
+NEW_FAMILIES set to all six (6 passed in 1546 s, one after another, at load 10 to 40).
+The settings are test_family_rounds' (where the loss is known to fall) at one block per
+device side.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from pathlib import Path
 import pytest
 from fedpipe_bench.families import tiny_family_folder
 
-NEW_FAMILIES = ["qwen3", "gemma3_text", "smollm3", "phi3", "olmo2", "granite"]
+NEW_FAMILIES = ["qwen3", "gemma3_text", "phi3"]  # the other three: see the docstring
 SETTINGS = {
     "model.head_layers": 1,
     "model.tail_layers": 1,
