@@ -26,7 +26,8 @@ Prints one JSON object with ``--json``: ``rounds``, ``messages`` (stage-link mes
 ways), ``payload_mb`` (encoded bytes both ways), ``mismatched`` (device runs whose
 hash differed from the reference), ``corrupted`` (runs that failed on a refused frame),
 ``failed`` (runs that failed otherwise, with their errors), ``seconds``, ``forks`` and
-``forks_hung`` (forked children stuck before ``exec`` for 20 s, killed) and ``clean``.
+``forks_hung`` (forked children that never reached ``exec``: within 20 s, or by the end of
+the rounds; killed) and ``clean``.
 Messages and bytes are the devices' sessions' own counts of encoded frames.
 """
 
@@ -47,6 +48,8 @@ import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+
+import psutil
 
 from fedpipe.config.codecs import CODECS
 from fedpipe.errors import CorruptMessageError
@@ -99,7 +102,7 @@ class StressReport:
     burners: int = 0
     cores: int = 0
     forks: int = 0  # processes forked in the devices' process during the loaded rounds
-    forks_hung: int = 0  # of them, children stuck between fork and exec (killed)
+    forks_hung: int = 0  # of them, children stuck before exec (killed)
     grpc_fork_support: str = ""  # GRPC_ENABLE_FORK_SUPPORT as grpc found it
 
     @property
@@ -183,8 +186,9 @@ class Forkers:
     """``count`` threads forking short-lived processes as Ray starts its own, until stopped."""
 
     def __init__(self, count: int) -> None:
-        self.count = 0
-        self.hung = 0  # children that never reached exec within FORK_TIMEOUT_S
+        self.started = 0
+        self.finished = 0
+        self.timed_out = 0  # children that exec'd nothing within FORK_TIMEOUT_S (killed)
         self._stop = threading.Event()
         self._lock = threading.Lock()
         program = shutil.which("true") or sys.executable
@@ -195,7 +199,9 @@ class Forkers:
 
     def _fork(self) -> None:
         while not self._stop.is_set():
-            try:  # the child's output nowhere: a hung child must not hold the bench's pipes
+            with self._lock:
+                self.started += 1
+            try:  # the child's output nowhere once it runs (it may hang before it does)
                 subprocess.run(
                     self._argv,
                     preexec_fn=_exec_at_once,
@@ -205,18 +211,30 @@ class Forkers:
                     stderr=subprocess.DEVNULL,
                     timeout=FORK_TIMEOUT_S,
                 )
-            except subprocess.TimeoutExpired:  # stuck between fork and exec: killed by run()
+            except subprocess.TimeoutExpired:
                 with self._lock:
-                    self.hung += 1
+                    self.timed_out += 1
             with self._lock:
-                self.count += 1
+                self.finished += 1
 
     def stop(self) -> tuple[int, int]:
-        """(processes forked, of them hung before exec)."""
+        """(processes forked, of them stuck before exec): a child stuck in the fork itself
+        keeps its thread in ``Popen`` (no timeout reaches it); it is killed here, found as a
+        child of this process still running this process's own command line."""
         self._stop.set()
         for thread in self._threads:
             thread.join(timeout=2 * FORK_TIMEOUT_S)
-        return self.count, self.hung
+        me = psutil.Process()
+        for child in me.children():
+            try:
+                if child.cmdline() == me.cmdline():
+                    child.kill()
+            except psutil.Error:
+                pass
+        for thread in self._threads:
+            thread.join(timeout=FORK_TIMEOUT_S)
+        with self._lock:
+            return self.started, self.timed_out + (self.started - self.finished)
 
 
 def _round(
