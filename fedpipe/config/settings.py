@@ -276,6 +276,9 @@ class DataConfig:
     # "answers": only assistant turns / completions count in the loss; "all": every token
     loss_on: str = "answers"
     overlong: str = "truncate"  # an example longer than train.seq_len: "truncate" or "drop"
+    # true: several whole examples share a row, attending only within themselves at positions
+    # restarting per example (the server learns each example's length); false: one per row
+    packing: bool = False
 
     def __post_init__(self) -> None:
         _check(
@@ -762,6 +765,12 @@ class FedpipeConfig:
             "pipeline.recompute_head = true cannot be combined with privacy.decorrelation > 0: "
             "the penalty needs the head's forward graph, which recompute drops; "
             "turn one of them off",
+        )
+        _check(
+            not (self.data.packing and privacy.label_resample > 0),
+            "data.packing = true cannot be combined with privacy.label_resample > 0: the "
+            "resampled tail step runs the tail without the packed rows' boundaries; turn one "
+            "of them off",
         )
         _check(
             self.model.split == "u" or privacy.label_resample == 0,
