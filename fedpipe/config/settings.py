@@ -289,6 +289,10 @@ class DataConfig:
             self.overlong in OVERLONG,
             f"data.overlong must be one of {', '.join(OVERLONG)}, got {self.overlong!r}",
         )
+        _check(
+            isinstance(self.packing, bool),
+            f"data.packing must be true or false, got {self.packing!r}",
+        )
 
 
 @dataclass(frozen=True)

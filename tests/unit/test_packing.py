@@ -142,9 +142,14 @@ def test_examples_are_packed_whole_with_no_loss_across_them() -> None:
         pack_examples([([5] * 17, [5] * 17)], SEQ, pad=0)
 
 
-def test_packing_is_refused_with_label_resampling() -> None:
+def test_packing_settings_are_checked() -> None:
+    assert DataConfig().packing is False  # one example per row unless asked
+    with pytest.raises(ValueError, match="data.packing must be true or false, got 'yes'"):
+        DataConfig(packing="yes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="data.packing = true cannot be combined"):
         FedpipeConfig(data=DataConfig(packing=True), privacy=PrivacyConfig(label_resample=0.1))
+    cfg = FedpipeConfig().with_overrides({"data.packing": "true"})
+    assert cfg.data.packing is True
 
 
 # -- models ------------------------------------------------------------------------------------
