@@ -61,18 +61,21 @@ class ExampleCounts:
 @dataclass(frozen=True)
 class ExampleRows:
     """Rows of examples: ``input_ids`` and ``labels`` (N, seq_len), and the counts; packed
-    rows also have their ``segments`` (N, seq_len), each row's examples numbered from 0."""
+    rows also have their ``segments`` (N, seq_len), each row's examples numbered from 0.
+    ``row_tokens`` (N,): each row's tokens of examples (the rest are pads)."""
 
     input_ids: torch.Tensor
     labels: torch.Tensor
     counts: ExampleCounts
     segments: torch.Tensor | None = None
+    row_tokens: torch.Tensor | None = None
 
     def take(self, indices: Sequence[int]) -> ExampleRows:
         """The rows at ``indices`` (the counts stay those of the whole set)."""
         picks = torch.tensor(list(indices), dtype=torch.long)
         segments = None if self.segments is None else self.segments[picks]
-        return ExampleRows(self.input_ids[picks], self.labels[picks], self.counts, segments)
+        tokens = None if self.row_tokens is None else self.row_tokens[picks]
+        return ExampleRows(self.input_ids[picks], self.labels[picks], self.counts, segments, tokens)
 
 
 def example_rows(
@@ -175,7 +178,8 @@ def _padded(
     for r, (ids, lab) in enumerate(rows):
         input_ids[r, : len(ids)] = torch.tensor(ids, dtype=torch.long)
         labels[r, : len(lab)] = torch.tensor(lab, dtype=torch.long)
-    return ExampleRows(input_ids, labels, counts)
+    tokens = torch.tensor([len(ids) for ids, _ in rows], dtype=torch.long)  # (N,)
+    return ExampleRows(input_ids, labels, counts, row_tokens=tokens)
 
 
 def _pad_id(tokenizer: Any) -> int:
