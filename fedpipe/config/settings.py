@@ -486,6 +486,9 @@ class FederatedConfig:
     device_blocks: int = 0  # > 0: each device keeps only this many blocks (small local data)
     dirichlet_alpha: float = 0.5
     eval_fraction: float = 0.1
+    # > 0: each round's evaluation also generates greedy answers to this many held-out
+    # prompt/completion examples and scores them as `fedpipe eval` does (exact match, contains)
+    eval_generate: int = 0
     proximal_mu: float = 0.01
     server_lr: float = 0.1
     # Robust strategies (fedmedian, fedtrimmedavg, krum, multikrum) run on both sides.
@@ -518,6 +521,10 @@ class FederatedConfig:
 
     def __post_init__(self) -> None:
         _check(self.rounds >= 1, f"federated.rounds must be >= 1, got {self.rounds}")
+        _check(
+            self.eval_generate >= 0,
+            f"federated.eval_generate must be >= 0 (0: off), got {self.eval_generate}",
+        )
         _check(
             1 <= self.min_devices <= self.num_devices,
             f"federated.min_devices must be in 1..num_devices ({self.num_devices}), "

@@ -35,6 +35,7 @@ from fedpipe.data import partition as partition_docs
 from fedpipe.edge.runtime import DeviceRuntime
 from fedpipe.edge.trainer import DeviceTrainer, RoundReport
 from fedpipe.emulation import DeviceProfile, parse_device_profile, split_specs
+from fedpipe.fl.eval_generate import questions
 from fedpipe.models import load_tokenizer
 from fedpipe.privacy import LinkAccountant, releases_so_far
 from fedpipe.wire.link_client import StageClient
@@ -205,6 +206,7 @@ class DeviceWork:
         # the StageServer's CA, and its client certificate and key for mutual TLS.
         self.stage_ca, self.stage_cert, self.stage_key = stage_ca, stage_cert, stage_key
         self.profile = _profile(cfg, partition, profile)
+        self.questions: list[Document] = []  # the evaluator's, with federated.eval_generate
         self.trainer = DeviceTrainer(cfg, device_id=device_id, profile=self.profile)
         if delta_dir:  # the delta cache and the planner's cut outlive this process (a round)
             name = re.sub(r"[^A-Za-z0-9_.-]", "_", device_id)
@@ -237,6 +239,8 @@ class DeviceWork:
         if self.partition < 0:
             held = cfg.train.eval_batches * cfg.train.batch_size
             self._set_rows(device_rows(held_out, tokenizer, cfg, instruct=instruct, held=held))
+            # federated.eval_generate: the held-out examples each round's model answers
+            self.questions = questions(held_out, tokenizer, fed.eval_generate)
             return
         parts = partition_docs(
             train_docs,
