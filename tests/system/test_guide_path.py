@@ -13,14 +13,15 @@ import torch
 from transformers import AutoModelForCausalLM
 
 ROOT = Path(__file__).resolve().parents[2]
-SHORT = {  # one short round on two loopback devices: the path, not the learning
+SHORT = {  # one short round on one loopback device: the path, not the learning
     "federated.rounds": "1",
-    "federated.num_devices": "2",
+    "federated.num_devices": "1",
     "federated.profiles": "loopback",
     "federated.data": str(ROOT / "examples" / "instruct" / "train.jsonl"),
     "train.local_steps": "1",
-    "train.batch_size": "2",
+    "train.batch_size": "1",
     "train.eval_batches": "1",
+    "pipeline.microbatches": "1",
 }
 
 
