@@ -190,13 +190,15 @@ def _segments(raw: pb.StageMessage, kind: Kind) -> torch.Tensor:
     batch, tokens = shape[0], shape[1]
     rows: list[list[int]] = []
     row: list[int] = []
+    filled = 0  # tokens of ``row`` so far
     for n in lengths:
-        if n < 1 or sum(row) + n > tokens or len(rows) >= batch:
+        if n < 1 or filled + n > tokens or len(rows) >= batch:
             break
         row.append(n)
-        if sum(row) == tokens:
+        filled += n
+        if filled == tokens:
             rows.append(row)
-            row = []
+            row, filled = [], 0
     else:
         if len(rows) == batch and not row:
             return segments_from_lengths(rows, tokens)
