@@ -380,6 +380,41 @@ def _memory_steps(r: dict[str, Any]) -> list[Table]:
     return [(caption, headers, rows)]
 
 
+def _memory_server(r: dict[str, Any]) -> list[Table]:
+    """The server's middle at each server.weights: its frozen parameters, a training step and
+    its outputs' distance from fp32's, each against the fp32 row."""
+    headers = ["server.weights", "frozen parameters", "vs fp32", "step s (median)"]
+    headers += ["step vs fp32", "fastest step s", "fastest vs fp32", "output rel. error vs fp32"]
+    fp32 = next((row for row in r.get("rows", []) if row.get("weights") == "fp32"), {})
+
+    def ratio(row: dict[str, Any], key: str) -> str:
+        got, base = row.get(key), fp32.get(key)
+        return f"{got / base:.2f}" if isinstance(got, int | float) and base else "–"
+
+    rows: list[Row] = []
+    for row in r.get("rows", []):
+        error = row.get("output_rel_error")
+        rows.append(
+            [
+                row.get("weights"),
+                mib(row.get("server_param_bytes")),
+                ratio(row, "server_param_bytes"),
+                num(row.get("step_s")),
+                ratio(row, "step_s"),
+                num(row.get("step_s_min")),
+                ratio(row, "step_s_min"),
+                "–" if error is None else f"{error:.1e}",
+            ]
+        )
+    caption = (
+        f"{r.get('model')}, split {r.get('split')}: the server's middle built by build_runtime "
+        f"at each setting, {r.get('sessions')} sessions of {r.get('batch_size')} x "
+        f"{r.get('seq_len')} tokens per training step (median of {r.get('steps')}, the settings "
+        f"stepped in turn), server.threads = {r.get('threads')}"
+    )
+    return [(caption, headers, rows)]
+
+
 def _codec(r: dict[str, Any]) -> list[Table]:
     tables: list[Table] = []
     for head in r.get("heads", []):
@@ -706,6 +741,11 @@ BENCHES: dict[str, Bench] = {
         "fedpipe bench memory --json --set model.head_layers=2 --set model.tail_layers=2",
         _memory_steps,
         ("--shapes", "--steps", "--whole-blocks", "--seq-len", "--batch-size"),
+    ),
+    "memory-server": Bench(
+        "fedpipe bench memory --server-weights fp32,bf16,int8,int4 --seq-len 128 --json",
+        _memory_server,
+        ("--steps", "--sessions", "--batch-size"),
     ),
     "quality": Bench("fedpipe bench quality --json", _quality, ("--quick",)),
     "privacy": Bench("fedpipe bench privacy --json", _privacy, ("--quick",)),

@@ -143,6 +143,15 @@ def _add_step_memory_flags(r: Any) -> None:
         help="comma-separated device.weights the device is measured at: fp32, bf16, int8, int4 "
         "(default: all four)",
     )
+    r.add_argument(
+        "--server-weights",
+        metavar="W",
+        help="instead: the server's middle at each of these comma-separated server.weights "
+        "(fp32, bf16, int8, int4), side by side: its frozen parameter bytes and a training step "
+        "of --sessions sessions of --batch-size x --seq-len tokens (model: --model, default the "
+        "bundled SmolLM2-135M)",
+    )
+    r.add_argument("--sessions", type=int, default=2, help="--server-weights: sessions per step")
 
 
 def _add_bench_scale(bsub: Any) -> None:
@@ -466,6 +475,8 @@ def cmd_bench_memory(args: argparse.Namespace) -> int:
     whole model's with peft LoRA (fedpipe_bench.step_memory); with it, that model's parameter
     bytes and resident memory after loading.
     """
+    if args.server_weights:
+        return _bench_server_weights(args)
     if not args.model:
         return _bench_step_memory(args)
     from fedpipe.cli.preflight import check_model
@@ -485,6 +496,47 @@ def cmd_bench_memory(args: argparse.Namespace) -> int:
     )
     report = device_memory_report(folder, plan)
     print(json.dumps({"model": config.model.name, **report}, indent=2))
+    return 0
+
+
+def _bench_server_weights(args: argparse.Namespace) -> int:
+    """`fedpipe bench memory --server-weights`: the server's middle stored each way."""
+    from fedpipe.cli.preflight import check_model
+    from fedpipe.config import SERVER_WEIGHTS
+    from fedpipe.models import resolve_model
+    from fedpipe_bench.server_weights import server_weights_report
+
+    weights = tuple(w.strip() for w in args.server_weights.split(",") if w.strip())
+    if not weights or set(weights) - set(SERVER_WEIGHTS):
+        raise ValueError(
+            f"--server-weights {args.server_weights!r}: choose among {', '.join(SERVER_WEIGHTS)}"
+        )
+    config = config_from_args(args, **{"model.name": args.model or "default"})
+    check_model(config)
+    folder = resolve_model(config.model.name)
+    report = server_weights_report(
+        config,
+        folder,
+        weights,
+        sessions=args.sessions,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        steps=args.steps,
+    )
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(
+        f"{'weights':>7} {'server params MiB':>17} {'step s':>7} {'vs fp32':>7} {'output err':>10}"
+    )
+    fp32 = next((r["step_s"] for r in report["rows"] if r["weights"] == "fp32"), None)
+    for row in report["rows"]:
+        ratio = "-" if fp32 is None else f"{row['step_s'] / fp32:.2f}"
+        err = row["output_rel_error"]
+        print(
+            f"{row['weights']:>7} {row['server_param_bytes'] / 2**20:>17.1f} "
+            f"{row['step_s']:>7.2f} {ratio:>7} {'-' if err is None else f'{err:.1e}':>10}"
+        )
     return 0
 
 

@@ -1,6 +1,7 @@
 """The stage link under stress: every reply, under an oversubscribed CPU, equals its unloaded run.
 
-    python benchmarks/stress_bench.py [--devices 12] [--steps 3] [--seconds 600] [--json]
+    python benchmarks/stress_bench.py [--devices 12] [--steps 3] [--seconds 600] [--forks 0]
+                                      [--json]
 
 One StageServer (its own process, loopback, tiny-llama) and ``--devices`` emulated devices
 (threads with real :class:`StageClient` sessions), each on its own mix of the wire's codecs
@@ -13,10 +14,19 @@ device's hash is compared with its reference. A corrupted, crossed, lost or reor
 any reply changes the hash; a frame whose checksum does not match is refused by the receiver
 (:class:`fedpipe.errors.CorruptMessageError`), and is counted as such.
 
+``--forks N``: N threads in the devices' process start short-lived processes one after another
+the way Ray starts its own (``subprocess.Popen`` with a ``preexec_fn``: a real ``fork()`` with
+Python running in the child before ``exec``), as Ray does in the ServerApp's process of
+Flower's simulation while the evaluator streams. gRPC's fork handlers follow
+``GRPC_ENABLE_FORK_SUPPORT`` as this process found it when grpc was imported (fedpipe sets it
+to 0 unless it is set): run once with ``GRPC_ENABLE_FORK_SUPPORT=1`` (gRPC's own default)
+beside a run without it to see what the handlers do to live streams.
+
 Prints one JSON object with ``--json``: ``rounds``, ``messages`` (stage-link messages both
 ways), ``payload_mb`` (encoded bytes both ways), ``mismatched`` (device runs whose
 hash differed from the reference), ``corrupted`` (runs that failed on a refused frame),
-``failed`` (runs that failed otherwise, with their errors), ``seconds`` and ``clean``.
+``failed`` (runs that failed otherwise, with their errors), ``seconds``, ``forks`` and
+``forks_hung`` (forked children stuck before ``exec`` for 20 s, killed) and ``clean``.
 Messages and bytes are the devices' sessions' own counts of encoded frames.
 """
 
@@ -28,9 +38,11 @@ import json
 import logging
 import multiprocessing
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -43,7 +55,10 @@ from fedpipe.messages import Kind, StageMsg
 from fedpipe.wire.link_client import StageClient
 from fedpipe_bench.load import LoadDevice, LoadShape, ServerProcess, _tensor, device_split
 
-__all__ = ["DeviceMix", "StressReport", "device_mixes", "run_stress"]
+__all__ = ["DeviceMix", "Forkers", "StressReport", "device_mixes", "run_stress"]
+
+# What grpc read when this module (and so fedpipe, which sets a default first) was imported.
+_GRPC_FORK_SUPPORT = os.environ.get("GRPC_ENABLE_FORK_SUPPORT", "")
 
 log = logging.getLogger(__name__)
 
@@ -83,10 +98,13 @@ class StressReport:
     seconds: float = 0.0
     burners: int = 0
     cores: int = 0
+    forks: int = 0  # processes forked in the devices' process during the loaded rounds
+    forks_hung: int = 0  # of them, children stuck between fork and exec (killed)
+    grpc_fork_support: str = ""  # GRPC_ENABLE_FORK_SUPPORT as grpc found it
 
     @property
     def clean(self) -> bool:
-        return not (self.mismatched or self.corrupted or self.failed)
+        return not (self.mismatched or self.corrupted or self.failed or self.forks_hung)
 
     def as_dict(self) -> dict[str, object]:
         return {**self.__dict__, "clean": self.clean}
@@ -154,6 +172,53 @@ class Burners:
             proc.wait(timeout=30)
 
 
+FORK_TIMEOUT_S = 20.0  # a forked child that has not exec'd a trivial program by then is stuck
+
+
+def _exec_at_once() -> None:  # pragma: no cover - runs in the forked child
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # what Ray's preexec_fn does
+
+
+class Forkers:
+    """``count`` threads forking short-lived processes as Ray starts its own, until stopped."""
+
+    def __init__(self, count: int) -> None:
+        self.count = 0
+        self.hung = 0  # children that never reached exec within FORK_TIMEOUT_S
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        program = shutil.which("true") or sys.executable
+        self._argv = [program] if program != sys.executable else [program, "-c", ""]
+        self._threads = [threading.Thread(target=self._fork, daemon=True) for _ in range(count)]
+        for thread in self._threads:
+            thread.start()
+
+    def _fork(self) -> None:
+        while not self._stop.is_set():
+            try:  # the child's output nowhere: a hung child must not hold the bench's pipes
+                subprocess.run(
+                    self._argv,
+                    preexec_fn=_exec_at_once,
+                    check=False,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    timeout=FORK_TIMEOUT_S,
+                )
+            except subprocess.TimeoutExpired:  # stuck between fork and exec: killed by run()
+                with self._lock:
+                    self.hung += 1
+            with self._lock:
+                self.count += 1
+
+    def stop(self) -> tuple[int, int]:
+        """(processes forked, of them hung before exec)."""
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=2 * FORK_TIMEOUT_S)
+        return self.count, self.hung
+
+
 def _round(
     address: str, mixes: list[DeviceMix], steps: int, round_: int, report: StressReport
 ) -> dict[int, _Run]:
@@ -179,12 +244,18 @@ def _round(
 
 
 def run_stress(
-    devices: int = 12, steps: int = 3, seconds: float = 600.0, burners: int | None = None
+    devices: int = 12,
+    steps: int = 3,
+    seconds: float = 600.0,
+    burners: int | None = None,
+    forks: int = 0,
 ) -> StressReport:
-    """References on an idle machine, then loaded rounds for ``seconds`` (at least one)."""
+    """References on an idle machine, then loaded rounds for ``seconds`` (at least one), with
+    ``forks`` threads forking in this process during them."""
     cores = multiprocessing.cpu_count()
     burners = 2 * cores if burners is None else burners
     report = StressReport(devices, steps, burners=burners, cores=cores)
+    report.grpc_fork_support = _GRPC_FORK_SUPPORT
     mixes = device_mixes(devices)
     server = ServerProcess(max_sessions=2 * devices + 8)
     try:
@@ -193,6 +264,7 @@ def run_stress(
         }
         server.discard_round(0)  # the global adapter stays as it was for every round
         load = Burners(burners)
+        forkers = Forkers(forks)
         start = time.monotonic()
         try:
             while report.rounds == 0 or time.monotonic() - start < seconds:
@@ -202,6 +274,7 @@ def run_stress(
                 report.rounds = round_
                 _tally(report, round_, solo, runs)
         finally:
+            report.forks, report.forks_hung = forkers.stop()
             load.stop()
         report.seconds = round(time.monotonic() - start, 1)
     finally:
@@ -223,10 +296,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=600.0, help="how long to keep loading")
     parser.add_argument("--burners", type=int, default=None, help="spinning processes (2x cores)")
+    parser.add_argument(
+        "--forks", type=int, default=0, help="threads forking as Ray does, in the devices' process"
+    )
+    parser.add_argument(
+        "--report-unclean",
+        action="store_true",
+        help="exit 0 when a reply differs or a run fails (the report says so): to record a "
+        "setting known to fail",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.ERROR, stream=sys.stderr)
-    report = run_stress(args.devices, args.steps, args.seconds, args.burners)
+    report = run_stress(args.devices, args.steps, args.seconds, args.burners, args.forks)
     if args.json:
         print(json.dumps(report.as_dict()))
     else:
@@ -235,7 +317,7 @@ def main(argv: list[str] | None = None) -> None:
     kinds = Counter(line.split(":")[0].split()[-1] for line in report.failed)
     if kinds:
         log.error("failed runs by device: %s", dict(kinds))
-    sys.exit(0 if report.clean else 1)
+    sys.exit(0 if report.clean or args.report_unclean else 1)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from fedpipe.cli.preflight import ClientSetup, check_client
+from fedpipe.config.flower_keys import NodeSettings
 from fedpipe.launch.engines import start_supernode
 
 __all__ = ["client_setup", "cmd_client", "node_config"]
@@ -36,28 +37,25 @@ def client_setup(args: argparse.Namespace) -> ClientSetup:
 
 
 def node_config(setup: ClientSetup) -> dict[str, Any]:
-    """What the ClientApp reads from its SuperNode: partition, profile, data, StageServer."""
-    config: dict[str, Any] = {
-        "partition-id": setup.partition_id,
-        "num-partitions": setup.num_partitions,
-        "profile": setup.profile,
-    }
-    if setup.data:
-        config["data"] = str(Path(setup.data).expanduser().resolve())
-    if setup.cut:
-        config["cut"] = setup.cut
-    if setup.privacy:
-        config["privacy"] = setup.privacy
-    if setup.weights:
-        config["weights"] = setup.weights
-    if setup.stage_server:
-        config["stage-address"] = setup.stage_server
-    if setup.stage_ca:
-        config["stage-ca"] = str(Path(setup.stage_ca).expanduser().resolve())
-    if setup.stage_cert:  # mutual TLS: this device's own certificate and key
-        config["stage-cert"] = str(Path(setup.stage_cert).expanduser().resolve())
-        config["stage-key"] = str(Path(setup.stage_key or "").expanduser().resolve())
-    return config
+    """What the ClientApp reads from its SuperNode (:class:`NodeSettings`): partition, profile,
+    data, StageServer; files as absolute paths."""
+    return NodeSettings(
+        partition_id=setup.partition_id,
+        num_partitions=setup.num_partitions,
+        profile=setup.profile,
+        data=_absolute(setup.data),
+        cut=setup.cut or "",
+        privacy=setup.privacy or "",
+        weights=setup.weights or "",
+        stage_address=setup.stage_server or "",
+        stage_ca=_absolute(setup.stage_ca),
+        stage_cert=_absolute(setup.stage_cert),  # mutual TLS: this device's own pair
+        stage_key=_absolute(setup.stage_key or "") if setup.stage_cert else "",
+    ).to_node_config()
+
+
+def _absolute(path: str | Path | None) -> str:
+    return str(Path(path).expanduser().resolve()) if path else ""
 
 
 def own_settings(setup: ClientSetup) -> str:

@@ -259,6 +259,12 @@ def _add_server(sub: Any) -> None:
         "--device", choices=["auto", "cpu", "cuda"], help="server.device (default: auto)"
     )
     p.add_argument(
+        "--weights",
+        metavar="W",
+        help="server.weights: how the server stores its blocks' frozen linears: fp32, bf16, "
+        "int8 or int4, dequantized slab by slab; its LoRA adapters stay fp32 (default: fp32)",
+    )
+    p.add_argument(
         "--secret-file",
         type=Path,
         help="secret shared with `fedpipe run` (created if missing; default: FEDPIPE_SECRET, "

@@ -66,7 +66,14 @@ def cmd_server(args: argparse.Namespace) -> int:
         "server.replica_port": args.replica_port,
     }
     config = config_from_args(
-        args, **{"model.name": args.model, "server.device": args.device, **tls, **replicas}
+        args,
+        **{
+            "model.name": args.model,
+            "server.device": args.device,
+            "server.weights": args.weights,
+            **tls,
+            **replicas,
+        },
     )
     setup = _server_setup(args, config)
     if config.server.replicas > 1:

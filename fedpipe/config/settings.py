@@ -26,6 +26,7 @@ __all__ = [
     "LOSS_ON",
     "OVERLONG",
     "SCHEDULE_NAMES",
+    "SERVER_WEIGHTS",
     "DataConfig",
     "DeviceConfig",
     "FedpipeConfig",
@@ -35,6 +36,7 @@ __all__ = [
     "PrivacyConfig",
     "ServerConfig",
     "TrainConfig",
+    "coerce_value",
     "format_cut",
     "load_config",
     "parse_cuts",
@@ -52,6 +54,8 @@ LOSS_ON = ("answers", "all")  # data.loss_on (fedpipe.data.masks)
 OVERLONG = ("truncate", "drop")  # data.overlong (fedpipe.data.rows)
 # device.weights: how a device stores its frozen weights (fedpipe.split.quant)
 DEVICE_WEIGHTS = ("fp32", "bf16", "int8", "int4")
+# server.weights: how the server stores its frozen middle blocks' linears (the same formats)
+SERVER_WEIGHTS = DEVICE_WEIGHTS
 _BOOLS = {"1": True, "true": True, "yes": True, "on": True}
 _BOOLS |= {"0": False, "false": False, "no": False, "off": False}
 
@@ -335,6 +339,12 @@ class ServerConfig:
     # waits for its gradient go to host memory (pinned, a side stream on CUDA) and come back
     # when the gradient arrives; the same losses and gradients, less device memory per session.
     offload: str = "off"
+    # How the server stores the frozen linears of its blocks: fp32 as read, or bf16, int8 (per
+    # output channel) or int4 (groups of 64), dequantized slab by slab into server.dtype
+    # compute (fedpipe.split.quant, the device's formats); norms, the LM head of split "two"
+    # and every LoRA adapter with its AdamW state stay as they were. Not with
+    # federated.aggregation exact or stack, which fold deltas into those weights.
+    weights: str = "fp32"
     # Input gradient first (zero-bubble's B/W split, batched bank): the reply to OUTPUT_GRAD
     # goes out once the input gradient is known; the adapters' weight gradients follow when the
     # worker is idle, before the session's STEP_END. The same gradients either way.
@@ -372,6 +382,10 @@ class ServerConfig:
         _check(
             self.offload in ("off", "auto"),
             f"server.offload must be off or auto, got {self.offload!r}",
+        )
+        _check(
+            self.weights in SERVER_WEIGHTS,
+            f"server.weights {self.weights!r} unknown; choose one of {', '.join(SERVER_WEIGHTS)}",
         )
         _check(
             self.max_message_mb >= 0.5,
@@ -761,6 +775,13 @@ class FedpipeConfig:
             "deltas into them, which a rounded weight cannot hold; use aggregation separate or "
             "ffa, or device.weights = fp32",
         )
+        _check(
+            self.server.weights == "fp32" or self.federated.aggregation not in ("exact", "stack"),
+            f"server.weights = {self.server.weights} stores the server's frozen block weights "
+            f"rounded, but federated.aggregation = {self.federated.aggregation} folds each "
+            "round's base deltas into them, which a rounded weight cannot hold; use aggregation "
+            "separate or ffa, or server.weights = fp32",
+        )
 
     def _check_device_privacy(self, privacy: PrivacyConfig) -> None:
         """The device-side defences a device runs (the run's, or its own) fit its pipeline."""
@@ -896,22 +917,28 @@ def _unknown_setting(key: str, known: list[str]) -> str:
 
 def _coerce(cls: type, section: str, name: str, value: Any) -> Any:
     kind = get_type_hints(get_type_hints(cls)[section])[name]
+    return coerce_value(f"{section}.{name}", kind, value)
+
+
+def coerce_value(key: str, kind: type, value: Any) -> Any:
+    """``value`` as a ``kind`` (bool, int, float or str), from a string or a number; a value
+    of another type is refused in one line naming ``key``."""
     if isinstance(value, str) and kind is not str:
         text = value.strip()
         if kind is bool:
             if text.lower() not in _BOOLS:
-                raise ValueError(f"{section}.{name} must be true or false, got {value!r}")
+                raise ValueError(f"{key} must be true or false, got {value!r}")
             return _BOOLS[text.lower()]
         try:
             return kind(text)
         except ValueError:
-            raise ValueError(f"{section}.{name} must be {kind.__name__}, got {value!r}") from None
+            raise ValueError(f"{key} must be {kind.__name__}, got {value!r}") from None
     if kind is float and isinstance(value, int):
         return float(value)
     if kind is int and isinstance(value, float) and value.is_integer():
         return int(value)
     if not isinstance(value, kind):
-        raise ValueError(f"{section}.{name} must be {kind.__name__}, got {value!r}")
+        raise ValueError(f"{key} must be {kind.__name__}, got {value!r}")
     return value
 
 

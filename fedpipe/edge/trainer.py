@@ -38,6 +38,7 @@ from fedpipe.privacy import Decorrelation, LabelResample, LinkDefence
 from fedpipe.split import SplitTerms, build_device_stages, split_layout
 from fedpipe.split.memory import device_param_bytes
 from fedpipe.trace import Tracer
+from fedpipe.wire.backend import SessionRequest
 from fedpipe.wire.link_client import StageClient, StageSession
 
 __all__ = [
@@ -379,6 +380,34 @@ class DeviceTrainer:
         return self.delta
 
     # -- training ---------------------------------------------------------------------------
+    def session_request(self, *, round_: int, token: str) -> SessionRequest:
+        """What this device asks of the StageServer for a round's session, from its settings
+        (or its planner's codecs and rows): its split and the largest tensors it sends, which
+        the server refuses to exceed."""
+        cfg, p = self.config, self.config.pipeline
+        up, down, grads = p.uplink_codec, p.downlink_codec, p.gradient_codec
+        rows = -(-cfg.train.batch_size // p.microbatches)
+        if self.planner is not None:  # the plan's codecs; any microbatch count fits
+            (up, grads), rows = self.planner.session_codecs(), self.planner.declared_rows()
+            down = up
+        return SessionRequest(
+            device_id=self.device_id,
+            round=round_,
+            token=token,
+            split=self.split,
+            downlink_codec=down,
+            gradient_codec=grads,
+            uplink_codec=up,
+            learning_rate=cfg.train.lr,
+            weight_decay=cfg.train.weight_decay,
+            microbatch_size=rows,
+            seq_len=cfg.train.seq_len,
+            frozen_head=self.frozen,
+            error_feedback=p.error_feedback,
+            stochastic_rounding=p.stochastic_rounding,
+            delta_cache_bytes=int(p.delta_cache_mb * 2**20) if p.delta else 0,
+        )
+
     def connect(
         self,
         client: StageClient,
@@ -397,36 +426,15 @@ class DeviceTrainer:
         """
         cfg = self.config
         tracer = tracer or self.tracer
-        p = cfg.pipeline
-        up, down, grads = p.uplink_codec, p.downlink_codec, p.gradient_codec
-        rows = -(-cfg.train.batch_size // p.microbatches)
-        delta_bytes = int(p.delta_cache_mb * 2**20) if p.delta else 0
-        if self.planner is not None:  # the plan's codecs; any microbatch count fits
-            (up, grads), rows = self.planner.session_codecs(), self.planner.declared_rows()
-            down = up
-        session = client.open_session(
-            device_id=self.device_id,
-            token=token,
-            round_=round_,
-            lr=cfg.train.lr,
-            weight_decay=cfg.train.weight_decay,
-            uplink_codec=up,
-            downlink_codec=down,
-            gradient_codec=grads,
-            error_feedback=cfg.pipeline.error_feedback,
-            stochastic_rounding=cfg.pipeline.stochastic_rounding,
-            delta_cache_bytes=delta_bytes,
-            delta=self.delta_encoder(delta_bytes),
-            delta_codec=p.delta_codec,
+        request = self.session_request(round_=round_, token=token)
+        session = client.open(
+            request,
+            delta=self.delta_encoder(request.delta_cache_bytes),
+            delta_codec=cfg.pipeline.delta_codec,
             link=link or (self.profile.link if self.profile else None),
             link_seed=f"{self.device_id}/{round_}",
             tracer=tracer,
             timeout_s=cfg.pipeline.timeout_s,
-            split=self.split,
-            # The largest tensors this device sends: the server refuses bigger ones.
-            microbatch_size=rows,
-            seq_len=cfg.train.seq_len,
-            frozen_head=self.frozen,
         )
         runtime = DeviceRuntime(
             self.head,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, cast
 
@@ -17,6 +17,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message
 from flwr.clientapp import ClientApp
 
 from fedpipe.config import format_cut
+from fedpipe.config.flower_keys import NodeSettings
 from fedpipe.fl.adapter_codec import adapter_codec_mod
 from fedpipe.fl.adapter_dp import adapter_clipping_mod
 from fedpipe.fl.device_work import DeviceWork, RunSettings, partition_profile, run_settings
@@ -37,10 +38,9 @@ _TrainFn = Callable[[Message, Context], Message]
 
 def _device_profile_name(context: Context) -> tuple[int, str]:
     """This node's partition and profile name, as DeviceWork picks them (cheaply)."""
-    node, config = context.node_config, context.run_config
-    partition = int(cast(int, node.get("partition-id", 0)))
-    cycled = partition_profile(str(config.get("federated.profiles", "")), partition)
-    return partition, str(node.get("profile", "")) or cycled
+    node = NodeSettings.from_node_config(context.node_config)
+    profiles = context.run_config.get("federated.profiles", "")
+    return node.partition_id, node.profile or partition_profile(str(profiles), node.partition_id)
 
 
 def _says_who(train: _TrainFn) -> _TrainFn:
@@ -67,15 +67,17 @@ def _says_who(train: _TrainFn) -> _TrainFn:
     return wrapped
 
 
-def _delta_dir(node: dict[str, Any], run: RunSettings) -> str:
+def _delta_dir(node: NodeSettings | Mapping[str, Any], run: RunSettings) -> str:
     """Where the device keeps its delta cache between rounds (each may be a new process).
 
     The node's ``delta-dir``; else the run folder's ``delta-cache`` where that folder is on
     this host (simulations); else its SuperNode's home (``FLWR_HOME``: `fedpipe client
     --workdir`, which lives as long as the device's process); else memory only ("").
     """
-    if node.get("delta-dir"):
-        return str(node["delta-dir"])
+    if not isinstance(node, NodeSettings):
+        node = NodeSettings.from_node_config(node)
+    if node.delta_dir:
+        return node.delta_dir
     if run.dir and Path(run.dir).is_dir():
         return str(Path(run.dir) / "delta-cache")
     home = os.environ.get("FLWR_HOME", "")
@@ -85,29 +87,27 @@ def _delta_dir(node: dict[str, Any], run: RunSettings) -> str:
 @client_app.train()
 @_says_who
 def client_train(msg: Message, context: Context) -> Message:
-    cfg, run = run_settings(context.run_config)
-    node = context.node_config
-    partition = int(node.get("partition-id", 0))
-    num_partitions = int(node.get("num-partitions", cfg.federated.num_devices))
+    cfg, run = run_settings(context.run_config)  # built once per run, not per call
+    node = NodeSettings.from_node_config(context.node_config)
     work = DeviceWork.cached(
         cfg,
         device_id=str(context.node_id),
-        partition=partition,
-        num_partitions=num_partitions,
-        profile=str(node.get("profile", "")) or None,
-        data=str(node.get("data", "")) or None,
-        stage_ca=str(node.get("stage-ca", "")),
-        stage_cert=str(node.get("stage-cert", "")),
-        stage_key=str(node.get("stage-key", "")),
-        cut=str(node.get("cut", "")),  # `fedpipe client --cut`; else federated.device_cuts
+        partition=node.partition_id,
+        num_partitions=node.num_partitions or cfg.federated.num_devices,
+        profile=node.profile or None,
+        data=node.data or None,
+        stage_ca=node.stage_ca,
+        stage_cert=node.stage_cert,
+        stage_key=node.stage_key,
+        cut=node.cut,  # `fedpipe client --cut`; else federated.device_cuts
         delta_dir=_delta_dir(node, run),
-        privacy=str(node.get("privacy", "")),  # `fedpipe client --privacy`; else privacy.devices
-        weights=str(node.get("weights", "")),  # `fedpipe client --weights`; else device.weights
+        privacy=node.privacy,  # `fedpipe client --privacy`; else privacy.devices
+        weights=node.weights,  # `fedpipe client --weights`; else device.weights
     )
     order = TrainOrder.read(cast(ConfigRecord, msg.content["config"]))
     work.trainer.load_adapters(cast(ArrayRecord, msg.content["arrays"]).to_torch_state_dict())
     report = work.train(
-        order.address_for(str(node.get("stage-address", "")), run.stage_address),
+        order.address_for(node.stage_address, run.stage_address),
         round_=order.round,
         token=order.token,
         proximal_mu=order.proximal_mu if cfg.federated.strategy == "fedprox" else 0.0,
@@ -117,7 +117,7 @@ def client_train(msg: Message, context: Context) -> Message:
     content = train_content(
         report,
         work.trainer.adapters(),
-        partition,
+        node.partition_id,
         format_cut(work.trainer.cut),
         weights=work.trainer.weights,
     )

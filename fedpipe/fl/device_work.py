@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar, cast
@@ -18,6 +18,7 @@ import torch
 
 from fedpipe.auth.tokens import issue_token
 from fedpipe.config import FedpipeConfig, parse_cuts
+from fedpipe.config.flower_keys import RunSettings, settings_from_run_config
 from fedpipe.data import (
     BlockSampler,
     Document,
@@ -52,48 +53,24 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class RunSettings:
-    """Per-run keys that are not model/training settings.
-
-    ``secret`` is filled only on the server side (`server_run_settings`): devices see the run
-    config too, but never open ``secret_file``, a path on the server host.
-    """
-
-    dir: str = ""
-    resume: bool = False
-    stage_address: str = "127.0.0.1:50051"
-    secret_file: str = ""
-    secret: str = ""
-    run_id: str = "run"
-    round_timeout_s: float = 1800.0
+# Settings read from a run config, by the whole config: a ClientApp reads its run's settings
+# on every call, and one process may serve calls of several runs.
+_SETTINGS_READ: dict[tuple[tuple[str, Any], ...], tuple[FedpipeConfig, RunSettings]] = {}
+_SETTINGS_KEPT = 8
 
 
-RUN_DEFAULTS: dict[str, Any] = {
-    "run.dir": "",
-    "run.resume": False,
-    "run.stage-address": "127.0.0.1:50051",
-    "run.secret-file": "",
-    "run.id": "run",
-    "run.round-timeout": 1800.0,
-}
+def run_settings(run_config: Mapping[str, Any]) -> tuple[FedpipeConfig, RunSettings]:
+    """Flower's run config as fedpipe's settings and run keys (reads no file), built and
+    validated once per run config (:func:`fedpipe.config.flower_keys.settings_from_run_config`)."""
+    key = tuple(sorted(run_config.items()))
+    if key not in _SETTINGS_READ:
+        if len(_SETTINGS_READ) >= _SETTINGS_KEPT:
+            _SETTINGS_READ.clear()
+        _SETTINGS_READ[key] = settings_from_run_config(run_config)
+    return _SETTINGS_READ[key]
 
 
-def run_settings(run_config: dict[str, Any]) -> tuple[FedpipeConfig, RunSettings]:
-    """Split Flower's run config into fedpipe settings and run settings (reads no file)."""
-    settings = {k: v for k, v in run_config.items() if k.split(".")[0] != "run"}
-    run = {**RUN_DEFAULTS, **{k: v for k, v in run_config.items() if k not in settings}}
-    return FedpipeConfig().with_overrides(settings), RunSettings(
-        dir=str(run["run.dir"]),
-        resume=bool(run["run.resume"]),
-        stage_address=str(run["run.stage-address"]),
-        secret_file=str(run["run.secret-file"]),
-        run_id=str(run["run.id"]),
-        round_timeout_s=float(run["run.round-timeout"]),
-    )
-
-
-def server_run_settings(run_config: dict[str, Any]) -> tuple[FedpipeConfig, RunSettings]:
+def server_run_settings(run_config: Mapping[str, Any]) -> tuple[FedpipeConfig, RunSettings]:
     """`run_settings` plus the master secret, read from ``run.secret-file``: ServerApp only."""
     cfg, run = run_settings(run_config)
     if not run.secret_file:

@@ -35,6 +35,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Result, Strategy
 
+from fedpipe import GRPC_FORK_SETTING_LATE
 from fedpipe.auth.tokens import issue_token
 from fedpipe.config import FederatedConfig, FedpipeConfig, format_cut
 from fedpipe.edge.trainer import initial_device_adapters
@@ -642,6 +643,13 @@ def run_rounds(
 
 @server_app.main()
 def server_main(grid: Grid, context: Context) -> None:
+    if GRPC_FORK_SETTING_LATE:  # a Flower started outside fedpipe's launcher
+        log.warning(
+            "this ServerApp's process imported grpc before fedpipe, with "
+            "GRPC_ENABLE_FORK_SUPPORT unset: where Ray runs in it (Flower's simulation), its "
+            "forks can break the stage link's streams; start the SuperLink with "
+            "GRPC_ENABLE_FORK_SUPPORT=0 (fedpipe simulate and fedpipe run do)"
+        )
     cfg, run = server_run_settings(context.run_config)  # the only reader of the secret
     folder = RunFolder.open(Path(run.dir).parent, Path(run.dir).name, resume=run.resume)
     control = stage_control(cfg, run)

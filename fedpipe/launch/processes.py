@@ -122,6 +122,9 @@ def flower_env(flwr_home: str | Path, env: Mapping[str, str] | None = None) -> d
         FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
         PYTHONUNBUFFERED="1",
     )
+    # Ray forks in the simulation's ServerApp process while its streams are live: gRPC's fork
+    # handlers off there, before Flower imports grpc (fedpipe/__init__.py says why)
+    merged.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
     return merged
 
 

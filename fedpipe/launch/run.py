@@ -28,8 +28,8 @@ from typing import Any
 
 from fedpipe.auth.secret_files import create_secret_file, read_secret_file
 from fedpipe.config import FedpipeConfig
+from fedpipe.config.flower_keys import RunSettings, run_config_of
 from fedpipe.errors import one_line
-from fedpipe.fl.device_work import RUN_DEFAULTS
 from fedpipe.launch.engines import (
     FlwrRunResult,
     engine_start_failure,
@@ -74,7 +74,7 @@ def write_app(directory: Path, config: FedpipeConfig, *, client_app: str = CLIEN
         directory,
         server_app=SERVER_APP,
         client_app=client_app,
-        config=nest({**config.to_flat(), **RUN_DEFAULTS}),
+        config=nest(run_config_of(config)),
     )
 
 
@@ -134,14 +134,15 @@ def simulate(
         with _stage_servers(config, read_secret_file(secret_file)) as (address, replicas):
             _note_replicas(folder, replicas)
             app = write_app(folder.path / "app", config, client_app=client_app)
-            run_config: dict[str, Any] = {
-                "run.dir": str(folder.path.resolve()),
-                "run.resume": resume,
-                "run.stage-address": address,
-                "run.secret-file": str(secret_file.resolve()),
-                "run.id": _run_instance(name),
-            }
-            attempt = _SimulationAttempt(folder, app, config, nest(run_config), progress=progress)
+            run = RunSettings(
+                dir=str(folder.path.resolve()),
+                resume=resume,
+                stage_address=address,
+                secret_file=str(secret_file.resolve()),
+                run_id=_run_instance(name),
+            )
+            run_config = nest(run.to_run_config())
+            attempt = _SimulationAttempt(folder, app, config, run_config, progress=progress)
             result, retried = _simulate_with_one_retry(attempt, timeout_s)
     finally:
         shutil.rmtree(secrets_dir, ignore_errors=True)
@@ -388,13 +389,14 @@ def deploy_run(
         )
     folder = RunFolder.open(runs_dir, name, resume=resume)
     config = _settle_settings(folder, config, resume=resume, explicit=explicit)
-    run_config: dict[str, Any] = {
-        "run.dir": str(folder.path.resolve()),
-        "run.resume": resume,
-        "run.stage-address": stage_address,
-        "run.secret-file": str(secret_file.expanduser().resolve()) if secret_file else "",
-        "run.id": _run_instance(name),
-    }
+    run = RunSettings(
+        dir=str(folder.path.resolve()),
+        resume=resume,
+        stage_address=stage_address,
+        secret_file=str(secret_file.expanduser().resolve()) if secret_file else "",
+        run_id=_run_instance(name),
+    )
+    run_config = run.to_run_config()
     flat = config.to_flat()
     for key in overrides or {}:
         run_config[key] = flat[key]  # typed as the app's defaults are

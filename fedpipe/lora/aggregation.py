@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from fedpipe.config import AGGREGATIONS
 from fedpipe.lora.base import average_state_dicts, lora_layers
 from fedpipe.lora.robust import AggregationRule, clip_updates, combine
+from fedpipe.split.quant import storage_of
 
 __all__ = [
     "AGGREGATIONS",
@@ -215,6 +216,8 @@ class BaseFold:
     A low-precision base (bfloat16: the server's default on CUDA) cannot hold a delta much
     smaller than its weights: ``kept`` is the fraction of the last deltas that landed, over all
     layers (1 - ||landed - delta|| / ||delta||), and a fold that keeps under half is logged.
+    A base stored in fewer bits (``server.weights``, fedpipe.split.quant; ``storage``) holds
+    no fold at all: deltas for it are refused.
     """
 
     def __init__(self, *modules: nn.Module | None) -> None:
@@ -230,6 +233,7 @@ class BaseFold:
             )
             for name, layer in layers.items()
         }
+        self.storage = _storage([layer.get_base_layer() for layer in layers.values()])
         self._original: dict[str, Tensor] = {}
         self.deltas: dict[str, Tensor] = {}
         self.kept = 1.0
@@ -239,7 +243,17 @@ class BaseFold:
         """A fold over plain ``nn.Linear`` base layers by global name (the batched bank's)."""
         fold = cls()
         fold._bases = {name: (linear.weight, False) for name, linear in linears.items()}
+        fold.storage = _storage(list(linears.values()))
         return fold
+
+    def check_foldable(self, mode: str) -> None:
+        """Refuse ``federated.aggregation`` ``mode`` where it folds into a stored base."""
+        if mode in ("exact", "stack") and self.storage != "fp32":
+            raise ValueError(
+                f"federated.aggregation = {mode} folds each round's base deltas into the frozen "
+                f"block weights, but server.weights = {self.storage} stores them rounded, which "
+                "cannot hold a fold; use aggregation separate or ffa, or server.weights = fp32"
+            )
 
     def owns(self, name: str) -> bool:
         return name in self._bases
@@ -247,6 +261,13 @@ class BaseFold:
     @torch.no_grad()
     def set(self, deltas: dict[str, Tensor]) -> None:
         """Base weights become original + ``deltas`` (layers not named: their original)."""
+        if deltas and self.storage != "fp32":
+            raise ValueError(
+                f"base deltas for {len(deltas)} layers (federated.aggregation exact or stack), "
+                f"but these frozen weights are stored as {self.storage} (server.weights or "
+                "device.weights), rounded, which cannot hold them; load them where they are "
+                "stored as fp32"
+            )
         unknown = sorted(set(deltas) - set(self._bases))
         if unknown:
             raise KeyError(
@@ -302,3 +323,9 @@ class BaseFold:
 
     def _transposed(self, name: str) -> bool:
         return self._bases[name][1]
+
+
+def _storage(bases: Sequence[nn.Module]) -> str:
+    """How the base layers' weights are stored (fp32 when none is stored in fewer bits)."""
+    kinds = {storage_of(base) for base in bases} - {"fp32"}
+    return kinds.pop() if kinds else "fp32"

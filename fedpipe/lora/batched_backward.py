@@ -44,6 +44,7 @@ from fedpipe.lora.kernels import (
     grouped_lora_input_grad,
     grouped_lora_weight_grads,
 )
+from fedpipe.split.quant import linear_product_t
 
 __all__ = ["Grads", "TapedBlocks", "WeightGrads", "backward_blocks"]
 
@@ -310,10 +311,14 @@ class _Block:
         if applied:  # every tape's LoRA gradients in grouped matmuls (a GPU)
             if lora_dx is None:
                 return None
-            base = dy @ linear.weight if into is None else into + dy @ linear.weight
+            base = (
+                linear_product_t(linear, dy)
+                if into is None
+                else into + linear_product_t(linear, dy)
+            )
             return base + lora_dx.to(base.dtype)
         # dx = (into + LoRA terms) + dy W, autograd's order; without ``into``: dy W + LoRA.
-        dx = None if not need_dx else dy @ linear.weight if into is None else into
+        dx = None if not need_dx else linear_product_t(linear, dy) if into is None else into
         for rows, adapter, rec in zip(self.slices, self.adapters, self.records, strict=True):
             pair = adapter.get(key)
             if pair is None:
@@ -328,7 +333,7 @@ class _Block:
             if dx is not None:
                 dx[rows] += (d_low @ a).to(dx.dtype)
         if dx is not None and into is not None:
-            dx = dx + dy @ linear.weight
+            dx = dx + linear_product_t(linear, dy)
         return dx
 
     def _grouped(

@@ -293,8 +293,9 @@ class BatchedAdapterBank(SharedAggregation):
         r, seed = self.settings.r, self.settings.seed
         out: AdapterTensors = {}
         for key, linear in self._linears.items():
-            a = initial_lora_a((r, linear.in_features), seed, key).to(linear.weight.device)
-            b = torch.zeros(linear.out_features, r, device=linear.weight.device)
+            device = next(linear.parameters()).device  # its weight, or its stored form's
+            a = initial_lora_a((r, linear.in_features), seed, key).to(device)
+            b = torch.zeros(linear.out_features, r, device=device)
             out[key] = (nn.Parameter(a, trainable), nn.Parameter(b, trainable))
         return out
 

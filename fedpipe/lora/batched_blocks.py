@@ -37,6 +37,7 @@ from fedpipe.lora.kernels import group_offsets, grouped_lora
 from fedpipe.models.families import FAMILIES, BlockLayout
 from fedpipe.split.loss import chunked_loss_sum, shifted_loss_sum
 from fedpipe.split.packing import segment_mask, segment_positions
+from fedpipe.split.quant import linear_product, linear_product_t
 from fedpipe.split.stages import _window_mask, sliding_window
 
 log = logging.getLogger(__name__)
@@ -137,13 +138,13 @@ class _FrozenRows(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, y: Tensor, weight: Tensor) -> Tensor:
-        ctx.weight = weight
+    def forward(ctx: Any, x: Tensor, y: Tensor, linear: nn.Linear) -> Tensor:
+        ctx.linear = linear
         return y
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
-        return grad @ ctx.weight, None, None  # (..., out) @ (out, in) -> (..., in)
+        return linear_product_t(ctx.linear, grad), None, None  # (..., out) @ (out, in)
 
 
 def frozen_linear(xs: Sequence[Tensor], linear: nn.Linear) -> list[Tensor]:
@@ -161,7 +162,7 @@ def frozen_linears(xs: Sequence[Tensor], linears: Sequence[nn.Linear]) -> list[l
     sizes = [f.shape[0] for f in flat]
     with torch.no_grad():
         joined = flat[0] if len(flat) == 1 else torch.cat(flat)
-        ys = [F.linear(joined, lin.weight, lin.bias) for lin in linears]  # (sum tokens, out)
+        ys = [linear_product(lin, joined) for lin in linears]  # (sum tokens, out)
     track = torch.is_grad_enabled()
     result = []
     for lin, y in zip(linears, ys, strict=True):
@@ -169,7 +170,7 @@ def frozen_linears(xs: Sequence[Tensor], linears: Sequence[nn.Linear]) -> list[l
         for x, out in zip(xs, y.split(sizes), strict=True):
             out = out.view(*x.shape[:-1], out.shape[-1])
             if track and x.requires_grad:
-                out = _FrozenRows.apply(x, out, lin.weight)
+                out = _FrozenRows.apply(x, out, lin)
             outs.append(out)
         result.append(outs)
     return result
@@ -375,7 +376,7 @@ class BlockRunner:
         lows: Sequence[dict[str, Tensor]] | None,
     ) -> Tensor:
         """Frozen ``linear`` over the joined rows ``x`` plus each group's own LoRA term."""
-        y = F.linear(x, linear.weight, linear.bias)  # (N, out): one matmul for every group
+        y = linear_product(linear, x)  # (N, out): one matmul for every group
         if self._grouped_term(key, x, y, slices, adapters, lows):
             return y
         for i, (rows, tensors) in enumerate(zip(slices, adapters, strict=True)):

@@ -74,6 +74,7 @@ class SharedAggregation:
         which rule (:mod:`fedpipe.lora.robust`; None: the weighted mean)."""
         rule = rule or AggregationRule()
         mode = check_aggregation(mode)
+        self.fold.check_foldable(mode)
         if not rule.plain and mode not in ("separate", "ffa"):
             raise ValueError(
                 f"aggregation rule {rule.name!r} applies to separate and ffa aggregation, not "

@@ -99,7 +99,8 @@ def build_runtime(
     )
     device, dtype = pick_device(config.server.device, config.server.dtype)
     part = "middle" if layout.mode == "u" else "server_loss"
-    stage = build_stage(folder, layout, part, dtype=dtype, device=device)  # type: ignore[arg-type]
+    weights = config.server.weights  # how its blocks' frozen linears are stored
+    stage = build_stage(folder, layout, part, dtype=dtype, device=device, weights=weights)  # type: ignore[arg-type]
     if isinstance(stage, TailStage):  # mode "two": the server computes the loss
         stage.loss_chunk = config.train.loss_chunk
     if device.type == "cpu":
@@ -136,7 +137,7 @@ def build_runtime(
         vocab_size=int(hf_config.vocab_size),
         cuts=offered if len(offered) > 1 else (),
     )
-    log.info("server stage: %s on %s (%s)", layout, device, split.dtype)
+    log.info("server stage: %s on %s (%s, weights %s)", layout, device, split.dtype, weights)
     if len(offered) > 1:
         log.info("server offers cuts %s (head+tail)", ", ".join(f"{h}+{t}" for h, t in offered))
     return runtime, split

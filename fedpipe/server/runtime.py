@@ -77,7 +77,7 @@ from fedpipe.server.sessions import (
 )
 from fedpipe.server.streams import Reply, StreamHandle, StreamLedger, message_bytes
 from fedpipe.trace import Tracer
-from fedpipe.wire.backend import CollectedRound
+from fedpipe.wire.backend import CollectedRound, SessionRequest
 
 __all__ = ["StageRuntime"]
 
@@ -172,14 +172,36 @@ class StageRuntime:
         frozen_head: bool = False,
         blocks: tuple[int, ...] | None = None,
     ) -> str:
+        """:meth:`open` a session whose request is spelt here as keywords (``lr``: its
+        ``learning_rate``; ``codecs``: its downlink and gradient codecs), for callers that
+        drive a runtime without a StageServer (tests, benches)."""
+        request = SessionRequest(
+            device_id=device_id,
+            round=round_,
+            learning_rate=lr,
+            weight_decay=weight_decay,
+            microbatch_size=microbatch_size,
+            seq_len=seq_len,
+            downlink_codec=codecs[0],
+            gradient_codec=codecs[1],
+            frozen_head=frozen_head,
+        )
+        return self.open(request, blocks=blocks)
+
+    def open(self, request: SessionRequest, *, blocks: tuple[int, ...] | None = None) -> str:
         """Start a session on a fresh copy of the global adapter; replaces the device's old one.
 
-        ``lr`` 0 takes the server's default; ``microbatch_size`` and ``seq_len`` 0 take the
-        server's bounds. Anything outside the server's limits raises ``InvalidRequestError``.
-        ``blocks``: the stage's blocks the device's cut leaves to the server (None: all).
+        ``learning_rate`` 0 takes the server's default; ``microbatch_size`` and ``seq_len`` 0
+        take the server's bounds. Anything outside the server's limits raises
+        ``InvalidRequestError``. ``blocks``: the stage's blocks the device's cut leaves to the
+        server (None: all). The StageServer has checked the rest (token, split, delta cache).
         """
-        lr = check_optimizer(self.limits, lr, weight_decay)
-        rows, tokens = check_declared(self.limits, self.max_seq_len, microbatch_size, seq_len)
+        device_id, round_, frozen_head = request.device_id, request.round, request.frozen_head
+        codecs = (request.downlink_codec, request.gradient_codec)
+        lr = check_optimizer(self.limits, request.learning_rate, request.weight_decay)
+        rows, tokens = check_declared(
+            self.limits, self.max_seq_len, request.microbatch_size, request.seq_len
+        )
         with self._lock:
             for old in [s for s in self._sessions.values() if s.device_id == device_id]:
                 self._drop(old, reason="replaced by a new session")
@@ -196,7 +218,9 @@ class StageRuntime:
             with self._bank_lock:  # not under _lock: other sessions' streams keep flowing
                 self.bank.add(session_id)
                 freeze_blocks(self.bank.named_parameters(session_id), frozen_below)
-                opt = self.optimizer_factory(self.bank.parameters(session_id), lr, weight_decay)
+                opt = self.optimizer_factory(
+                    self.bank.parameters(session_id), lr, request.weight_decay
+                )
         finally:
             with self._lock:
                 self._opening -= 1

@@ -122,16 +122,8 @@ class StageServer:
         split = request.split
         assert split is not None  # check_agreement refuses a device that sent none
         _check_delta_cache(request.delta_cache_bytes, self.max_delta_cache_bytes)
-        session_id = self.runtime.open_session(
-            request.device_id,
-            request.round,
-            lr=request.learning_rate,
-            weight_decay=request.weight_decay,
-            microbatch_size=request.microbatch_size,
-            seq_len=request.seq_len,
-            codecs=(request.downlink_codec, request.gradient_codec),
-            frozen_head=request.frozen_head,
-            blocks=self.split.session_blocks(split.head_layers, split.tail_layers),
+        session_id = self.runtime.open(
+            request, blocks=self.split.session_blocks(split.head_layers, split.tail_layers)
         )
         options = StreamOptions(
             request.error_feedback,

@@ -55,8 +55,24 @@ def build_stage(
     *,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    weights: str = "fp32",
 ) -> nn.Module:
-    """Build one stage of ``plan`` from ``folder`` with frozen base weights."""
+    """Build one stage of ``plan`` from ``folder`` with frozen base weights.
+
+    ``weights`` (``server.weights``): fp32 builds it as read; bf16, int8 or int4 store the
+    linears of its blocks so (fedpipe.split.quant), each read and packed a slab of rows at a
+    time; its other tensors (norms, an LM head) are read whole in ``dtype``.
+    """
+    if weights != "fp32":
+        return _build_stored(
+            Path(folder),
+            layout,
+            part,
+            weights=weights,
+            device=device,
+            dtype=dtype,
+            blocks_only=True,
+        )
     return _build(Path(folder), layout, part, dtype=dtype, device=device)
 
 
@@ -107,20 +123,25 @@ def _build_stored(
     weights: str,
     device: str | torch.device,
     tied: tuple[nn.Parameter, nn.Parameter | None] | None = None,
+    dtype: torch.dtype = torch.float32,
+    blocks_only: bool = False,
 ) -> Any:
-    """One device stage whose embedding, block linears and LM head are stored as ``weights``:
-    the other tensors (norms, biases) are read whole in fp32; each stored weight is read a slab
-    of rows at a time and packed, so at most one slab of it is ever held in fp32."""
+    """One stage whose embedding, block linears and LM head are stored as ``weights`` (with
+    ``blocks_only``, the server's: its block linears only): the other tensors (norms, biases)
+    are read whole in ``dtype``; each stored weight is read a slab of rows at a time and
+    packed, so at most one slab of it is ever held in fp32."""
     config = load_config(folder)
     _check_depth(folder, config, layout)
     stage = _meta_stage(config, layout, part)
     stored = stored_modules(stage)
+    if blocks_only:
+        stored = [name for name in stored if name.split(".", 1)[0] in ("layers", "h")]
     packed = {f"{name}.weight" for name in stored}
     files = WeightFiles(folder)
     prefix = _body_prefix(files.keys(), folder)
     plain = [n for n in stage.state_dict() if n not in packed]
     if plain:
-        tensors = _read_tensors(folder, plain, dtype=torch.float32, device=device)
+        tensors = _read_tensors(folder, plain, dtype=dtype, device=device)
         stage.load_state_dict(tensors, strict=False, assign=True)
     for name in stored:
         if name == "lm_head" and tied is not None:

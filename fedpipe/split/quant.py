@@ -46,8 +46,11 @@ __all__ = [
     "StoredEmbedding",
     "StoredLinear",
     "dequantize",
+    "linear_product",
+    "linear_product_t",
     "quantize",
     "stored_bytes",
+    "storage_of",
     "stored_modules",
     "store_module",
 ]
@@ -238,7 +241,7 @@ class StoredLinear(_Stored, nn.Linear):
             for start in slabs:
                 stop = min(start + slabs.step, self.out_features)
                 out[:, start:stop] = flat @ self.rows(start, stop).to(x.dtype).t()
-        return out.view(*x.shape[:-1], self.out_features)
+        return _shaped(out, x.shape[:-1])
 
     def product_t(self, grad: Tensor) -> Tensor:
         """(..., out) -> (..., in) ``grad @ w``: the input's gradient, slab by slab."""
@@ -251,7 +254,7 @@ class StoredLinear(_Stored, nn.Linear):
             for start in slabs:
                 stop = min(start + slabs.step, self.out_features)
                 out.addmm_(flat[:, start:stop], self.rows(start, stop).to(grad.dtype))
-        return out.view(*grad.shape[:-1], self.in_features)
+        return _shaped(out, grad.shape[:-1])
 
     def forward(self, x: Tensor) -> Tensor:
         out = cast(Tensor, _FrozenProduct.apply(x, self))
@@ -262,6 +265,13 @@ class StoredLinear(_Stored, nn.Linear):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, weights={self.weights}"
         )
+
+
+def _shaped(out: Tensor, lead: torch.Size) -> Tensor:
+    """(rows, width) ``out`` as (*lead, width); itself, not a view of it, when 2-D already:
+    the batched bank adds LoRA terms into its rows in place, which autograd refuses on a view
+    whose slice covers the whole of a leaf (as a plain linear's product never is)."""
+    return out if len(lead) == 1 else out.view(*lead, out.shape[-1])
 
 
 class StoredEmbedding(_Stored, nn.Embedding):
@@ -291,6 +301,31 @@ class StoredEmbedding(_Stored, nn.Embedding):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, weights={self.weights}"
+
+
+def linear_product(linear: nn.Linear, x: Tensor) -> Tensor:
+    """``x @ W.T + b`` of a frozen linear, no graph through its weight: a stored one's weight
+    dequantized slab by slab, a plain one's ``F.linear`` (what the server's batched bank calls
+    on the joined rows of all its sessions)."""
+    if isinstance(linear, StoredLinear):
+        out = linear.product(x)
+        return out if linear.bias is None else out + linear.bias
+    return F.linear(x, linear.weight, linear.bias)
+
+
+def linear_product_t(linear: nn.Linear, grad: Tensor) -> Tensor:
+    """``grad @ W``: the input's gradient through a frozen linear, stored or plain."""
+    if isinstance(linear, StoredLinear):
+        return linear.product_t(grad)
+    return grad @ linear.weight
+
+
+def storage_of(module: nn.Module) -> str:
+    """How ``module``'s linears are stored: the first stored linear's format, else fp32."""
+    for sub in module.modules():
+        if isinstance(sub, StoredLinear):
+            return sub.weights
+    return "fp32"
 
 
 def stored_modules(stage: nn.Module) -> list[str]:

@@ -35,7 +35,16 @@ __all__ = [
 
 @dataclass(frozen=True)
 class SessionRequest:
-    """An OpenSession request, decoded: who asks, for which round, with what settings."""
+    """What a device asks when it opens a session: who, for which round, with what settings.
+
+    One type end to end: the device builds it once from its settings
+    (``DeviceTrainer.session_request``), :meth:`StageClient.open
+    <fedpipe.wire.link_client.StageClient.open>` sends it as ``OpenSessionRequest``
+    (``serde.session_request_to_proto``), the servicer decodes it into this type again
+    (``link_servicer.session_request``) and the runtime opens the session from it
+    (``StageRuntime.open``). ``delta_identity`` is the device's delta cache, which the client
+    fills from the encoder it is given.
+    """
 
     device_id: str
     round: int

@@ -15,7 +15,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 
@@ -27,6 +27,7 @@ from fedpipe.proto import stage_pb2 as pb
 from fedpipe.proto import stage_pb2_grpc as pb_grpc
 from fedpipe.split.agreement import SplitLike
 from fedpipe.trace import Tracer
+from fedpipe.wire.backend import SessionRequest
 from fedpipe.wire.channels import (
     EXCHANGE_METHOD,
     SESSION_HEADER,
@@ -35,9 +36,8 @@ from fedpipe.wire.channels import (
     reconnect_call,
     secure_channel_credentials,
 )
-from fedpipe.wire.serde import split_to_proto, wire_header
+from fedpipe.wire.serde import session_request_to_proto, wire_header
 from fedpipe.wire.stream_codec import StreamCodecs, StreamDecoder, StreamEncoder, rounding_seed
-from fedpipe.wire.tensors import codec_to_proto
 
 __all__ = [
     "SessionStats",
@@ -120,7 +120,9 @@ class StageClient:
         split: SplitLike | None = None,
         frozen_head: bool = False,
     ) -> StageSession:
-        """Open a session (retrying while the server is unavailable) and start its stream.
+        """:meth:`open` a session whose :class:`SessionRequest` is spelt here as keywords
+        (``lr`` and ``round_`` are its ``learning_rate`` and ``round``): for callers that
+        write a request inline (tests, benches); a device builds its request from its settings.
 
         ``split`` is what the device built (model fingerprint and cut); the server refuses a
         session without one, or one that differs from its own, with FAILED_PRECONDITION.
@@ -140,37 +142,63 @@ class StageClient:
         the activations whose rows all go as differences.
         ``stochastic_rounding`` rounds int4/int2 gradients stochastically on both sides.
         """
-        if delta is not None and delta.cache.max_bytes != delta_cache_bytes:
-            raise ValueError(
-                f"the delta encoder holds {delta.cache.max_bytes} bytes but the session asks "
-                f"for delta_cache_bytes {delta_cache_bytes}: make the encoder with that size"
-            )
-        identity = delta.cache.identity if delta is not None and delta_cache_bytes else None
-        request = pb.OpenSessionRequest(
-            split=split_to_proto(split),
+        request = SessionRequest(
             device_id=device_id,
-            token=token,
             round=round_,
-            uplink_codec=codec_to_proto(uplink_codec),
-            downlink_codec=codec_to_proto(downlink_codec),
-            gradient_codec=codec_to_proto(gradient_codec) if gradient_codec else None,
-            downlink_codec_name=downlink_codec,
-            gradient_codec_name=gradient_codec,
-            error_feedback=error_feedback,
-            delta_cache_bytes=delta_cache_bytes,
-            stochastic_rounding=stochastic_rounding,
+            token=token,
+            split=split,
+            downlink_codec=downlink_codec,
+            gradient_codec=gradient_codec,
+            uplink_codec=uplink_codec,
             learning_rate=lr,
             weight_decay=weight_decay,
             microbatch_size=microbatch_size,
             seq_len=seq_len,
             frozen_head=frozen_head,
+            error_feedback=error_feedback,
+            stochastic_rounding=stochastic_rounding,
+            delta_cache_bytes=delta_cache_bytes,
         )
+        return self.open(
+            request,
+            delta=delta,
+            delta_codec=delta_codec,
+            link=link,
+            link_seed=link_seed,
+            tracer=tracer,
+            timeout_s=timeout_s,
+        )
+
+    def open(
+        self,
+        request: SessionRequest,
+        *,
+        delta: DeltaEncoder | None = None,
+        delta_codec: str = "",
+        link: LinkProfile | str | None = None,
+        link_seed: int | str | None = None,
+        tracer: Tracer | None = None,
+        timeout_s: float = 120.0,
+    ) -> StageSession:
+        """Open the session ``request`` asks for (retrying while the server is unavailable) and
+        start its stream; the request goes as it is, but for the delta cache's identity, which
+        ``delta`` (the device's encoder, kept across sessions) gives.
+
+        The rest is this device's side of the session: ``delta_codec`` codes the activations
+        whose rows all go as differences, ``link`` the emulated link (``link_seed`` its
+        draws), ``timeout_s`` how long a reply may take.
+        """
+        size = request.delta_cache_bytes
+        if delta is not None and delta.cache.max_bytes != size:
+            raise ValueError(
+                f"the delta encoder holds {delta.cache.max_bytes} bytes but the session asks "
+                f"for delta_cache_bytes {size}: make the encoder with that size"
+            )
+        identity = delta.cache.identity if delta is not None and size else None
         if identity is not None:
-            request.delta_cache_id = identity.cache_id
-            request.delta_cache_entries = identity.entries
-            request.delta_cache_digest = identity.digest
+            request = replace(request, delta_identity=identity)
         reply = reconnect_call(
-            lambda: self.stub.OpenSession(request, timeout=30),
+            lambda: self.stub.OpenSession(session_request_to_proto(request), timeout=30),
             budget_s=self.reconnect_s,
             what=f"opening a session on {self.address}",
         )
@@ -182,13 +210,13 @@ class StageClient:
             reply,
             duplex,
             codecs=StreamCodecs(
-                uplink_codec,
-                gradient_codec,
-                error_feedback=error_feedback,
-                delta_cache_bytes=delta_cache_bytes,
+                request.uplink_codec,
+                request.gradient_codec,
+                error_feedback=request.error_feedback,
+                delta_cache_bytes=size,
                 delta_codec=delta_codec,
-                stochastic=stochastic_rounding,
-                seed=rounding_seed(device_id, round_, "device"),
+                stochastic=request.stochastic_rounding,
+                seed=rounding_seed(request.device_id, request.round, "device"),
             ),
             tracer=tracer,
             timeout_s=timeout_s,

@@ -17,7 +17,9 @@ from fedpipe.messages import Kind, StageMsg
 from fedpipe.proto import stage_pb2 as pb
 from fedpipe.split.agreement import SplitInfo, SplitLike
 from fedpipe.split.packing import segment_lengths, segments_from_lengths
+from fedpipe.wire.backend import SessionRequest
 from fedpipe.wire.tensors import (
+    codec_to_proto,
     labels_from_proto,
     labels_to_proto,
     payload_nbytes,
@@ -37,6 +39,7 @@ __all__ = [
     "msg_to_proto",
     "msg_to_wire",
     "seal",
+    "session_request_to_proto",
     "wire_header",
     "wire_nbytes",
 ]
@@ -491,6 +494,37 @@ def _split_fields(
     rest = bytes(buf[:t_start]) + bytes(buf[t_end:])
     raw = pb.StageMessage.FromString(rest + tensor_key + meta)
     return raw, buf[d_body:d_end]
+
+
+def session_request_to_proto(request: SessionRequest) -> pb.OpenSessionRequest:
+    """``request`` as OpenSession carries it: each codec as its enum and by name (the name says
+    a codec the enum cannot, such as int8tg); an empty gradient codec is left unset."""
+    grads = request.gradient_codec
+    out = pb.OpenSessionRequest(
+        split=split_to_proto(request.split),
+        device_id=request.device_id,
+        token=request.token,
+        round=request.round,
+        uplink_codec=codec_to_proto(request.uplink_codec),
+        downlink_codec=codec_to_proto(request.downlink_codec),
+        gradient_codec=codec_to_proto(grads) if grads else None,
+        downlink_codec_name=request.downlink_codec,
+        gradient_codec_name=grads,
+        error_feedback=request.error_feedback,
+        delta_cache_bytes=request.delta_cache_bytes,
+        stochastic_rounding=request.stochastic_rounding,
+        learning_rate=request.learning_rate,
+        weight_decay=request.weight_decay,
+        microbatch_size=request.microbatch_size,
+        seq_len=request.seq_len,
+        frozen_head=request.frozen_head,
+    )
+    identity = request.delta_identity
+    if identity.cache_id:
+        out.delta_cache_id = identity.cache_id
+        out.delta_cache_entries = identity.entries
+        out.delta_cache_digest = identity.digest
+    return out
 
 
 def split_to_proto(split: SplitLike | None) -> pb.SplitSpec | None:

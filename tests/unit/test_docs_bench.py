@@ -313,6 +313,25 @@ def test_the_step_memory_record_shows_each_weights_against_the_fp32_device(
     assert "| 8192.0 MiB (16 blocks) | 0.12 | 256.0 MiB | 0.25 |" in text
 
 
+def test_the_server_weights_record_shows_each_setting_against_fp32(tmp_path: Path) -> None:
+    def row(weights: str, params: int, step: float, error: float | None) -> dict[str, object]:
+        return {
+            "weights": weights,
+            "server_param_bytes": params,
+            "step_s": step,
+            "step_s_min": step / 2,
+            "output_rel_error": error,
+        }
+
+    rows = [row("fp32", 4 * 2**20, 2.0, 0.0), row("int8", 2**20, 2.5, 0.004)]
+    result = {"model": "default", "split": "2+2", "sessions": 2, "steps": 3, "rows": rows}
+    command = "fedpipe bench memory --server-weights fp32,int8 --json"
+    write(tmp_path, "memory-server", record(result, command=command))
+    text = rb.render("memory-server", tmp_path)
+    assert "| fp32 | 4.0 MiB | 1.00 | 2.000 | 1.00 | 1.000 | 1.00 | 0.0e+00 |" in text
+    assert "| int8 | 1.0 MiB | 0.25 | 2.500 | 1.25 | 1.250 | 1.25 | 4.0e-03 |" in text
+
+
 def test_instruct_tables_show_both_sides_shares_and_the_gain() -> None:
     side = {"answer_loss": 1.5, "contains": 0.5, "answered": 50}
     r = {
