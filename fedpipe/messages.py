@@ -50,6 +50,9 @@ class StageMsg:
     # the microbatch's token ids, which the device's transport hashes into keys; never sent.
     sample_keys: tuple[int, ...] = ()
     inputs: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    # Packed rows (ACTIVATION): (B, T) segment ids, each token attending within its own
+    # example (fedpipe.split.packing); the wire carries each row's segment lengths.
+    segments: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     @property
     def key(self) -> tuple[int, int, int]:

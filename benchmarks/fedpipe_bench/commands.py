@@ -86,6 +86,19 @@ def register(bsub: Any) -> None:
         metavar="SECTION.KEY=VALUE",
         help="override one setting of the example (repeatable), e.g. federated.rounds=2",
     )
+    pk = add_command(
+        bsub,
+        "packing",
+        f"{_HERE}:cmd_bench_packing",
+        "rows, tokens per row and pad share of examples/instruct, padded and packed",
+    )
+    pk.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    pk.add_argument(
+        "--set",
+        action="append",
+        metavar="SECTION.KEY=VALUE",
+        help="override one setting of the example (repeatable), e.g. train.seq_len=256",
+    )
     pl = add_command(
         bsub, "plan", f"{_HERE}:cmd_bench_plan", "the planner's predicted vs measured step"
     )
@@ -398,6 +411,25 @@ def cmd_bench_instruct(args: argparse.Namespace) -> int:
         has = "-" if r["contains"] is None else f"{100 * r['contains']:.1f}%"
         print(f"{side:>12} {loss:>11} {exact:>7} {has:>8} {r['answered']:>8}")
     print(f"wall {report['wall_s']:.0f} s (train {report['train_wall_s']:.0f} s)")
+    return 0
+
+
+def cmd_bench_packing(args: argparse.Namespace) -> int:
+    """`fedpipe bench packing`: the instruct example's rows, padded and packed."""
+    from fedpipe_bench.packing import run_packing_bench
+
+    report = run_packing_bench(parse_overrides(args.set or []))
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"{report['examples']} examples of {report['data']}, rows of {report['seq_len']}")
+    print(f"{'':>8} {'rows':>6} {'tokens/row':>10} {'pad share':>9} {'loss tokens':>11}")
+    for way in ("padded", "packed"):
+        r = report[way]
+        share = f"{100 * r['pad_share']:.1f}%"
+        print(
+            f"{way:>8} {r['rows']:>6} {r['tokens_per_row']:>10} {share:>9} {r['loss_tokens']:>11}"
+        )
     return 0
 
 

@@ -280,6 +280,9 @@ class DataConfig:
     # "answers": only assistant turns / completions count in the loss; "all": every token
     loss_on: str = "answers"
     overlong: str = "truncate"  # an example longer than train.seq_len: "truncate" or "drop"
+    # true: several whole examples share a row, attending only within themselves at positions
+    # restarting per example (the server learns each example's length); false: one per row
+    packing: bool = False
 
     def __post_init__(self) -> None:
         _check(
@@ -289,6 +292,10 @@ class DataConfig:
         _check(
             self.overlong in OVERLONG,
             f"data.overlong must be one of {', '.join(OVERLONG)}, got {self.overlong!r}",
+        )
+        _check(
+            isinstance(self.packing, bool),
+            f"data.packing must be true or false, got {self.packing!r}",
         )
 
 
@@ -493,6 +500,9 @@ class FederatedConfig:
     device_blocks: int = 0  # > 0: each device keeps only this many blocks (small local data)
     dirichlet_alpha: float = 0.5
     eval_fraction: float = 0.1
+    # > 0: each round's evaluation also generates greedy answers to this many held-out
+    # prompt/completion examples and scores them as `fedpipe eval` does (exact match, contains)
+    eval_generate: int = 0
     proximal_mu: float = 0.01
     server_lr: float = 0.1
     # Robust strategies (fedmedian, fedtrimmedavg, krum, multikrum) run on both sides.
@@ -525,6 +535,10 @@ class FederatedConfig:
 
     def __post_init__(self) -> None:
         _check(self.rounds >= 1, f"federated.rounds must be >= 1, got {self.rounds}")
+        _check(
+            self.eval_generate >= 0,
+            f"federated.eval_generate must be >= 0 (0: off), got {self.eval_generate}",
+        )
         _check(
             1 <= self.min_devices <= self.num_devices,
             f"federated.min_devices must be in 1..num_devices ({self.num_devices}), "
@@ -783,6 +797,12 @@ class FedpipeConfig:
             "pipeline.recompute_head = true cannot be combined with privacy.decorrelation > 0: "
             "the penalty needs the head's forward graph, which recompute drops; "
             "turn one of them off",
+        )
+        _check(
+            not (self.data.packing and privacy.label_resample > 0),
+            "data.packing = true cannot be combined with privacy.label_resample > 0: the "
+            "resampled tail step runs the tail without the packed rows' boundaries; turn one "
+            "of them off",
         )
         _check(
             self.model.split == "u" or privacy.label_resample == 0,

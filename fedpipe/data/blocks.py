@@ -124,6 +124,7 @@ class BlockSampler:
         *,
         seed: int,
         labels: torch.Tensor | None = None,
+        segments: torch.Tensor | None = None,
     ) -> None:
         if blocks.dim() != 2 or blocks.shape[0] == 0:
             raise ValueError(
@@ -132,13 +133,16 @@ class BlockSampler:
             )
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        if labels is not None and labels.shape != blocks.shape:
-            raise ValueError(
-                f"labels of shape {tuple(labels.shape)} do not fit blocks {tuple(blocks.shape)}"
-            )
+        for name, part in (("labels", labels), ("segments", segments)):
+            if part is not None and part.shape != blocks.shape:
+                raise ValueError(
+                    f"{name} of shape {tuple(part.shape)} do not fit blocks {tuple(blocks.shape)}"
+                )
         self.blocks = blocks.long()
         # Instruction rows carry their own labels (-100 off the answers); blocks are their labels.
         self.labels = labels.long() if labels is not None else None
+        # Packed rows' segment ids (fedpipe.split.packing), drawn with their rows.
+        self.segments = segments.long() if segments is not None else None
         self.batch_size = batch_size
         self.seed = seed
         self._perm_cache: tuple[int, np.ndarray] | None = None
@@ -166,11 +170,13 @@ class BlockSampler:
 
     def batch(self, step: int) -> dict[str, torch.Tensor]:
         """{"input_ids": (B, T), "labels": (B, T)}; labels equal the inputs (the loss shifts),
-        or are the rows' own labels where given."""
+        or are the rows' own labels where given; packed rows add "segments" (B, T)."""
         picks = torch.from_numpy(self.indices(step))
         input_ids = self.blocks[picks]  # (B, T)
         labels = input_ids.clone() if self.labels is None else self.labels[picks]
-        return {"input_ids": input_ids, "labels": labels}
+        if self.segments is None:
+            return {"input_ids": input_ids, "labels": labels}
+        return {"input_ids": input_ids, "labels": labels, "segments": self.segments[picks]}
 
     def _permutation(self, epoch: int) -> np.ndarray:
         if self._perm_cache is None or self._perm_cache[0] != epoch:

@@ -248,8 +248,9 @@ class DeviceRuntime:
         parts = split_batch(batch, min(self.microbatches, batch["input_ids"].shape[0]))
         kind = Kind.OUTPUT if self.tail is not None else Kind.INPUT_GRAD
         for mb, data in enumerate(parts):
-            msg = StageMsg(Kind.ACTIVATION, step, mb, tensor=self.head(data["input_ids"]))
-            msg.forward_only = True
+            segments = data.get("segments")
+            msg = StageMsg(Kind.ACTIVATION, step, mb, tensor=self.head(data["input_ids"], segments))
+            msg.forward_only, msg.segments = True, segments
             if self.tail is None:
                 msg.labels = data["labels"]
             self.channel.send(msg)
@@ -259,7 +260,9 @@ class DeviceRuntime:
             if self.tail is None:
                 loss_sum, tokens = loss_sum + reply.loss_sum, tokens + reply.tokens
                 continue
-            part_sum, part_tokens = self.tail(reply.tensor, data["labels"])
+            part_sum, part_tokens = self.tail(
+                reply.tensor, data["labels"], segments=data.get("segments")
+            )
             loss_sum, tokens = loss_sum + float(part_sum), tokens + int(part_tokens)
         return loss_sum, tokens
 
@@ -284,7 +287,8 @@ class DeviceRuntime:
         data = state.microbatches[mb]
         keep_graph = not (self.frozen_head or self.recompute_head)
         with self._compute(f"F{mb}", "device"), torch.set_grad_enabled(keep_graph):
-            h = self.head(data["input_ids"])  # (b, T, C); frozen or recompute: no graph kept
+            # (b, T, C); frozen or recompute: no graph kept
+            h = self.head(data["input_ids"], data.get("segments"))
             if self.head_penalty is not None and keep_graph:
                 scale = 1.0 / state.schedule.num_microbatches
                 state.penalties[mb] = self.head_penalty(data["input_ids"], h, scale)
@@ -292,8 +296,12 @@ class DeviceRuntime:
                 h = self.transform_up(Kind.ACTIVATION, h)
         state.heads[mb] = h
         state.stash_peak = max(state.stash_peak, len(state.heads))
-        # inputs: the device's transport keys delta coding by them (never sent)
-        msg = StageMsg(Kind.ACTIVATION, state.step, mb, tensor=h.detach(), inputs=data["input_ids"])
+        # inputs: the device's transport keys delta coding by them (never sent); a packed row's
+        # activation depends on its segments too, so they join its key
+        segments = data.get("segments")  # packed rows: the server's blocks need them too
+        ids = data["input_ids"] if segments is None else torch.cat((data["input_ids"], segments), 1)
+        msg = StageMsg(Kind.ACTIVATION, state.step, mb, tensor=h.detach(), inputs=ids)
+        msg.segments = segments
         if self.tail is None:  # two-part split: the server computes the loss
             msg.labels = data["labels"]
             msg.loss_scale = 1.0 / max(state.total_tokens, 1)
@@ -308,11 +316,12 @@ class DeviceRuntime:
             assert reply.tensor is not None, "OUTPUT replies always carry the middle's output"
             x = reply.tensor.detach().requires_grad_(True)  # (b, T, C), a leaf
             labels = state.microbatches[mb]["labels"]
+            segments = state.microbatches[mb].get("segments")
             grad: torch.Tensor | None
             if self.tail_step is not None:
                 loss_sum, grad = self.tail_step(self.tail, x, labels, state.total_tokens)
             else:
-                loss_sum, _ = self.tail(x, labels)
+                loss_sum, _ = self.tail(x, labels, segments=segments)
                 (loss_sum / max(state.total_tokens, 1)).backward()
                 grad = x.grad
         state.loss_sums.append(float(loss_sum.detach()))
@@ -333,7 +342,8 @@ class DeviceRuntime:
             raise ValueError(f"INPUT_GRAD for step {state.step} microbatch {mb} has no tensor")
         with self._compute(f"B{mb}", "device"):
             if self.recompute_head:  # the same forward again, this time with its graph
-                head = self.head(state.microbatches[mb]["input_ids"])
+                data = state.microbatches[mb]
+                head = self.head(data["input_ids"], data.get("segments"))
             penalty = state.penalties.pop(mb, None)
             if penalty is None:
                 head.backward(reply.tensor)

@@ -36,6 +36,7 @@ from fedpipe.data import partition as partition_docs
 from fedpipe.edge.runtime import DeviceRuntime
 from fedpipe.edge.trainer import DeviceTrainer, RoundReport
 from fedpipe.emulation import DeviceProfile, parse_device_profile, split_specs
+from fedpipe.fl.eval_generate import questions
 from fedpipe.models import load_tokenizer
 from fedpipe.privacy import LinkAccountant, releases_so_far
 from fedpipe.wire.link_client import StageClient
@@ -106,6 +107,7 @@ class DeviceRows:
     input_ids: torch.Tensor  # (N, T)
     labels: torch.Tensor | None = None  # (N, T), -100 where a token does not count
     counts: ExampleCounts | None = None
+    segments: torch.Tensor | None = None  # (N, T) packed rows' segment ids (data.packing)
 
 
 def _instruct(docs: Sequence[Document]) -> bool:
@@ -131,12 +133,16 @@ def device_rows(
         if held is not None:
             return DeviceRows(held_out_blocks(docs, tokenizer, seq_len, held))
         return DeviceRows(tokenize_blocks(docs, tokenizer, seq_len, max_blocks=limit))
-    options: dict[str, Any] = {"loss_on": data.loss_on, "overlong": data.overlong}
+    options: dict[str, Any] = {
+        "loss_on": data.loss_on,
+        "overlong": data.overlong,
+        "packing": data.packing,
+    }
     if held is not None:
         rows = held_out_rows(docs, tokenizer, seq_len, held, **options)
     else:
         rows = example_rows(docs, tokenizer, seq_len, max_rows=limit, **options)
-    return DeviceRows(rows.input_ids, rows.labels, rows.counts)
+    return DeviceRows(rows.input_ids, rows.labels, rows.counts, rows.segments)
 
 
 class DeviceWork:
@@ -177,6 +183,7 @@ class DeviceWork:
         # the StageServer's CA, and its client certificate and key for mutual TLS.
         self.stage_ca, self.stage_cert, self.stage_key = stage_ca, stage_cert, stage_key
         self.profile = _profile(cfg, partition, profile)
+        self.questions: list[Document] = []  # the evaluator's, with federated.eval_generate
         self.trainer = DeviceTrainer(cfg, device_id=device_id, profile=self.profile)
         if delta_dir:  # the delta cache and the planner's cut outlive this process (a round)
             name = re.sub(r"[^A-Za-z0-9_.-]", "_", device_id)
@@ -209,6 +216,8 @@ class DeviceWork:
         if self.partition < 0:
             held = cfg.train.eval_batches * cfg.train.batch_size
             self._set_rows(device_rows(held_out, tokenizer, cfg, instruct=instruct, held=held))
+            # federated.eval_generate: the held-out examples each round's model answers
+            self.questions = questions(held_out, tokenizer, fed.eval_generate)
             return
         parts = partition_docs(
             train_docs,
@@ -223,12 +232,18 @@ class DeviceWork:
 
     def _set_rows(self, rows: DeviceRows) -> None:
         self.blocks, self.labels, self.counts = rows.input_ids, rows.labels, rows.counts
+        self.segments = rows.segments
 
     def batches(self, size: int) -> Iterator[dict[str, torch.Tensor]]:
-        """The device's rows in order, ``size`` at a time, with their labels (evaluation)."""
+        """The device's rows in order, ``size`` at a time, with their labels (evaluation) and,
+        packed, their segments."""
         labels = self.labels if self.labels is not None else self.blocks
-        for ids, lab in zip(torch.split(self.blocks, size), torch.split(labels, size), strict=True):
-            yield {"input_ids": ids, "labels": lab}
+        for start in range(0, int(self.blocks.shape[0]), size):
+            rows = slice(start, start + size)
+            batch = {"input_ids": self.blocks[rows], "labels": labels[rows]}
+            if self.segments is not None:
+                batch["segments"] = self.segments[rows]
+            yield batch
 
     @classmethod
     def cached(cls, cfg: FedpipeConfig, **kw: Any) -> DeviceWork:
@@ -259,6 +274,7 @@ class DeviceWork:
             self.cfg.train.batch_size,
             seed=self.cfg.model.seed * 1000 + self.partition,
             labels=self.labels,
+            segments=self.segments,
         )
         batches = [sampler.batch(round_ * steps + i) for i in range(steps)]
         self.trainer.tracer.clear()

@@ -51,6 +51,7 @@ from fedpipe.fl.aggregate import (
     pad_to_union,
 )
 from fedpipe.fl.device_work import DeviceWork, RunSettings, evaluate_split, server_run_settings
+from fedpipe.fl.eval_generate import generation_record
 from fedpipe.fl.freeze import FreezeRule, FreezeState, block_movement, decide, pin_frozen
 from fedpipe.fl.orders import TrainOrder
 from fedpipe.fl.progress import RoundWatch
@@ -499,6 +500,10 @@ def _make_evaluate(
                 state=_checkpoint_state(
                     round_, run, rounds, fingerprint=work.trainer.split.fingerprint
                 ),
+            )
+        if work.questions:  # federated.eval_generate: greedy answers, scored
+            record |= generation_record(
+                work.questions, work.trainer.folder, folder.path, round_, base=server_round == 0
             )
         now = time.time()
         record |= {"wall_s": now - rounds.round_started, "elapsed_s": now - rounds.started}

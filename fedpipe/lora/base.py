@@ -268,3 +268,6 @@ class Group:
     # The stage's blocks this group runs through (None: all). A device whose cut leaves it
     # fewer server blocks names them here; in the loss stage they must end at its last block.
     blocks: tuple[int, ...] | None = None
+    # Packed rows (data.packing): (b, T) segment ids, each token attending to its own
+    # segment at positions restarting per segment (fedpipe.split.packing); None: not packed.
+    segments: Tensor | None = None

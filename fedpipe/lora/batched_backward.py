@@ -166,6 +166,7 @@ class _Block:
         self.records: list[BlockTape] = [t.blocks[index] for t in tapes]
         self.adapters = [t.adapter for t in tapes]
         self.shapes = [t.shape for t in tapes]
+        self.segments = [t.segments for t in tapes]  # packed rows' segment ids, or None
         self.slices: Slices = row_slices([r.h0.shape[0] for r in self.records])
         self.grads = grads
         self._offs: Tensor | None = None  # grouped_mm's group ends, made once per block
@@ -428,12 +429,18 @@ class _Block:
             )  # (B, H, T, D)
             out = heads.view(-1, length, q.shape[1], head_dim).transpose(1, 2)
             lse = None if part[0].lse is None else join([r.lse for r in part])  # type: ignore[misc]
-            mask = self.runner.mask(self.index, length, q)
+            mask, positions = self.runner.attention_inputs(
+                self.index,
+                length,
+                q,
+                [self.segments[i] for i in members],
+                [self.shapes[i][0] for i in members],
+            )
             dq, dk, dv = _attend_backward(
                 d_out, q, k, v, out, lse, mask, attn.scaling, self.runner.softcap
             )
             if self.runner.uses_rope(self.index):
-                cos, sin = self.runner.rotary(length, q, self.index)
+                cos, sin = self.runner.rotary(length, q, self.index, positions)
                 dq, dk = _rope_backward(dq, cos, sin), _rope_backward(dk, cos, sin)
             flat = [t.transpose(1, 2).reshape(-1, t.shape[1] * head_dim) for t in (dq, dk, dv)]
             if whole:

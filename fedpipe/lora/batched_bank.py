@@ -212,7 +212,7 @@ class BatchedAdapterBank(SharedAggregation):
             self._check_group(group, loss=False)
         wants = need_input_grad if need_input_grad is not None else [True] * len(groups)
         tapes = [
-            Tape(tuple(g.hidden.shape), self._tensors(g.adapter), bool(w))
+            Tape(tuple(g.hidden.shape), self._tensors(g.adapter), bool(w), segments=g.segments)
             for g, w in zip(groups, wants, strict=True)
         ]
         outs = self._runner.blocks(groups, tapes)

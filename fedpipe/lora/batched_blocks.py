@@ -10,7 +10,9 @@ rotary, soft-capped attention logits, Gemma's ``1 + w`` norms and GELU) is read 
 The tokens of every group in a block are joined into one (tokens, C) tensor, so each frozen
 linear, norm, activation and residual is ONE op over all groups; each group's LoRA term runs on
 its own rows, and attention runs once per sequence length (the groups of one length joined
-along the batch).
+along the batch). A group of packed rows (``Group.segments``) attends within each token's
+segment at positions that restart per segment (fedpipe.split.packing); in a length class
+with one, a row without segments is one segment.
 
 The forward builds no autograd graph. When asked, it records per group a :class:`Tape`: what
 the backward of each block needs (its inputs, q/k/v after rotary, the attention output and its
@@ -34,6 +36,7 @@ from fedpipe.lora.base import Group
 from fedpipe.lora.kernels import group_offsets, grouped_lora
 from fedpipe.models.families import FAMILIES, BlockLayout
 from fedpipe.split.loss import chunked_loss_sum, shifted_loss_sum
+from fedpipe.split.packing import segment_mask, segment_positions
 from fedpipe.split.quant import linear_product, linear_product_t
 from fedpipe.split.stages import _window_mask, sliding_window
 
@@ -113,6 +116,7 @@ class Tape:
     adapter: AdapterTensors  # its adapter's Parameters (the ones the forward used)
     need_input_grad: bool = True  # False: the backward may stop at the LoRA gradients
     blocks: dict[int, BlockTape] = field(default_factory=dict)
+    segments: Tensor | None = None  # (b, T) packed rows' segment ids (None: not packed)
 
     def tensors(self) -> Iterator[Tensor]:
         """Every tensor of every block's record (the adapter's Parameters are not the tape's)."""
@@ -122,7 +126,7 @@ class Tape:
     def map(self, fn: Callable[[Tensor], Tensor]) -> Tape:
         """The same tape with ``fn`` of each of its tensors (fedpipe.server.stash moves them)."""
         blocks = {index: record.map(fn) for index, record in self.blocks.items()}
-        return Tape(self.shape, self.adapter, self.need_input_grad, blocks)
+        return Tape(self.shape, self.adapter, self.need_input_grad, blocks, self.segments)
 
 
 class _FrozenRows(torch.autograd.Function):
@@ -271,6 +275,7 @@ class BlockRunner:
         With ``tapes`` (one per group), each group's backward record is written to its tape.
         """
         hs = [g.hidden for g in groups]
+        segments = [g.segments for g in groups]
         adapters = [self.adapter(g.adapter) for g in groups]
         self._offsets = {}
         with torch.no_grad():
@@ -281,7 +286,11 @@ class BlockRunner:
                     continue
                 records = [tapes[i].blocks for i in active] if tapes is not None else None
                 outs = self._block(
-                    index, [hs[i] for i in active], [adapters[i] for i in active], records
+                    index,
+                    [hs[i] for i in active],
+                    [adapters[i] for i in active],
+                    records,
+                    [segments[i] for i in active],
                 )
                 for i, out in zip(active, outs, strict=True):
                     hs[i] = out
@@ -304,10 +313,18 @@ class BlockRunner:
             logits = [self.spec.logits(lg, self.stage.config) for lg in logits]
         return [shifted_loss_sum(lg, lb) for lg, lb in zip(logits, labels, strict=True)]
 
-    def rotary(self, length: int, like: Tensor, index: int | None = None) -> tuple[Tensor, Tensor]:
+    def rotary(
+        self,
+        length: int,
+        like: Tensor,
+        index: int | None = None,
+        positions: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor]:
         """(cos, sin) at positions arange(T): (1, T, D) each (block ``index``'s where the
-        family has a rotary per layer type: Gemma 3's local and global)."""
-        positions = torch.arange(length, device=like.device).unsqueeze(0)  # (1, T)
+        family has a rotary per layer type: Gemma 3's local and global); at ``positions``
+        (B, T) instead where given (packed rows): (B, T, D) each."""
+        if positions is None:
+            positions = torch.arange(length, device=like.device).unsqueeze(0)  # (1, T)
         if index is not None and self.spec.rotary_per_layer_type:
             kind = self.stage.config.layer_types[index]
             cos, sin = self.stage.rotary_emb(like, positions, kind)
@@ -324,6 +341,30 @@ class BlockRunner:
         """Block ``index``'s attention mask at length T (None: plain causal)."""
         window = sliding_window(self.stage.config, index)
         return _window_mask(length, window, like.device)
+
+    def attention_inputs(
+        self,
+        index: int,
+        length: int,
+        like: Tensor,
+        segments: Sequence[Tensor | None],
+        rows: Sequence[int],
+    ) -> tuple[Tensor | None, Tensor | None]:
+        """Block ``index``'s mask and positions for the joined sequences of one length class:
+        :meth:`mask` and None (arange) when no member is packed; else the (B, 1, T, T) mask
+        of every row's segments and their (B, T) positions (``rows``: each member's count)."""
+        if all(s is None for s in segments):
+            return self.mask(index, length, like), None
+        joined = torch.cat(
+            [
+                torch.zeros(n, length, dtype=torch.long, device=like.device)
+                if s is None
+                else s.to(like.device)
+                for s, n in zip(segments, rows, strict=True)
+            ]
+        )  # (B, T)
+        window = sliding_window(self.stage.config, index)
+        return segment_mask(joined, window), segment_positions(joined)
 
     def lora(
         self,
@@ -412,6 +453,7 @@ class BlockRunner:
         hs: list[Tensor],
         adapters: list[AdapterTensors],
         records: list[dict[int, BlockTape]] | None,
+        segments: list[Tensor | None],
     ) -> list[Tensor]:
         """One decoder layer over the joined rows: h + attn(norm(h)), then h + mlp(norm(h)),
         with what the family's layout adds (post-norms, q/k norms, fused linears, a residual
@@ -430,7 +472,7 @@ class BlockRunner:
             extra["q"], extra["k"] = q, k
             q = _norm_heads(attn.q_norm, q, shape, attn)
             k = _norm_heads(attn.k_norm, k, shape, attn)
-        heads, saved = self._attention(index, attn, hs, slices, q, k, v)
+        heads, saved = self._attention(index, attn, hs, slices, q, k, v, segments)
         out = self.lora(f"{prefix}.self_attn.o_proj", attn.o_proj, heads, slices, adapters, lows)
         h1 = self._residual(layer, shape.attn_post_norm, h0, out, extra, "attn")
         normed = _norm(layer, shape.mlp_norm, h1)
@@ -530,6 +572,7 @@ class BlockRunner:
         q: Tensor,
         k: Tensor,
         v: Tensor,
+        segments: list[Tensor | None],
     ) -> tuple[Tensor, list[tuple[Tensor, Tensor, Tensor, Tensor | None]]]:
         """Causal (or banded) attention, once per sequence length over its groups.
 
@@ -548,14 +591,17 @@ class BlockRunner:
                 .transpose(1, 2)
                 for t in (q, k, v)
             )  # (B, heads, T, D)
+            sizes = [hs[i].shape[0] for i in members]
+            mask, positions = self.attention_inputs(
+                index, length, qc, [segments[i] for i in members], sizes
+            )
             if self.uses_rope(index):
-                cos, sin = self.rotary(length, qc, index)
+                cos, sin = self.rotary(length, qc, index, positions)
                 qc, kc = _rope(qc, cos, sin), _rope(kc, cos, sin)
-            out, lse = self._attend(qc, kc, vc, self.mask(index, length, qc), attn.scaling)
+            out, lse = self._attend(qc, kc, vc, mask, attn.scaling)
             flat = out.transpose(1, 2).reshape(-1, q.shape[-1])  # (B*T, H*D)
             if whole:
                 heads = flat
-            sizes = [hs[i].shape[0] for i in members]
             start = 0
             for i, size, r in zip(members, sizes, rows, strict=True):
                 batch = slice(start, start + size)
@@ -590,7 +636,7 @@ class BlockRunner:
 
 
 def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotary embedding of (B, heads, T, D) at (1, T, D') cos and sin (HF's formula); with
+    """Rotary embedding of (B, heads, T, D) at (1 or B, T, D') cos and sin (HF's formula); with
     D' < D (Phi-3's partial_rotary_factor) the first D' dims rotate and the rest pass. In x's
     dtype (OLMo 2's rotary is float32 whatever the weights' dtype; its code casts back)."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
@@ -610,7 +656,8 @@ def eager_attention(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, softcap: float | None
 ) -> Tensor:
     """(B, H, T, D) causal attention as Hugging Face's eager code computes it (Gemma 2's, with
-    the logits soft-capped: cap * tanh(scores / cap)); ``mask`` the banded keep-mask or None."""
+    the logits soft-capped: cap * tanh(scores / cap)); ``mask`` the banded (or packed rows')
+    keep-mask or None."""
     groups = q.shape[1] // k.shape[1]
     if groups > 1:  # HF's repeat_kv
         b, heads, length, dim = k.shape

@@ -233,7 +233,7 @@ class AdapterBank(SharedAggregation):
         outs = []
         for group in groups:
             self.activate(group.adapter)
-            outs.append(self.stage(group.hidden, group.blocks))
+            outs.append(self.stage(group.hidden, group.blocks, group.segments))
         return outs
 
     def run_loss(self, groups: Sequence[Group]) -> list[tuple[Tensor, int]]:
@@ -242,7 +242,7 @@ class AdapterBank(SharedAggregation):
         for group in groups:
             self.activate(group.adapter)
             _check_suffix(group, getattr(self.stage, "block_indices", ()))
-            outs.append(self.stage(group.hidden, group.labels, group.blocks))
+            outs.append(self.stage(group.hidden, group.labels, group.blocks, group.segments))
         return outs
 
     def _set_trainable(self, name: str, flag: bool) -> None:

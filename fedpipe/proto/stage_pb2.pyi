@@ -64,7 +64,7 @@ class Tensor(_message.Message):
     def __init__(self, codec: _Optional[_Union[Codec, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., scales: _Optional[bytes] = ..., group_size: _Optional[int] = ..., token_groups: _Optional[bool] = ..., outliers: _Optional[int] = ...) -> None: ...
 
 class StageMessage(_message.Message):
-    __slots__ = ("session_id", "step", "microbatch", "kind", "tensor", "labels", "loss_scale", "loss_sum", "tokens", "error", "compute_s", "forward_only", "sample_keys", "checksum")
+    __slots__ = ("session_id", "step", "microbatch", "kind", "tensor", "labels", "loss_scale", "loss_sum", "tokens", "error", "compute_s", "forward_only", "sample_keys", "checksum", "segment_lengths")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +79,7 @@ class StageMessage(_message.Message):
     FORWARD_ONLY_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_KEYS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_LENGTHS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     step: int
     microbatch: int
@@ -93,7 +94,8 @@ class StageMessage(_message.Message):
     forward_only: bool
     sample_keys: _containers.RepeatedScalarFieldContainer[int]
     checksum: int
-    def __init__(self, session_id: _Optional[str] = ..., step: _Optional[int] = ..., microbatch: _Optional[int] = ..., kind: _Optional[_Union[Kind, str]] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ..., labels: _Optional[_Union[Tensor, _Mapping]] = ..., loss_scale: _Optional[float] = ..., loss_sum: _Optional[float] = ..., tokens: _Optional[int] = ..., error: _Optional[str] = ..., compute_s: _Optional[float] = ..., forward_only: _Optional[bool] = ..., sample_keys: _Optional[_Iterable[int]] = ..., checksum: _Optional[int] = ...) -> None: ...
+    segment_lengths: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., step: _Optional[int] = ..., microbatch: _Optional[int] = ..., kind: _Optional[_Union[Kind, str]] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ..., labels: _Optional[_Union[Tensor, _Mapping]] = ..., loss_scale: _Optional[float] = ..., loss_sum: _Optional[float] = ..., tokens: _Optional[int] = ..., error: _Optional[str] = ..., compute_s: _Optional[float] = ..., forward_only: _Optional[bool] = ..., sample_keys: _Optional[_Iterable[int]] = ..., checksum: _Optional[int] = ..., segment_lengths: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SplitSpec(_message.Message):
     __slots__ = ("model", "num_layers", "head_layers", "tail_layers", "mode", "hidden_size", "dtype", "fingerprint", "max_positions", "vocab_size", "cuts")

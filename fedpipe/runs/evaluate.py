@@ -42,8 +42,10 @@ __all__ = [
     "eval_path",
     "evaluate_run",
     "format_table",
+    "generated_scores",
     "load_examples",
     "score_model",
+    "share",
 ]
 
 _LOSS_BATCH = 8
@@ -132,6 +134,25 @@ def greedy_answer(model: Any, tokenizer: Any, prompt: str, *, max_new_tokens: in
     return str(tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True))
 
 
+def generated_scores(
+    model: Any, tokenizer: Any, docs: Sequence[Document], *, max_new_tokens: int
+) -> list[Answer]:
+    """Greedy answers to the examples of ``docs`` that have a reference answer, in order."""
+    answers = []
+    for doc in docs:
+        pair = prompt_and_answer(doc, tokenizer)
+        if pair is None or not pair[1].strip():
+            continue
+        generated = greedy_answer(model, tokenizer, pair[0], max_new_tokens=max_new_tokens)
+        answers.append(Answer(pair[1], generated))
+    return answers
+
+
+def share(answers: Sequence[Answer], what: str) -> float | None:
+    """The share of ``answers`` that are ``exact`` or ``contains`` (None: no answer)."""
+    return sum(getattr(a, what) for a in answers) / len(answers) if answers else None
+
+
 def score_model(
     model: Any,
     tokenizer: Any,
@@ -147,18 +168,12 @@ def score_model(
     loss, tokens, loss_rows = answer_loss(
         model, tokenizer, docs, seq_len=seq_len, overlong=overlong
     )
-    answers = []
-    for doc in docs:
-        pair = prompt_and_answer(doc, tokenizer)
-        if pair is None or not pair[1].strip():
-            continue
-        generated = greedy_answer(model, tokenizer, pair[0], max_new_tokens=max_new_tokens)
-        answers.append(Answer(pair[1], generated))
+    answers = generated_scores(model, tokenizer, docs, max_new_tokens=max_new_tokens)
     n = len(answers)
     return Scores(
         answer_loss=loss,
-        exact_match=sum(a.exact for a in answers) / n if n else None,
-        contains=sum(a.contains for a in answers) / n if n else None,
+        exact_match=share(answers, "exact"),
+        contains=share(answers, "contains"),
         examples=len(docs),
         scored_tokens=tokens,
         loss_rows=loss_rows,

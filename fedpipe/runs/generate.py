@@ -71,7 +71,15 @@ def load_model(
     spec = model or (_adapter_base(adapter) if adapter is not None else None)
     if spec is None:
         raise ValueError("name the base model: --model BASE (or --run RUN_FOLDER)")
-    folder = resolve_model(spec)
+    try:
+        folder = resolve_model(spec)
+    except (OSError, ValueError) as exc:
+        if model is not None or adapter is None:
+            raise
+        raise FileNotFoundError(  # the adapter was made on another machine, or the base moved
+            f"--adapter {adapter}: its base model {spec!r} (base_model_name_or_path in "
+            f"adapter_config.json) is not here ({exc}); pass --model BASE with that model"
+        ) from None
     base = load_causal_lm(folder)
     if adapter is None:
         return base, load_tokenizer(folder)

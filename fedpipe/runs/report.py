@@ -29,6 +29,11 @@ def _mb(n: float) -> str:
 def _round_line(rec: dict[str, Any], total: int) -> str:
     r = int(rec["round"])
     head = f"round {r}/{total}: eval loss {rec['eval_loss']:.4f} (ppl {rec['eval_ppl']:.1f})"
+    if rec.get("eval_exact_match") is not None:  # federated.eval_generate
+        head += (
+            f", exact {100 * rec['eval_exact_match']:.0f}% contains "
+            f"{100 * rec['eval_contains']:.0f}% of {int(rec['eval_answered'])}"
+        )
     if r == 0:
         return f"{head} before training"
     parts = [head]

@@ -43,6 +43,8 @@ __all__ = ["build_summary", "finish_run", "judge"]
 _EVAL_KEYS = (
     "eval_loss",
     "eval_ppl",
+    "eval_exact_match",  # federated.eval_generate
+    "eval_contains",
     "wall_s",
     "elapsed_s",
     "merged",

@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 _ROUND_TAGS = {
     "eval_loss": "eval/loss",
     "eval_ppl": "eval/perplexity",
+    "eval_exact_match": "eval/exact_match",  # federated.eval_generate
+    "eval_contains": "eval/contains",
     "train_loss": "train/loss",
     "devices_trained": "round/devices_trained",
     "devices_failed": "round/devices_failed",

@@ -209,7 +209,9 @@ class StageExecutor:
         if not msg.forward_only and not _frozen_head(info) and not self._taped():
             x.requires_grad_(True)
         labels = self._labels(msg, x) if self.mode == "two" else None
-        return _Forward(i, info, msg, Group(info.session_id, x, labels, blocks=info.blocks))
+        segments = self._segments(msg, x)
+        group = Group(info.session_id, x, labels, blocks=info.blocks, segments=segments)
+        return _Forward(i, info, msg, group)
 
     def _run(self, forwards: list[_Forward], results: list[Result | None]) -> None:
         """The groups in one call of the bank; if the call fails, each group alone."""
@@ -318,6 +320,17 @@ class StageExecutor:
                 results[i] = _finite(work[i][1], reply) if moved else reply
             except Exception as exc:
                 results[i] = exc
+
+    def _segments(self, msg: StageMsg, x: torch.Tensor) -> torch.Tensor | None:
+        """Packed rows' segment ids on the stage's device, if they fit the activation."""
+        if msg.segments is None:
+            return None
+        if tuple(msg.segments.shape) != tuple(x.shape[:2]):
+            raise InvalidRequestError(
+                f"segments must have shape {tuple(x.shape[:2])} (the activation's rows and "
+                f"tokens), got {tuple(msg.segments.shape)}"
+            )
+        return self.copies.to_device(msg.segments)
 
     def _labels(self, msg: StageMsg, x: torch.Tensor) -> torch.Tensor:
         if msg.labels is None or tuple(msg.labels.shape) != tuple(x.shape[:2]):

@@ -334,7 +334,13 @@ class Stash:
             return list(tapes)
         blocks = _Blocks(self, tapes)
         return [
-            Tape(tape.shape, tape.adapter, tape.need_input_grad, _FetchedBlocks(blocks, i, tape))
+            Tape(
+                tape.shape,
+                tape.adapter,
+                tape.need_input_grad,
+                _FetchedBlocks(blocks, i, tape),
+                tape.segments,
+            )
             for i, tape in enumerate(tapes)
         ]
 

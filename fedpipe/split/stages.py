@@ -10,6 +10,11 @@ stage and in the unsplit model (after its ``model.`` / ``transformer.`` prefix).
 label -100), except in blocks with a sliding window shorter than the sequence (``layer_types``
 ``sliding_attention``, or every block of Mistral), which get the banded causal mask the unsplit
 model uses; under eager attention (Gemma 2) every block gets the additive causal mask.
+
+Packed rows (``data.packing``): with ``segments`` (B, T) given (fedpipe.split.packing), every
+block attends causally within each token's own segment (and its window), and positions (rotary,
+or GPT-2's position embeddings) restart at 0 per segment. Without them, the path above runs
+unchanged.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from fedpipe.split.loss import (
     chunked_loss_sum,
     shifted_loss_sum,
 )
+from fedpipe.split.packing import segment_mask, segment_positions
 
 __all__ = [
     "IGNORE_INDEX",
@@ -71,14 +77,22 @@ def sliding_window(config: Any, block: int) -> int | None:
     return int(window) if kind == "sliding_attention" else None
 
 
-def attention_mask(config: Any, block: int, like: Tensor) -> Tensor | None:
+def attention_mask(
+    config: Any, block: int, like: Tensor, segments: Tensor | None = None
+) -> Tensor | None:
     """The mask ``block`` attends with over ``like`` (B, T, C): sdpa's bool mask (None: causal)
     or, under eager attention, the additive mask (0 where allowed, the dtype's minimum elsewhere)
-    that Hugging Face's eager attention adds to the scores."""
+    that Hugging Face's eager attention adds to the scores. With ``segments`` (B, T), the
+    (B, 1, T, T) mask of packed rows: causal within each segment."""
     length, window = like.shape[1], sliding_window(config, block)
-    if config._attn_implementation != "eager":
+    if segments is not None:
+        allowed = segment_mask(segments, window)
+    elif config._attn_implementation != "eager":
         return _window_mask(length, window, like.device)
-    allowed = _banded(length, length if window is None else window, like.device)
+    else:
+        allowed = _banded(length, length if window is None else window, like.device)
+    if config._attn_implementation != "eager":
+        return allowed
     return torch.where(allowed, torch.tensor(0.0, dtype=like.dtype), torch.finfo(like.dtype).min)
 
 
@@ -120,23 +134,36 @@ class _Stage(nn.Module):
     def blocks(self) -> nn.ModuleDict:
         return self.layers if self.family == "llama" else self.h
 
-    def run_blocks(self, hidden: Tensor, blocks: Sequence[int] | None = None) -> Tensor:
+    def run_blocks(
+        self,
+        hidden: Tensor,
+        blocks: Sequence[int] | None = None,
+        segments: Tensor | None = None,
+    ) -> Tensor:
         """Run this stage's blocks (or the subset ``blocks`` of them) on ``hidden`` (B, T, C)
         at positions arange(T). A device whose cut leaves the server fewer blocks runs a subset.
+        ``segments`` (B, T): packed rows, each segment attending to itself at its own positions.
         """
         indices = self._subset(blocks)
         if not indices:
             return hidden
         if self.family == "gpt2":
             for i in indices:
-                hidden = self.h[str(i)](hidden)
+                if segments is None:
+                    hidden = self.h[str(i)](hidden)
+                else:
+                    mask = attention_mask(self.config, i, hidden, segments)
+                    hidden = self.h[str(i)](hidden, attention_mask=mask)
             return hidden
-        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)  # (1, T)
+        if segments is None:
+            positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)  # (1, T)
+        else:
+            positions = segment_positions(segments)  # (B, T)
         rotaries = self._rotaries(hidden, positions, indices)
         for index in indices:
             hidden = self.layers[str(index)](
                 hidden,
-                attention_mask=attention_mask(self.config, index, hidden),
+                attention_mask=attention_mask(self.config, index, hidden, segments),
                 position_ids=positions,
                 position_embeddings=rotaries[self._rotary_key(index)],
             )
@@ -186,23 +213,32 @@ class HeadStage(_Stage):
     def embedding(self) -> nn.Embedding:
         return self.embed_tokens if self.family == "llama" else self.wte
 
-    def forward(self, input_ids: Tensor) -> Tensor:
-        """(B, T) token ids -> (B, T, C) hidden states after the head blocks."""
+    def forward(self, input_ids: Tensor, segments: Tensor | None = None) -> Tensor:
+        """(B, T) token ids -> (B, T, C) hidden states after the head blocks (``segments``:
+        packed rows, see :meth:`run_blocks`)."""
         hidden = self.embedding(input_ids)  # (B, T, C)
         if self.spec is not None and self.spec.embed is not None:
             hidden = self.spec.embed(hidden, self.config)  # Gemma's sqrt(C), Granite's multiplier
         if self.family == "gpt2":
-            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+            if segments is None:
+                positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+            else:
+                positions = segment_positions(segments)  # (B, T)
             hidden = self.drop(hidden + self.wpe(positions))
-        return self.run_blocks(hidden)
+        return self.run_blocks(hidden, segments=segments)
 
 
 class MiddleStage(_Stage):
     """Server side in U mode: the middle blocks, hidden states in and out."""
 
-    def forward(self, hidden: Tensor, blocks: Sequence[int] | None = None) -> Tensor:
+    def forward(
+        self,
+        hidden: Tensor,
+        blocks: Sequence[int] | None = None,
+        segments: Tensor | None = None,
+    ) -> Tensor:
         """(B, T, C) -> (B, T, C), through ``blocks`` (None: all the stage's)."""
-        return self.run_blocks(hidden, blocks)
+        return self.run_blocks(hidden, blocks, segments)
 
 
 class TailStage(_Stage):
@@ -223,9 +259,14 @@ class TailStage(_Stage):
     def final_norm(self) -> nn.Module:
         return self.norm if self.family == "llama" else self.ln_f
 
-    def normed(self, hidden: Tensor, blocks: Sequence[int] | None = None) -> Tensor:
+    def normed(
+        self,
+        hidden: Tensor,
+        blocks: Sequence[int] | None = None,
+        segments: Tensor | None = None,
+    ) -> Tensor:
         """(B, T, C) hidden states from the previous stage -> (B, T, C) after the final norm."""
-        return self.final_norm(self.run_blocks(hidden, blocks))
+        return self.final_norm(self.run_blocks(hidden, blocks, segments))
 
     def project(self, normed: Tensor) -> Tensor:
         """(..., C) hidden states after the final norm -> (..., V) logits: the LM head and the
@@ -236,19 +277,29 @@ class TailStage(_Stage):
             logits = self.spec.logits(logits, self.config)
         return logits
 
-    def logits(self, hidden: Tensor, blocks: Sequence[int] | None = None) -> Tensor:
+    def logits(
+        self,
+        hidden: Tensor,
+        blocks: Sequence[int] | None = None,
+        segments: Tensor | None = None,
+    ) -> Tensor:
         """(B, T, C) hidden states from the previous stage -> (B, T, V) logits."""
-        return self.project(self.normed(hidden, blocks))
+        return self.project(self.normed(hidden, blocks, segments))
 
     def forward(
-        self, hidden: Tensor, labels: Tensor, blocks: Sequence[int] | None = None
+        self,
+        hidden: Tensor,
+        labels: Tensor,
+        blocks: Sequence[int] | None = None,
+        segments: Tensor | None = None,
     ) -> tuple[Tensor, int]:
         """(sum of shifted token cross-entropy, number of counted tokens); pads carry label -100.
 
         ``blocks`` (the server's loss stage): a suffix of the stage's blocks a shorter head
         leaves to it (None: all). The LM head and cross-entropy run over chunks of
-        ``loss_chunk`` tokens (0: over the full logits; fedpipe.split.loss)."""
-        normed = self.normed(hidden, blocks)
+        ``loss_chunk`` tokens (0: over the full logits; fedpipe.split.loss). Packed rows
+        (``segments``) carry -100 on each example's first token, so no loss crosses them."""
+        normed = self.normed(hidden, blocks, segments)
         return chunked_loss_sum(normed, labels, self.project, chunk=self.loss_chunk)
 
 

@@ -16,6 +16,7 @@ from fedpipe.errors import CorruptMessageError, InvalidRequestError, TensorForma
 from fedpipe.messages import Kind, StageMsg
 from fedpipe.proto import stage_pb2 as pb
 from fedpipe.split.agreement import SplitInfo, SplitLike
+from fedpipe.split.packing import segment_lengths, segments_from_lengths
 from fedpipe.wire.backend import SessionRequest
 from fedpipe.wire.tensors import (
     codec_to_proto,
@@ -90,6 +91,8 @@ def msg_to_proto(msg: StageMsg, *, session_id: str, codec: str) -> pb.StageMessa
         tensor_to_proto(msg.tensor, codec, out=out.tensor)
     if msg.labels is not None:
         labels_to_proto(msg.labels, out=out.labels)
+    if msg.segments is not None:
+        out.segment_lengths.extend(n for row in segment_lengths(msg.segments) for n in row)
     return out
 
 
@@ -107,6 +110,8 @@ def wire_nbytes(raw: pb.StageMessage) -> int:
         size += payload_nbytes(raw.labels)
     if raw.sample_keys:  # packed fixed64: a tag, a length, 8 bytes a key
         size += 3 + 8 * len(raw.sample_keys)
+    if raw.segment_lengths:  # packed varints: a tag, a length, at most 5 bytes a length
+        size += 3 + 5 * len(raw.segment_lengths)
     return size
 
 
@@ -169,7 +174,42 @@ def msg_from_proto(
         )
         if bounds is not None and bounds.vocab_size > 0:
             _check_label_values(msg.labels, bounds.vocab_size, kind, raw)
+    if raw.segment_lengths:
+        msg.segments = _segments(raw, kind)
     return msg
+
+
+def _segments(raw: pb.StageMessage, kind: Kind) -> torch.Tensor:
+    """Packed rows' (B, T) segment ids from ``segment_lengths``: only on an ACTIVATION, each
+    row's lengths >= 1 and summing to the tensor's T, exactly B rows of them."""
+    where = f"{kind.name} (step {raw.step}, microbatch {raw.microbatch})"
+    shape = tuple(raw.tensor.shape) if raw.HasField("tensor") else ()
+    lengths = list(raw.segment_lengths)
+    if kind is not Kind.ACTIVATION or len(shape) != 3:
+        raise TensorFormatError(
+            f"{where}: {len(lengths)} segment lengths; they go only with an ACTIVATION whose "
+            f"tensor is (batch, tokens, hidden) (its shape here: {shape})"
+        )
+    batch, tokens = shape[0], shape[1]
+    rows: list[list[int]] = []
+    row: list[int] = []
+    filled = 0  # tokens of ``row`` so far
+    for n in lengths:
+        if n < 1 or filled + n > tokens or len(rows) >= batch:
+            break
+        row.append(n)
+        filled += n
+        if filled == tokens:
+            rows.append(row)
+            row, filled = [], 0
+    else:
+        if len(rows) == batch and not row:
+            return segments_from_lengths(rows, tokens)
+    raise TensorFormatError(
+        f"{where}: segment lengths {lengths[:16]}{' ...' if len(lengths) > 16 else ''} do not "
+        f"cut the tensor's {batch} rows of {tokens} tokens: each length must be >= 1 and each "
+        "row's lengths must sum to its tokens"
+    )
 
 
 def _check_sample_keys(raw: pb.StageMessage, kind: Kind) -> None:

@@ -21,6 +21,7 @@ from harness.stage import stage_server
 
 from fedpipe.config import FedpipeConfig, ModelConfig, PipelineConfig, TrainConfig
 from fedpipe.data import IGNORE_INDEX, Document, example_rows
+from fedpipe.data.rows import pack_examples
 from fedpipe.edge.runtime import DeviceRuntime
 from fedpipe.edge.schedules import SCHEDULES
 from fedpipe.edge.trainer import DeviceTrainer
@@ -453,3 +454,66 @@ def test_answers_only_rows_train_as_the_unsplit_model(setups, model: str, split:
         torch.testing.assert_close(grads[key], grad, rtol=1e-4, atol=1e-6, msg=f"grad {key}")
     for key, value in ref_weights.items():
         torch.testing.assert_close(weights[key], value, rtol=1e-4, atol=LR * 1e-2, msg=key)
+
+
+def _example_batches(vocab: int) -> tuple[list[dict[str, torch.Tensor]], list[dict]]:
+    """Two batches of 8 examples (2 to 16 tokens, the first third out of the loss): padded one
+    per row, and the same examples packed into fewer rows with their segments."""
+    gen = torch.Generator().manual_seed(3)
+    padded, packed = [], []
+    for _ in range(2):
+        examples = []
+        for n in torch.randint(2, SEQ + 1, (BATCH,), generator=gen).tolist():
+            ids = torch.randint(3, vocab, (n,), generator=gen).tolist()
+            cut = max(1, n // 3)
+            examples.append((ids, [IGNORE_INDEX] * cut + ids[cut:]))
+        ids = torch.zeros(BATCH, SEQ, dtype=torch.long)
+        labels = torch.full((BATCH, SEQ), IGNORE_INDEX, dtype=torch.long)
+        for r, (i, lab) in enumerate(examples):
+            ids[r, : len(i)], labels[r, : len(lab)] = torch.tensor(i), torch.tensor(lab)
+        padded.append({"input_ids": ids, "labels": labels})
+        rows = pack_examples(examples, SEQ, pad=0)
+        assert rows.segments is not None and rows.input_ids.shape[0] < BATCH
+        packed.append(
+            {"input_ids": rows.input_ids, "labels": rows.labels, "segments": rows.segments}
+        )
+    return padded, packed
+
+
+@pytest.mark.parametrize(
+    ("model", "split"),
+    [("tiny-llama", "u"), ("tiny-llama", "two"), ("tiny-gpt2", "u"), ("gemma3_text", "u")],
+)
+def test_packed_rows_over_the_wire_train_as_padded_rows_in_the_unsplit_model(
+    setups, family_folders: dict[str, str], model: str, split: str
+) -> None:
+    """Packed rows (data.packing) through the split over loopback gRPC, their segment lengths
+    on the ACTIVATION: the loss, every LoRA gradient and the weights after two steps are the
+    unsplit model's on the same examples right-padded one per row (Gemma 3: sliding and full
+    blocks on the batched bank; GPT-2: the peft bank and absolute positions); so is the
+    forward-only evaluation of a packed batch."""
+    folder = family_folders.get(model, model)
+    setup = _setup(setups, folder, split)
+    padded, packed = _example_batches(setup.vocab)
+    ref_losses, ref_grads, ref_weights = setup.reference_run(padded)
+    config = _config(folder, split, "greedy", 2)
+    losses, grads, weights = _pipelined(setup, config, packed)
+    assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
+    assert set(grads) == set(ref_grads)
+    for key, grad in ref_grads.items():
+        torch.testing.assert_close(grads[key], grad, rtol=1e-4, atol=1e-6, msg=f"grad {key}")
+    for key, value in ref_weights.items():
+        torch.testing.assert_close(weights[key], value, rtol=1e-4, atol=LR * 1e-2, msg=key)
+    load_lora_state_dict(setup.reference, setup.adapter)
+    setup.runtime.bank.set_global_state({k: setup.adapter[k] for k in setup.server_keys})
+    with torch.no_grad():
+        expected = float(setup.reference(**padded[0]).loss)
+    trainer = DeviceTrainer(config, device_id="evaluator", folder=setup.folder)
+    trainer.load_adapters({k: v for k, v in setup.adapter.items() if k not in setup.server_keys})
+    with StageClient(setup.server.address) as client:
+        with client.open_session(device_id="evaluator", split=trainer.split) as session:
+            runtime = DeviceRuntime(
+                trainer.head, trainer.tail, session, optimizer=None, microbatches=2
+            )
+            loss_sum, tokens = runtime.evaluate(packed[0], step=0)
+    assert loss_sum / tokens == pytest.approx(expected, rel=1e-5)

@@ -5,6 +5,7 @@ first step's loss and the held-out loss are the unsplit model's answer loss on t
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -112,3 +113,31 @@ def test_plain_text_stays_in_blocks_whose_labels_are_their_ids() -> None:
     assert torch.equal(work.blocks, tokenize_blocks(mine, tok, cfg.train.seq_len))
     for batch in work.batches(8):
         assert torch.equal(batch["labels"], batch["input_ids"])
+
+
+def test_packed_rows_train_and_evaluate_as_padded_rows(
+    serve: Callable[..., StageServer], tmp_path: Path
+) -> None:
+    """data.packing through a device's round and the held-out evaluation: fewer rows with their
+    segments; the held-out answer loss is the one of the same examples padded one per row."""
+    data = _chats(tmp_path / "chats.jsonl")
+    longer = {"train.eval_batches": "8", "train.seq_len": "256"}  # a few chats fit a row
+    cfg = _config(data).with_overrides({**longer, "data.packing": "true"})
+    padded_cfg = _config(data).with_overrides(longer)
+    server = serve(cfg)
+    address = f"127.0.0.1:{server.port}"
+    work = DeviceWork(cfg, device_id="dev-0", partition=0, num_partitions=2)
+    padded = DeviceWork(padded_cfg, device_id="dev-0", partition=0, num_partitions=2)
+    assert work.segments is not None and padded.segments is None
+    assert len(work.blocks) < len(padded.blocks) == 11
+    evaluator = DeviceWork(cfg, device_id="evaluator", partition=-1, num_partitions=2)
+    reference = DeviceWork(padded_cfg, device_id="evaluator", partition=-1, num_partitions=2)
+    assert evaluator.segments is not None and len(reference.blocks) == 2
+    adapters = work.trainer.adapters()
+    held_out, tokens = evaluate_split(evaluator, adapters, RunSettings(stage_address=address), 0)
+    assert tokens == int((reference.labels[:, 1:] != IGNORE_INDEX).sum())  # type: ignore[index]
+    expected = _unsplit_loss(reference, list(reference.batches(4)))
+    assert held_out == pytest.approx(expected, rel=1e-5)
+    report = work.train(address, round_=0, token="")
+    assert all(math.isfinite(step.loss) for step in report.steps)
+    assert report.data == work.counts.metrics()  # type: ignore[union-attr]

@@ -1,6 +1,6 @@
 """`fedpipe simulate` on a chats JSONL (Flower's simulation engine, tiny-llama): the devices
-train on masked rows, the held-out loss is the answer loss, and summary.json holds each
-device's example counts."""
+train on masked rows, the held-out loss is the answer loss, summary.json holds each device's
+example counts, and with federated.eval_generate each round's record scores greedy answers."""
 
 from __future__ import annotations
 
@@ -40,6 +40,7 @@ def test_simulate_on_chats_trains_on_the_answers(tmp_path: Path) -> None:
             "federated.rounds": 1,
             "federated.partition": "iid",
             "federated.data": str(_chats(tmp_path / "chats.jsonl")),
+            "federated.eval_generate": 2,
         },
     )
     summary = simulate(config, name="chats", runs_dir=tmp_path / "runs", progress=False)
@@ -52,3 +53,8 @@ def test_simulate_on_chats_trains_on_the_answers(tmp_path: Path) -> None:
     assert sum(e["truncated"] for e in examples.values()) > 0  # the long prompts, cut to 64
     losses = [r["eval_loss"] for r in written["rounds"]]
     assert len(losses) == 2 and all(math.isfinite(v) for v in losses)
+    for record in written["rounds"]:  # round 0: the base model; round 1: its checkpoint
+        assert 0.0 <= record["eval_exact_match"] <= record["eval_contains"] <= 1.0, record
+    lines = (tmp_path / "runs" / "chats" / "metrics.jsonl").read_text().splitlines()
+    evals = [json.loads(line) for line in lines if '"event": "eval"' in line]
+    assert [e["eval_answered"] for e in evals] == [2, 2]

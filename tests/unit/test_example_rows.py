@@ -153,3 +153,28 @@ def test_sampler_draws_the_rows_own_labels_and_blocks_stay_their_labels() -> Non
     assert torch.equal(plain["labels"], plain["input_ids"])
     with pytest.raises(ValueError, match="do not fit"):
         BlockSampler(rows.input_ids, 4, seed=3, labels=rows.labels[:, :8])
+
+
+def test_packed_rows_hold_the_padded_rows_examples_in_fewer_rows() -> None:
+    """data.packing: the same examples, each whole with its labels (its first one -100), in
+    fewer rows; the segments come with the rows through held-out picks and the sampler."""
+    tok = build_byte_tokenizer()
+    docs = [Document(prompt="p" * (1 + i % 4), completion="c" * (2 + i % 3)) for i in range(9)]
+    padded = example_rows(docs, tok, 64)
+    packed = example_rows(docs, tok, 64, packing=True)
+    assert packed.segments is not None and padded.segments is None
+    assert packed.counts.rows == packed.input_ids.shape[0] < padded.counts.rows == 9
+    real = packed.input_ids != tok.pad_token_id
+    assert int(real.sum()) == int((padded.input_ids != tok.pad_token_id).sum())
+    counted = int((packed.labels != IGNORE_INDEX).sum())
+    assert counted == int((padded.labels[:, 1:] != IGNORE_INDEX).sum())  # what the shift counts
+    assert example_rows(docs, tok, 64, packing=True, max_rows=1).input_ids.shape[0] == 1
+    held = held_out_rows(docs, tok, 64, 1, packing=True)
+    assert held.segments is not None and held.segments.shape == held.input_ids.shape
+    sampler = BlockSampler(
+        packed.input_ids, 2, seed=0, labels=packed.labels, segments=packed.segments
+    )
+    batch = sampler.batch(0)
+    picks = torch.from_numpy(sampler.indices(0))
+    assert torch.equal(batch["segments"], packed.segments[picks])
+    assert torch.equal(batch["input_ids"], packed.input_ids[picks])

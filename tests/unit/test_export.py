@@ -197,3 +197,11 @@ def test_generate_chat_answers_one_user_turn(
     capsys.readouterr()
     line = error_line(capsys, ["generate", "--model", str(models["llama"]), "--top-p", "0", "x"])
     assert "--top-p must be in (0, 1]" in line
+
+
+def test_generate_names_the_fix_when_an_adapters_base_is_not_here(tmp_path: Path) -> None:
+    """An adapter made elsewhere names a base path this machine lacks: one error, --model."""
+    config = {"base_model_name_or_path": str(tmp_path / "gone"), "peft_type": "LORA"}
+    (tmp_path / "adapter_config.json").write_text(json.dumps(config), encoding="utf-8")
+    with pytest.raises(FileNotFoundError, match=r"base_model_name_or_path .* pass --model BASE"):
+        load_model(None, adapter=tmp_path)
