@@ -881,7 +881,10 @@ def render(name: str, data_dir: Path = DATA_DIR, link: str = "data/") -> str:
 
 
 # Benches whose record also makes a plot: name -> (module, function of the result -> SVG text).
-PLOTS = {"privacy": ("fedpipe_bench.privacy_plot", "svg_text")}
+PLOTS = {
+    "privacy": ("fedpipe_bench.privacy_plot", "svg_text"),
+    "memory-steps": ("fedpipe_bench.memory_plot", "svg_text"),
+}
 
 
 def render_plot(name: str, data_dir: Path = DATA_DIR, link: str = "data/") -> str:

@@ -286,6 +286,32 @@ def test_the_privacy_plot_is_drawn_from_the_record_at_build_time(tmp_path: Path)
         rb.render_plot("pipeline", data)
 
 
+def test_the_device_memory_plot_is_drawn_from_its_record(tmp_path: Path) -> None:
+    """The memory page's plot comes from the memory-steps record: a panel per model, a bar per
+    weights setting at its device step peak, whole-model LoRA's peak as a line."""
+    import base64
+
+    from fedpipe_bench.memory_plot import memory_figure
+
+    kept = json.loads((Path(rb.DATA_DIR) / "memory-steps.json").read_text())
+    data = tmp_path / "benchmarks" / "data"
+    write(data, "memory-steps", kept)
+    out = mkdocs_hooks.expand_page("<!-- fedpipe:plot memory-steps -->\n", data, Path("."))
+    found = re.search(r'src="data:image/svg\+xml;base64,([^"]+)"', out)
+    assert found is not None
+    assert "<svg" in base64.b64decode(found.group(1)).decode()
+    rows = kept["result"]["rows"]
+    fig = memory_figure(kept["result"])
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    assert [ax.get_title() for ax in fig.axes] == models
+    for ax, model in zip(fig.axes, models, strict=True):
+        mine = [r for r in rows if r["model"] == model]
+        heights = [p.get_height() for p in ax.patches][: len(mine)]  # the peaks, then baselines
+        assert heights == pytest.approx([r["device_step_peak_bytes"] / 2**20 for r in mine])
+        (line,) = ax.get_lines()
+        assert line.get_ydata()[0] == pytest.approx(mine[0]["whole_lora_step_peak_bytes"] / 2**20)
+
+
 def test_the_step_memory_record_shows_device_against_whole(tmp_path: Path) -> None:
     row = {
         "model": "llama-3.2-1b",
