@@ -19,8 +19,9 @@ the way Ray starts its own (``subprocess.Popen`` with a ``preexec_fn``: a real `
 Python running in the child before ``exec``), as Ray does in the ServerApp's process of
 Flower's simulation while the evaluator streams. gRPC's fork handlers follow
 ``GRPC_ENABLE_FORK_SUPPORT`` as this process found it when grpc was imported (fedpipe sets it
-to 0 unless it is set): run once with ``GRPC_ENABLE_FORK_SUPPORT=1`` (gRPC's own default)
-beside a run without it to see what the handlers do to live streams.
+to 0 unless it is set): run once with ``GRPC_ENABLE_FORK_SUPPORT=`` (empty: gRPC's own
+default, its C core's handlers on) beside a run without it to see what a fork does to live
+streams (docs/benchmarks/stress.md).
 
 Prints one JSON object with ``--json``: ``rounds``, ``messages`` (stage-link messages both
 ways), ``payload_mb`` (encoded bytes both ways), ``mismatched`` (device runs whose
