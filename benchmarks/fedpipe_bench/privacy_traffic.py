@@ -208,8 +208,10 @@ class _DefendedHead(nn.Module):
         super().__init__()
         self.head, self.defence = head, defence
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.defence(Kind.ACTIVATION, self.head(input_ids))
+    def forward(
+        self, input_ids: torch.Tensor, segments: torch.Tensor | None = None
+    ) -> torch.Tensor:  # the head's own signature: DeviceRuntime passes a packed row's segments
+        return self.defence(Kind.ACTIVATION, self.head(input_ids, segments))
 
 
 def _evaluate(
