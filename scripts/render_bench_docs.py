@@ -719,6 +719,21 @@ def _gpu_check(r: dict[str, Any]) -> list[Table]:
     return [(caption, headers, rows)]
 
 
+def _dtype(r: dict[str, Any]) -> list[Table]:
+    """device.dtype: a device step's seconds at fp32 and bf16, and their ratio."""
+    shape = (
+        f"{r.get('model')}, {r.get('head_layers')} + {r.get('tail_layers')} device blocks, "
+        f"batch {r.get('batch_size')} x {r.get('seq_len')} tokens in {r.get('microbatches')} "
+        f"microbatches, {r.get('threads')} thread(s), CPU flags "
+        f"{', '.join(r.get('cpu_bf16_flags') or []) or 'none'}"
+    )
+    steps = get(r, "step_s", default={})
+    losses = get(r, "losses", default={})
+    rows: list[Row] = [[d, num(steps.get(d)), num((losses.get(d) or [None])[0], 4)] for d in steps]
+    rows.append(["fp32 / bf16", num(r.get("fp32_over_bf16"), 2), ""])
+    return [(shape, ["device.dtype", "median step (s)", "first loss"], rows)]
+
+
 def _generic(r: dict[str, Any]) -> list[Table]:
     """Any other bench: its top-level figures, then each list of objects as a table."""
     scalars = [[k, num(v)] for k, v in r.items() if not isinstance(v, dict | list)]
@@ -786,6 +801,9 @@ BENCHES: dict[str, Bench] = {
     "step-end": Bench("python benchmarks/step_end_bench.py", _step_end),
     "gpu-check": Bench("python benchmarks/gpu_check.py", _gpu_check, ("--devices", "--steps")),
     "aggregation-residual": Bench("python benchmarks/aggregation_residual.py", _generic),
+    "dtype": Bench(
+        "python benchmarks/dtype_bench.py", _dtype, ("--steps", "--seq-len", "--batch-size")
+    ),
 }
 
 

@@ -13,6 +13,7 @@ setting (and a typo fails before any model, server or process starts).
 
 from fedpipe.config.settings import (
     AGGREGATIONS,
+    DEVICE_DTYPES,
     DEVICE_WEIGHTS,
     LOSS_ON,
     OVERLONG,
@@ -35,6 +36,7 @@ from fedpipe.config.settings import (
 
 __all__ = [
     "AGGREGATIONS",
+    "DEVICE_DTYPES",
     "DEVICE_WEIGHTS",
     "LOSS_ON",
     "OVERLONG",

@@ -21,6 +21,7 @@ from fedpipe.config.profile_spec import parse_device_profiles
 
 __all__ = [
     "AGGREGATIONS",
+    "DEVICE_DTYPES",
     "DEVICE_WEIGHTS",
     "FREEZE_MODES",
     "LOSS_ON",
@@ -54,6 +55,8 @@ LOSS_ON = ("answers", "all")  # data.loss_on (fedpipe.data.masks)
 OVERLONG = ("truncate", "drop")  # data.overlong (fedpipe.data.rows)
 # device.weights: how a device stores its frozen weights (fedpipe.split.quant)
 DEVICE_WEIGHTS = ("fp32", "bf16", "int8", "int4")
+# device.dtype: what the device's head and tail compute in (fedpipe.edge.runtime)
+DEVICE_DTYPES = ("fp32", "bf16")
 # server.weights: how the server stores its frozen middle blocks' linears (the same formats)
 SERVER_WEIGHTS = DEVICE_WEIGHTS
 _BOOLS = {"1": True, "true": True, "yes": True, "on": True}
@@ -726,9 +729,17 @@ class DeviceConfig:
     # comma-separated ("int4,fp32"), are dealt to simulated devices in turn; `fedpipe client
     # --weights` sets a deployed device's own.
     weights: str = "fp32"
+    # What the head's and tail's forwards (and so their backwards) compute in: fp32, or bf16
+    # under torch.autocast (CPUs with native bf16 matmuls: AMX, avx512_bf16). LoRA, its
+    # gradients, AdamW, the loss and the tensors sent to the server stay fp32.
+    dtype: str = "fp32"
 
     def __post_init__(self) -> None:
         parse_device_weights(self.weights)
+        _check(
+            self.dtype in DEVICE_DTYPES,
+            f"device.dtype {self.dtype!r} unknown; choose one of {', '.join(DEVICE_DTYPES)}",
+        )
 
     @property
     def stored(self) -> str:
@@ -814,6 +825,12 @@ class FedpipeConfig:
             self.pipeline.device_trains or privacy.decorrelation == 0,
             "privacy.decorrelation > 0 trains the device's head, but pipeline.device_trains = "
             "false freezes it: turn one of them off",
+        )
+        _check(
+            self.device.dtype == "fp32" or privacy.label_resample == 0,
+            f"device.dtype = {self.device.dtype} runs the tail's forward under autocast, but "
+            "privacy.label_resample > 0 runs the tail's forward and backward in one call, which "
+            "fedpipe does not autocast: set device.dtype = fp32 or label_resample = 0",
         )
 
     def for_device_privacy(self, spec: str | dict[str, Any]) -> FedpipeConfig:

@@ -12,6 +12,12 @@ worker serves a session's messages in order, so its optimizer update is applied 
 step's first activation is computed. ``STEP_DONE`` is collected lazily, before the next step's
 first reply is consumed (or by :meth:`DeviceRuntime.finish`), so a failed update still surfaces,
 and a step no longer pays one round trip of the link at its end.
+
+``dtype`` = bf16 (``device.dtype``) runs the head's and tail's forwards under
+``torch.autocast("cpu", dtype=torch.bfloat16)`` (their backwards then run in the dtypes autocast
+chose, outside it); parameters, their gradients and the optimizer stay fp32, the tail's loss
+is upcast to fp32 (fedpipe.split.loss), and the head's output is cast to fp32 before it is sent
+(the output gradient is the gradient of the tail's fp32 input, so fp32 already).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from fedpipe.config.settings import DEVICE_DTYPES
 from fedpipe.edge.schedules import Action, Op, Schedule, make_schedule
 from fedpipe.messages import Kind, StageMsg
 from fedpipe.trace import Tracer
@@ -138,6 +145,7 @@ class DeviceRuntime:
         transform_up: Callable[[Kind, torch.Tensor], torch.Tensor] | None = None,
         head_penalty: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None,
         tail_step: TailStep | None = None,
+        dtype: str = "fp32",
     ) -> None:
         self.head = head
         self.tail = tail
@@ -163,6 +171,12 @@ class DeviceRuntime:
         # The tail's loss and the gradient to send up, when they differ (privacy.label_resample):
         # (tail, x, labels, step tokens) -> (loss sum, gradient); it runs the tail's backward.
         self.tail_step = tail_step
+        # device.dtype: fp32, or bf16 forwards under autocast (see the module's docstring)
+        if dtype not in DEVICE_DTYPES:
+            raise ValueError(f"dtype {dtype!r} unknown; choose one of {', '.join(DEVICE_DTYPES)}")
+        if dtype != "fp32" and tail_step is not None:
+            raise ValueError(f"dtype {dtype} cannot run a tail_step (it runs its own backward)")
+        self.dtype = dtype
         make_schedule(schedule, microbatches, has_tail=tail is not None)  # validate early
 
     def train_step(self, batch: dict[str, torch.Tensor], *, step: int) -> StepResult:
@@ -249,7 +263,8 @@ class DeviceRuntime:
         kind = Kind.OUTPUT if self.tail is not None else Kind.INPUT_GRAD
         for mb, data in enumerate(parts):
             segments = data.get("segments")
-            msg = StageMsg(Kind.ACTIVATION, step, mb, tensor=self.head(data["input_ids"], segments))
+            head = self._head(data["input_ids"], segments)
+            msg = StageMsg(Kind.ACTIVATION, step, mb, tensor=head)
             msg.forward_only, msg.segments = True, segments
             if self.tail is None:
                 msg.labels = data["labels"]
@@ -260,9 +275,10 @@ class DeviceRuntime:
             if self.tail is None:
                 loss_sum, tokens = loss_sum + reply.loss_sum, tokens + reply.tokens
                 continue
-            part_sum, part_tokens = self.tail(
-                reply.tensor, data["labels"], segments=data.get("segments")
-            )
+            with self._autocast():
+                part_sum, part_tokens = self.tail(
+                    reply.tensor, data["labels"], segments=data.get("segments")
+                )
             loss_sum, tokens = loss_sum + float(part_sum), tokens + int(part_tokens)
         return loss_sum, tokens
 
@@ -283,12 +299,27 @@ class DeviceRuntime:
             with self.tracer.span(name, lane):
                 yield
 
+    def _autocast(self) -> AbstractContextManager[object]:
+        """The forwards' compute dtype: nothing for fp32, CPU autocast to bfloat16 for bf16."""
+        if self.dtype == "bf16":
+            return torch.autocast("cpu", dtype=torch.bfloat16)
+        return nullcontext()
+
+    def _head(self, input_ids: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
+        """The head's output (b, T, C) in fp32, what the server expects, whatever it computed in
+        (``segments``: a packed row's examples)."""
+        if self.dtype == "fp32":
+            return self.head(input_ids, segments)  # type: ignore[no-any-return]
+        with self._autocast():
+            h = self.head(input_ids, segments)
+        return h.float()  # in the graph: the head's backward takes the fp32 reply
+
     def _forward(self, mb: int, state: _StepState) -> None:
         data = state.microbatches[mb]
         keep_graph = not (self.frozen_head or self.recompute_head)
         with self._compute(f"F{mb}", "device"), torch.set_grad_enabled(keep_graph):
             # (b, T, C); frozen or recompute: no graph kept
-            h = self.head(data["input_ids"], data.get("segments"))
+            h = self._head(data["input_ids"], data.get("segments"))
             if self.head_penalty is not None and keep_graph:
                 scale = 1.0 / state.schedule.num_microbatches
                 state.penalties[mb] = self.head_penalty(data["input_ids"], h, scale)
@@ -321,7 +352,8 @@ class DeviceRuntime:
             if self.tail_step is not None:
                 loss_sum, grad = self.tail_step(self.tail, x, labels, state.total_tokens)
             else:
-                loss_sum, _ = self.tail(x, labels, segments=segments)
+                with self._autocast():
+                    loss_sum, _ = self.tail(x, labels, segments=segments)
                 (loss_sum / max(state.total_tokens, 1)).backward()
                 grad = x.grad
         state.loss_sums.append(float(loss_sum.detach()))
@@ -343,7 +375,7 @@ class DeviceRuntime:
         with self._compute(f"B{mb}", "device"):
             if self.recompute_head:  # the same forward again, this time with its graph
                 data = state.microbatches[mb]
-                head = self.head(data["input_ids"], data.get("segments"))
+                head = self._head(data["input_ids"], data.get("segments"))
             penalty = state.penalties.pop(mb, None)
             if penalty is None:
                 head.backward(reply.tensor)

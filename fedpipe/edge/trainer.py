@@ -451,6 +451,7 @@ class DeviceTrainer:
             transform_up=self.defence,
             head_penalty=self.decorrelation,
             tail_step=self.label_resample,
+            dtype=cfg.device.dtype,
         )
         return session, runtime
 

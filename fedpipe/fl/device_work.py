@@ -368,6 +368,7 @@ def evaluate_split(
                 session,
                 optimizer=None,
                 microbatches=cfg.pipeline.microbatches,
+                dtype=cfg.device.dtype,
             )
             for batch in work.batches(cfg.train.batch_size):  # instruction rows: answer loss
                 part_sum, part_tokens = runtime.evaluate(batch, step=0)
