@@ -10,11 +10,12 @@ transformers loaded) marked inside it, and a dashed line at whole-model LoRA's p
 
 from __future__ import annotations
 
-import io
 import json
 import sys
 from pathlib import Path
 from typing import Any
+
+from fedpipe_bench.plots import figure_svg
 
 __all__ = ["memory_figure", "svg_text"]
 
@@ -62,13 +63,7 @@ def memory_figure(report: dict[str, Any]) -> Any:
 
 def svg_text(report: dict[str, Any]) -> str:
     """The plot as SVG text (the docs inline it at build time, from the bench record)."""
-    import matplotlib.pyplot as plt
-
-    fig = memory_figure(report)
-    buffer = io.StringIO()
-    fig.savefig(buffer, format="svg", metadata={"Date": None})
-    plt.close(fig)
-    return buffer.getvalue()
+    return figure_svg(memory_figure(report))
 
 
 def main(argv: list[str] | None = None) -> int:

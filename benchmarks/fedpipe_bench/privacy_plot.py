@@ -11,11 +11,12 @@ budget, so a setting that reaches the target lies in the lower left box of both 
 
 from __future__ import annotations
 
-import io
 import json
 import sys
 from pathlib import Path
 from typing import Any
+
+from fedpipe_bench.plots import figure_svg
 
 __all__ = ["pareto_figure", "write_pareto"]
 
@@ -89,13 +90,7 @@ def write_pareto(report: dict[str, Any], path: str | Path, cut: int | None = Non
 
 def svg_text(report: dict[str, Any], cut: int | None = None) -> str:
     """The plot as SVG text (the docs inline it at build time, from the bench record)."""
-    import matplotlib.pyplot as plt
-
-    fig = pareto_figure(report, cut)
-    buffer = io.StringIO()
-    fig.savefig(buffer, format="svg", metadata={"Date": None})
-    plt.close(fig)
-    return buffer.getvalue()
+    return figure_svg(pareto_figure(report, cut))
 
 
 def main(argv: list[str] | None = None) -> int:
