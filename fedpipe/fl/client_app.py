@@ -22,7 +22,7 @@ from fedpipe.fl.adapter_codec import adapter_codec_mod
 from fedpipe.fl.adapter_dp import adapter_clipping_mod
 from fedpipe.fl.device_work import DeviceWork, RunSettings, partition_profile, run_settings
 from fedpipe.fl.orders import TrainOrder
-from fedpipe.fl.replies import train_content
+from fedpipe.fl.replies import TrainReply, train_content
 
 __all__ = ["client_app"]
 
@@ -60,8 +60,7 @@ def _says_who(train: _TrainFn) -> _TrainFn:
             raise RuntimeError(
                 f"[partition {partition} ({profile})] {type(exc).__name__}: {exc}"
             ) from exc
-        own = cast(ConfigRecord, reply.content.get("device", ConfigRecord()))
-        reply.content["device"] = ConfigRecord({**dict(own), "profile": profile})
+        TrainReply.read(reply.content).named(profile).write_into(reply.content)
         return reply
 
     return wrapped

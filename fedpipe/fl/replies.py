@@ -17,14 +17,18 @@ honest device of the run sends, and a reply that is anything else is that device
   reason;
 - **the weight** ``num-examples``: a whole number from 0 to what the round lets a device train
   (``train.batch_size x train.local_steps``); a claim past it is refused, not trusted.
+
+:class:`TrainReply` is the reply beside its adapters as one typed record: the device writes it
+(:meth:`TrainReply.write`, the ClientApp and the benches' in-process devices) and the ServerApp
+reads it back (:meth:`TrainReply.read`), so each record and key is spelt here only.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import cast
+from dataclasses import dataclass, field, replace
+from typing import Any, cast
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
@@ -38,6 +42,7 @@ __all__ = [
     "METRIC_KEYS",
     "PRIVACY_KEYS",
     "ReplyRules",
+    "TrainReply",
     "check_reply",
     "device_keys",
     "train_content",
@@ -210,16 +215,112 @@ def train_content(
 ) -> RecordDict:
     """A device's train reply: adapters, metrics, and its plan, privacy figures, cut and how
     it stores its frozen weights (device.weights)."""
-    metrics = MetricRecord({**report.metrics(), "partition-id": partition})
-    content = RecordDict({"arrays": ArrayRecord(adapters), "metrics": metrics})
-    if report.plan:
-        content["plan"] = ConfigRecord(dict(report.plan))
-    if report.privacy:
-        content["privacy"] = ConfigRecord(dict(report.privacy))
-    if report.data:
-        content["data"] = ConfigRecord(dict(report.data))
-    content["device"] = ConfigRecord({"cut": cut, "weights": weights})
-    return content
+    return TrainReply.of(report, partition, cut, weights=weights).write(adapters)
+
+
+# The reply's records besides "arrays" (the adapters, which Flower's strategies aggregate).
+_METRICS, _PLAN, _PRIVACY, _DATA, _DEVICE = "metrics", "plan", "privacy", "data", "device"
+
+
+@dataclass(frozen=True)
+class TrainReply:
+    """What a device's train reply says besides its adapters.
+
+    ``metrics`` are Flower's (:data:`METRIC_KEYS`: the strategies weigh by ``num-examples``);
+    ``plan`` the device's pipeline plan (``pipeline.plan = auto``), ``privacy`` its stage-link
+    defences' figures, ``data`` what became of its instruction examples: each its own record,
+    absent when empty. ``cut``, ``weights`` and ``profile`` (added by the ClientApp's wrapper
+    that names the device) travel in the ``device`` record; "" where a reply lacks them.
+    """
+
+    metrics: Mapping[str, Any]  # numbers (MetricRecord values)
+    cut: str = ""
+    weights: str = ""
+    profile: str = ""
+    plan: Mapping[str, Any] = field(default_factory=dict)
+    privacy: Mapping[str, int | float] = field(default_factory=dict)
+    data: Mapping[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, report: RoundReport, partition: int, cut: str, *, weights: str) -> TrainReply:
+        """A device's reply to its round's report."""
+        return cls(
+            metrics={**report.metrics(), "partition-id": partition},
+            cut=cut,
+            weights=weights,
+            plan=dict(report.plan or {}),
+            privacy=dict(report.privacy or {}),
+            data=dict(report.data or {}),
+        )
+
+    @property
+    def partition(self) -> int:
+        """The device's partition (-1: a reply that does not say)."""
+        return int(self.metrics.get("partition-id", -1))
+
+    @property
+    def num_examples(self) -> int:
+        return int(self.metrics["num-examples"])
+
+    def named(self, profile: str) -> TrainReply:
+        return replace(self, profile=profile)
+
+    def write(self, adapters: Mapping[str, torch.Tensor]) -> RecordDict:
+        """The reply's content: ``adapters`` as its ``arrays`` and these records."""
+        content = RecordDict({"arrays": ArrayRecord(dict(adapters))})
+        self.write_into(content)
+        return content
+
+    def write_into(self, content: RecordDict) -> None:
+        """Set (or replace) these records in ``content``; its ``arrays`` are left as they are."""
+        content[_METRICS] = MetricRecord(dict(self.metrics))
+        for name, values in ((_PLAN, self.plan), (_PRIVACY, self.privacy), (_DATA, self.data)):
+            if values:
+                content[name] = ConfigRecord(dict(values))
+        device = {"cut": self.cut, "weights": self.weights, "profile": self.profile}
+        content[_DEVICE] = ConfigRecord({k: v for k, v in device.items() if v})
+
+    @classmethod
+    def read(cls, content: RecordDict) -> TrainReply:
+        """The records of a reply's ``content`` (one :func:`check_reply` let through, or one
+        whose metrics are all that is read: a missing optional record reads as empty)."""
+        device = cast(ConfigRecord, content.get(_DEVICE, ConfigRecord()))
+
+        def record(name: str) -> dict[str, Any]:
+            return dict(cast(ConfigRecord, content[name])) if name in content else {}
+
+        return cls(
+            metrics=dict(cast(MetricRecord, content[_METRICS])),
+            cut=str(device.get("cut", "")),
+            weights=str(device.get("weights", "")),
+            profile=str(device.get("profile", "")),
+            plan=record(_PLAN),
+            privacy=record(_PRIVACY),
+            data=record(_DATA),
+        )
+
+    def log_fields(self) -> dict[str, Any]:
+        """The reply as a metrics.jsonl ``train`` record's fields (``train_loss``; the device's
+        partition and profile are the record's device fields, not repeated here)."""
+        fields_: dict[str, Any] = _snake_case(dict(self.metrics))
+        fields_.pop("partition_id", None)
+        if self.plan:
+            fields_["plan"] = dict(self.plan)
+        fields_ |= _snake_case(dict(self.privacy))
+        if self.data:
+            counts = _snake_case(dict(self.data))
+            fields_["examples"] = {k.removeprefix("examples_"): v for k, v in counts.items()}
+        if self.cut:  # head+tail blocks the device ran (model.cuts)
+            fields_["cut"] = self.cut
+        if self.weights:  # how it stored its frozen weights (device.weights)
+            fields_["weights"] = self.weights
+        return fields_
+
+
+def _snake_case(metrics: Mapping[str, Any]) -> dict[str, Any]:
+    """Flower's metric keys (``train-loss``, kept for the strategies' ``num-examples``) as
+    metrics.jsonl keys (``train_loss``)."""
+    return {k.replace("-", "_"): v for k, v in metrics.items()}
 
 
 def _arrays_problem(arrays: ArrayRecord, expected: Mapping[str, tuple[int, ...]], cut: str) -> str:

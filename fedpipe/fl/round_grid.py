@@ -33,13 +33,14 @@ import re
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
-from flwr.app import ConfigRecord, Message, MessageType
+from flwr.app import Message, MessageType
 from flwr.serverapp import Grid
 
 from fedpipe.errors import one_line
 from fedpipe.fl.progress import DeviceProgress, RoundWatch
+from fedpipe.fl.replies import TrainReply
 
 __all__ = ["DeviceBook", "RoundGrid", "StopRun", "clean_reason"]
 
@@ -70,10 +71,8 @@ class DeviceBook:
         self.known: dict[int, DeviceInfo] = {}
 
     def learn(self, node_id: int, reply: Message) -> DeviceInfo:
-        metrics = reply.content["metrics"]
-        partition = int(cast(int, metrics.get("partition-id", -1)))
-        device = cast(ConfigRecord, reply.content.get("device", ConfigRecord()))
-        info = DeviceInfo(partition, str(device.get("profile", "")))
+        said = TrainReply.read(reply.content)
+        info = DeviceInfo(said.partition, said.profile)
         self.known[node_id] = info
         return info
 

@@ -56,7 +56,7 @@ from fedpipe.fl.freeze import FreezeRule, FreezeState, block_movement, decide, p
 from fedpipe.fl.orders import TrainOrder
 from fedpipe.fl.progress import RoundWatch
 from fedpipe.fl.replica_control import ReplicaControl, stage_addresses
-from fedpipe.fl.replies import ReplyRules, check_reply, device_keys
+from fedpipe.fl.replies import ReplyRules, TrainReply, check_reply, device_keys
 from fedpipe.fl.round_grid import DeviceBook, RoundGrid, StopRun
 from fedpipe.fl.strategies import STATEFUL, aggregation_rule, make_strategy, robust_options
 from fedpipe.lora.aggregation import split_deltas
@@ -201,8 +201,7 @@ class RoundHooks:
         round_ = self.offset + server_round
         ok = [r for r in replies if not r.has_error()]
         self.finished = {
-            str(r.metadata.src_node_id): float(cast(int, r.content["metrics"]["num-examples"]))
-            for r in ok
+            str(r.metadata.src_node_id): float(TrainReply.read(r.content).num_examples) for r in ok
         }
         merged, discarded, dropped = self.control.commit_round(round_, self.finished)
         self.last_commit = (merged, discarded)
@@ -212,20 +211,7 @@ class RoundHooks:
         ok = [r for r in ok if str(r.metadata.src_node_id) not in dropped]
         for reply in ok:
             node = reply.metadata.src_node_id
-            metrics = _snake_case(dict(reply.content["metrics"].items()))
-            metrics.pop("partition_id", None)  # in the device fields already
-            if "plan" in reply.content:  # pipeline.plan = auto: the device's plan and its times
-                metrics["plan"] = dict(cast(ConfigRecord, reply.content["plan"]))
-            if "privacy" in reply.content:  # the device's own defences' figures
-                metrics |= _snake_case(dict(cast(ConfigRecord, reply.content["privacy"])))
-            if "data" in reply.content:  # instruction data: what became of its examples
-                counts = _snake_case(dict(cast(ConfigRecord, reply.content["data"])))
-                metrics["examples"] = {k.removeprefix("examples_"): v for k, v in counts.items()}
-            record = cast(ConfigRecord, reply.content.get("device", ConfigRecord()))
-            if "cut" in record:  # head+tail blocks the device ran (model.cuts)
-                metrics["cut"] = str(record["cut"])
-            if "weights" in record:  # how it stored its frozen weights (device.weights)
-                metrics["weights"] = str(record["weights"])
+            metrics = TrainReply.read(reply.content).log_fields()
             self.log({"event": "train", "round": round_, **self.devices.fields(node), **metrics})
         failed = len(self.grid.failures) if self.grid is not None else len(replies) - len(ok)
         self.failures_total += failed
@@ -283,7 +269,7 @@ class RoundHooks:
         if self.replicas is None:
             return replies
         finished = {
-            str(r.metadata.src_node_id): float(cast(int, r.content["metrics"]["num-examples"]))
+            str(r.metadata.src_node_id): float(TrainReply.read(r.content).num_examples)
             for r in replies
             if not r.has_error()
         }
@@ -377,12 +363,6 @@ def _log_privacy(round_: int, ok: list[Message]) -> None:
     if worst:
         text = ", ".join(f"{k.removeprefix('privacy-')} {v:.4g}" for k, v in sorted(worst.items()))
         log.info("round %d: stage link privacy (max over devices, per sample): %s", round_, text)
-
-
-def _snake_case(metrics: dict[str, object]) -> dict[str, object]:
-    """Flower's metric keys (``train-loss``, kept for the strategies' ``num-examples``) as
-    metrics.jsonl keys (``train_loss``)."""
-    return {k.replace("-", "_"): v for k, v in metrics.items()}
 
 
 def _round_stats(ok: list[Message], failed: int) -> dict[str, float | int]:

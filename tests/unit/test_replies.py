@@ -11,7 +11,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 from fedpipe.config import FedpipeConfig, ModelConfig
-from fedpipe.fl.replies import METRIC_KEYS, ReplyRules, check_reply, device_keys
+from fedpipe.fl.replies import METRIC_KEYS, ReplyRules, TrainReply, check_reply, device_keys
 
 L = 4  # blocks of the model in these tests
 
@@ -159,3 +159,33 @@ def test_example_counts_travel_in_a_data_record_and_are_checked() -> None:
         reply = _reply(arrays, metrics)
         reply.content["data"] = ConfigRecord(record)
         assert expected in check_reply(reply, _rules()), record
+
+
+def test_a_train_reply_reads_back_as_written_and_passes_the_checks() -> None:
+    """The device's writer and the ServerApp's reader are one record: every field survives
+    Flower's records, the ClientApp's naming adds only the profile, and what the writer makes
+    passes the checks the ServerApp applies."""
+    arrays, metrics = _honest()
+    sent = TrainReply(
+        metrics=metrics | {"partition-id": 3},
+        cut="1+1",
+        weights="int8",
+        plan={"schedule": "1f1b", "microbatches": 4},
+        privacy={"privacy-epsilon": 2.5},
+        data={"examples-rows": 12, "examples-truncated": 1},
+    )
+    content = sent.write(arrays)
+    assert sorted(content) == ["arrays", "data", "device", "metrics", "plan", "privacy"]
+    assert TrainReply.read(content) == sent
+    sent.named("phone-lte").write_into(content)
+    back = TrainReply.read(content)
+    assert back == sent.named("phone-lte") and (back.partition, back.profile) == (3, "phone-lte")
+    assert sorted(content["arrays"].keys()) == sorted(arrays)  # left as they were
+    reply = SimpleNamespace(content=content, has_error=lambda: False)
+    assert check_reply(reply, _rules()) == ""
+    fields = back.log_fields()
+    assert fields["examples"] == {"rows": 12, "truncated": 1}
+    assert fields["train_loss"] == 1.0 and "partition_id" not in fields
+    assert (fields["cut"], fields["weights"], fields["privacy_epsilon"]) == ("1+1", "int8", 2.5)
+    bare = TrainReply.read(RecordDict({"metrics": MetricRecord({"num-examples": 4})}))
+    assert (bare.partition, bare.num_examples, bare.cut, bare.plan) == (-1, 4, "", {})
