@@ -11,6 +11,7 @@ from harness.batches import random_batches
 from harness.stage import stage_server
 
 from fedpipe.config import FedpipeConfig, PipelineConfig, TrainConfig
+from fedpipe.data.rows import pack_examples
 from fedpipe.edge.trainer import DeviceTrainer, split_terms
 from fedpipe.models import resolve_model
 from fedpipe.proto import stage_pb2 as pb
@@ -37,8 +38,8 @@ def _batches() -> list[dict[str, torch.Tensor]]:
     return firsts + firsts
 
 
-def _run(server: StageServer, folder, device_id: str, **pipeline: object):  # type: ignore[no-untyped-def]
-    """A fresh device's steps over ``_batches()``; returns (losses, its session)."""
+def _run(server: StageServer, folder, device_id: str, batches=None, **pipeline: object):  # type: ignore[no-untyped-def]
+    """A fresh device's steps over ``batches`` (``_batches()``); returns (losses, its session)."""
     config = FedpipeConfig(
         pipeline=PipelineConfig(**{**PIPELINE.__dict__, **pipeline}), train=TRAIN
     )
@@ -47,7 +48,8 @@ def _run(server: StageServer, folder, device_id: str, **pipeline: object):  # ty
     with StageClient(server.address) as client:
         session, runtime = trainer.connect(client, optimizer=optimizer)
         with session:
-            losses = [runtime.train_step(b, step=i).loss for i, b in enumerate(_batches())]
+            steps = enumerate(batches or _batches())
+            losses = [runtime.train_step(b, step=i).loss for i, b in steps]
             runtime.finish()
     return losses, session
 
@@ -91,3 +93,39 @@ def test_a_delta_cache_beyond_the_server_limit_is_refused(server: StageServer) -
             pb_grpc.StageLinkStub(channel).OpenSession(request, timeout=20)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "server.max_delta_cache_mb" in str(info.value.details())
+
+
+def _packed_batches() -> list[dict[str, torch.Tensor]]:
+    """Two batches of packed rows (data.packing: 2-8 token examples, first fit into rows of
+    SEQ), each seen twice; then the first batch's ids again with its segments merged into one
+    example a row (the same ids, other activations)."""
+    gen = torch.Generator().manual_seed(11)
+    firsts = []
+    for _ in range(2):
+        examples = []
+        for n in torch.randint(2, 9, (8,), generator=gen).tolist():
+            ids = torch.randint(3, 250, (n,), generator=gen).tolist()
+            examples.append((ids, ids))
+        rows = pack_examples(examples, SEQ, pad=0)
+        assert rows.segments is not None and int(rows.segments.max()) > 0
+        firsts.append(
+            {"input_ids": rows.input_ids, "labels": rows.labels, "segments": rows.segments}
+        )
+    merged = {**firsts[0], "segments": torch.zeros_like(firsts[0]["segments"])}
+    return firsts + firsts + [merged]
+
+
+def test_packed_rows_are_delta_coded_by_ids_and_segments_and_train_as_without(
+    server: StageServer, folder
+) -> None:  # type: ignore[no-untyped-def]
+    """pipeline.delta with packed rows: the second epoch goes as differences (its rows and
+    their segments seen before), the same ids with other segments go whole, and the losses are
+    those of the run without delta coding."""
+    batches = _packed_batches()
+    rows = [int(b["input_ids"].shape[0]) for b in batches]
+    plain, _ = _run(server, folder, "packed-plain", batches=batches)
+    coded, session = _run(server, folder, "packed-delta", batches=batches, delta=True)
+    assert coded == pytest.approx(plain, rel=1e-5, abs=1e-6)
+    delta = session._encoder.delta
+    assert delta is not None
+    assert (delta.rows_whole, delta.rows_delta) == (rows[0] + rows[1] + rows[4], rows[2] + rows[3])
