@@ -186,6 +186,7 @@ def settings() -> list[tuple[str, str, list[Setting]]]:
     from fedpipe.config import FedpipeConfig  # the docs build imports fedpipe only here
 
     config = FedpipeConfig()
+    flat = config.to_flat()  # a list setting's default as the string it is written as
     out = []
     for section in dataclasses.fields(config):
         obj = getattr(config, section.name)
@@ -196,7 +197,10 @@ def settings() -> list[tuple[str, str, list[Setting]]]:
         for f in dataclasses.fields(cls):
             key = f"{section.name}.{f.name}"
             doc = NOTES.get(key) or comments.get(f.name, "")
-            items.append(Setting(key, str(hints[f.name]), getattr(obj, f.name), doc))
+            kind = hints[f.name]
+            if str(kind).startswith("tuple["):  # a list setting: a TOML array or one string
+                kind = "list or comma-separated str"
+            items.append(Setting(key, str(kind), flat[key], doc))
         intro = inspect.cleandoc(cls.__doc__ or "").split("\n\n")[0].replace("\n", " ")
         out.append((section.name, intro, items))
     return out

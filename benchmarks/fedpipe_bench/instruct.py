@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fedpipe.config import FedpipeConfig, load_config
+from fedpipe.config import FedpipeConfig, list_text, load_config
 from fedpipe.runs.evaluate import evaluate_run
 
 __all__ = ["EXAMPLE", "HELD_OUT", "instruct_config", "instruct_report", "run_instruct_bench"]
@@ -67,7 +67,7 @@ def instruct_report(
         "model": config.model.name,
         "settings": {
             "devices": fed.num_devices,
-            "profiles": fed.profiles,
+            "profiles": list_text("federated.profiles", fed.profiles),
             "partition": fed.partition,
             "strategy": fed.strategy,
             "aggregation": fed.aggregation,

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from fedpipe import __version__
-from fedpipe.config import FedpipeConfig
+from fedpipe.config import FedpipeConfig, list_text
 
 __all__ = ["Formatter", "add_command", "add_settings", "build_parser"]
 
@@ -136,7 +136,9 @@ def _add_simulate(sub: Any) -> None:
     f = _D.federated
     p.add_argument("--devices", type=int, help=f"simulated devices (default: {f.num_devices})")
     p.add_argument(
-        "--profiles", help=f"device profiles, cycled over the devices (default: {f.profiles})"
+        "--profiles",
+        help="device profiles, cycled over the devices "
+        f"(default: {list_text('federated.profiles', f.profiles)})",
     )
     p.add_argument(
         "--data", help="text/JSONL file or folder (default: the bundled public-domain corpus)"

@@ -22,7 +22,7 @@ from fedpipe.config import FedpipeConfig, PrivacyConfig, parse_cuts
 from fedpipe.config.privacy_spec import parse_privacy_spec
 from fedpipe.config.settings import parse_device_weights
 from fedpipe.data import default_corpus, load_documents, partition, train_eval_split
-from fedpipe.emulation import link_names, parse_device_profile, parse_link, split_specs
+from fedpipe.emulation import link_names, parse_device_profile, parse_link
 from fedpipe.errors import FedpipeError
 
 __all__ = [
@@ -286,7 +286,7 @@ def check_tls_matches(
 
 # -- per command ---------------------------------------------------------------------------------
 def _check_common(config: FedpipeConfig) -> None:
-    check_profiles(split_specs(config.federated.profiles), "federated.profiles")
+    check_profiles(list(config.federated.profiles), "federated.profiles")
     check_strategy(config.federated.strategy)
 
 

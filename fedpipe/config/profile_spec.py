@@ -20,6 +20,7 @@ from __future__ import annotations
 import difflib
 import math
 import re
+from collections.abc import Sequence
 
 from fedpipe.config.profiles import (
     DeviceProfile,
@@ -32,6 +33,7 @@ from fedpipe.config.profiles import (
 )
 
 __all__ = [
+    "join_specs",
     "parse_device_profile",
     "parse_device_profiles",
     "parse_link",
@@ -205,6 +207,14 @@ def split_specs(text: str) -> list[str]:
                 entries.append(item)
         entries += [",".join(group)] if group else []
     return entries
+
+
+def join_specs(entries: Sequence[str]) -> str:
+    """Entries as one string that :func:`split_specs` splits back into them: joined by commas,
+    as they are usually written, or by ``"; "`` where commas alone would regroup them (two
+    inline specs in a row)."""
+    text = ",".join(entries)
+    return text if split_specs(text) == list(entries) else "; ".join(entries)
 
 
 def parse_links(text: str) -> list[LinkProfile]:

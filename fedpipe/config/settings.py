@@ -11,13 +11,14 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import tomllib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, get_type_hints
+from typing import Any, get_args, get_origin, get_type_hints
 
 from fedpipe.config.codecs import check_codec, codec_bits, codec_help, codec_token_groups
 from fedpipe.config.privacy_spec import MECHANISMS, parse_privacy_spec, parse_privacy_specs
-from fedpipe.config.profile_spec import parse_device_profiles
+from fedpipe.config.profile_spec import join_specs, parse_device_profile, split_specs
 
 __all__ = [
     "AGGREGATIONS",
@@ -28,6 +29,7 @@ __all__ = [
     "OVERLONG",
     "SCHEDULE_NAMES",
     "SERVER_WEIGHTS",
+    "LIST_SETTINGS",
     "DataConfig",
     "DeviceConfig",
     "FedpipeConfig",
@@ -37,12 +39,16 @@ __all__ = [
     "PrivacyConfig",
     "ServerConfig",
     "TrainConfig",
+    "canonical_list_text",
     "coerce_value",
     "format_cut",
+    "format_cuts",
+    "list_text",
     "load_config",
     "parse_cuts",
     "parse_device_weights",
     "parse_overrides",
+    "parse_profiles",
 ]
 
 AGGREGATIONS = ("separate", "exact", "ffa", "stack")  # see fedpipe.lora.aggregation
@@ -76,30 +82,71 @@ def _check(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
-def parse_cuts(text: str, key: str) -> tuple[tuple[int, int], ...]:
-    """``"1+1, 2+2"`` -> ((1, 1), (2, 2)); a bare ``"2"`` means no tail blocks (mode "two")."""
-    out: list[tuple[int, int]] = []
-    for item in (c.strip() for c in text.split(",")):
-        if not item:
-            continue
-        head, _, tail = item.partition("+")
+def _entries(value: Any, key: str) -> list[Any]:
+    """The entries of a list setting given as a list or tuple (a TOML array, a built config)."""
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    raise ValueError(f"{key} must be a list or a comma-separated string, got {value!r}")
+
+
+def _cut(item: Any, key: str) -> tuple[int, int]:
+    """One cut: ``"2+1"`` (a bare ``"2"``: no tail blocks) or a (head, tail) pair."""
+    pair = isinstance(item, (list, tuple)) and len(item) == 2
+    if pair and all(isinstance(v, int) and not isinstance(v, bool) for v in item):
+        cut, text = (item[0], item[1]), f"{item[0]}+{item[1]}"
+    else:
+        text = item.strip() if isinstance(item, str) else repr(item)
+        head, _, tail = text.partition("+")
         try:
             cut = (int(head), int(tail or 0))
         except ValueError:
             raise ValueError(
-                f"{key}: {item!r} is not a cut; write head+tail block counts such as 2+1"
+                f"{key}: {text!r} is not a cut; write head+tail block counts such as 2+1"
             ) from None
-        _check(
-            cut[0] >= 1 and cut[1] >= 0,
-            f"{key}: cut {item!r} needs head >= 1 and tail >= 0 blocks",
-        )
-        out.append(cut)
-    return tuple(out)
+    _check(cut[0] >= 1 and cut[1] >= 0, f"{key}: cut {text!r} needs head >= 1 and tail >= 0 blocks")
+    return cut
+
+
+def parse_cuts(value: str | Sequence[Any], key: str) -> tuple[tuple[int, int], ...]:
+    """``"1+1, 2+2"`` or ``["1+1", "2+2"]`` -> ((1, 1), (2, 2)); a bare ``"2"`` means no tail
+    blocks (mode "two"); blank entries of a string are skipped."""
+    if isinstance(value, str):
+        return tuple(_cut(c, key) for c in value.split(",") if c.strip())
+    return tuple(_cut(c, key) for c in _entries(value, key))
 
 
 def format_cut(cut: tuple[int, int]) -> str:
     """(2, 1) -> ``"2+1"``, the form ``model.cuts`` and ``federated.device_cuts`` take."""
     return f"{cut[0]}+{cut[1]}"
+
+
+def format_cuts(cuts: Sequence[tuple[int, int]]) -> str:
+    """((2, 1), (1, 1)) -> ``"2+1,1+1"``: a cut list as it is written (:func:`parse_cuts`)."""
+    return ",".join(format_cut(c) for c in cuts)
+
+
+def parse_profiles(value: str | Sequence[Any], key: str = "federated.profiles") -> tuple[str, ...]:
+    """Device profile entries (names and inline specs, :mod:`fedpipe.config.profile_spec`),
+    each checked. A string is split as ``split_specs`` does (an inline spec keeps its commas);
+    each entry of a list is one profile, commas and all."""
+    if isinstance(value, str):
+        entries = split_specs(value)
+    else:
+        entries = []
+        for item in _entries(value, key):
+            parts = split_specs(item) if isinstance(item, str) else []
+            _check(
+                len(parts) == 1,
+                f"{key}: entry {item!r} is not one device profile (a name or one inline spec "
+                "such as 'up=10,down=25,rtt=50ms')",
+            )
+            entries.append(parts[0])
+    try:  # names and inline specs, checked here so a typo fails before any process starts
+        for entry in entries:
+            parse_device_profile(entry)
+    except ValueError as exc:
+        raise ValueError(f"{key}: {exc}") from None
+    return tuple(entries)
 
 
 @dataclass(frozen=True)
@@ -110,9 +157,10 @@ class ModelConfig:
     head_layers: int = 1
     tail_layers: int = 1
     split: str = "u"  # "u": labels stay on the device; "two": the server computes the loss
-    # Cuts the StageServer offers besides head_layers+tail_layers: "H+T" pairs, comma-separated
-    # (e.g. "1+1,2+2"); the server holds every block they need, each device picks one.
-    cuts: str = ""
+    # Cuts the StageServer offers besides head_layers+tail_layers: "H+T" pairs, a list or
+    # comma-separated (e.g. "1+1,2+2"); the server holds every block they need, each device
+    # picks one.
+    cuts: tuple[tuple[int, int], ...] = ()
     lora_r: int = 8
     lora_alpha: int = 16
     lora_targets: str = ""  # comma-separated module names; "" = the family's default
@@ -123,13 +171,12 @@ class ModelConfig:
         _check(self.head_layers >= 1, f"model.head_layers must be >= 1, got {self.head_layers}")
         _check(self.tail_layers >= 0, f"model.tail_layers must be >= 0, got {self.tail_layers}")
         _check(self.lora_r >= 1, f"model.lora_r must be >= 1, got {self.lora_r}")
-        parse_cuts(self.cuts, "model.cuts")
+        object.__setattr__(self, "cuts", parse_cuts(self.cuts, "model.cuts"))
 
     @property
     def offered_cuts(self) -> tuple[tuple[int, int], ...]:
         """(head, tail) pairs the server offers: head_layers+tail_layers first, then ``cuts``."""
-        listed = parse_cuts(self.cuts, "model.cuts")
-        return tuple(dict.fromkeys(((self.head_layers, self.tail_layers), *listed)))
+        return tuple(dict.fromkeys(((self.head_layers, self.tail_layers), *self.cuts)))
 
 
 @dataclass(frozen=True)
@@ -496,8 +543,10 @@ class FederatedConfig:
     strategy: str = "fedavg"  # fedavg | fedprox | fedadam | ... | fedmedian | krum (fl.strategies)
     fraction_train: float = 1.0
     num_devices: int = 4
-    profiles: str = "jetson-ethernet,rpi-wifi,phone-lte,laptop-wifi"  # cycled over devices
-    device_cuts: str = ""  # "H+T" cuts cycled over simulated devices; "" = the model's own cut
+    # Device profiles cycled over devices: names and inline specs, a list or comma-separated
+    profiles: tuple[str, ...] = ("jetson-ethernet", "rpi-wifi", "phone-lte", "laptop-wifi")
+    # "H+T" cuts cycled over simulated devices, a list or comma-separated; none: the model's cut
+    device_cuts: tuple[tuple[int, int], ...] = ()
     data: str = ""  # "" = the bundled public-domain corpus; else a file or folder
     partition: str = "by-source"  # iid | by-source | dirichlet
     device_blocks: int = 0  # > 0: each device keeps only this many blocks (small local data)
@@ -605,11 +654,10 @@ class FederatedConfig:
                 f"federated.{name} {value!r} unknown; choose one of {codec_help()}, "
                 "without t (an adapter has no tokens to group along)",
             )
-        parse_cuts(self.device_cuts, "federated.device_cuts")
-        try:  # names and inline specs, checked here so a typo fails before any process starts
-            parse_device_profiles(self.profiles)
-        except ValueError as exc:
-            raise ValueError(f"federated.profiles: {exc}") from None
+        object.__setattr__(
+            self, "device_cuts", parse_cuts(self.device_cuts, "federated.device_cuts")
+        )
+        object.__setattr__(self, "profiles", parse_profiles(self.profiles, "federated.profiles"))
 
 
 @dataclass(frozen=True)
@@ -707,9 +755,15 @@ class PrivacyConfig:
         return replace(self, devices="", **entry) if entry else self
 
 
-def parse_device_weights(text: str, key: str = "device.weights") -> tuple[str, ...]:
-    """``"int4, fp32"`` -> ("int4", "fp32"); each one of :data:`DEVICE_WEIGHTS`."""
-    entries = tuple(w.strip() for w in text.split(",") if w.strip())
+def parse_device_weights(
+    value: str | Sequence[Any], key: str = "device.weights"
+) -> tuple[str, ...]:
+    """``"int4, fp32"`` or ``["int4", "fp32"]`` -> ("int4", "fp32"); each one of
+    :data:`DEVICE_WEIGHTS`."""
+    if isinstance(value, str):
+        entries = tuple(w.strip() for w in value.split(",") if w.strip())
+    else:
+        entries = tuple(w.strip() if isinstance(w, str) else w for w in _entries(value, key))
     _check(bool(entries), f"{key} is empty; choose one of {', '.join(DEVICE_WEIGHTS)}")
     for entry in entries:
         _check(
@@ -725,17 +779,17 @@ class DeviceConfig:
 
     # How a device stores its frozen token embedding, block linears and LM head: fp32 as read,
     # or bf16, int8 (per output channel) or int4 (groups of 64, two per byte), dequantized
-    # slab by slab into fp32 compute; LoRA, its gradients and AdamW stay fp32. Several,
-    # comma-separated ("int4,fp32"), are dealt to simulated devices in turn; `fedpipe client
+    # slab by slab into fp32 compute; LoRA, its gradients and AdamW stay fp32. Several, a list
+    # or comma-separated ("int4,fp32"), are dealt to simulated devices in turn; `fedpipe client
     # --weights` sets a deployed device's own.
-    weights: str = "fp32"
+    weights: tuple[str, ...] = ("fp32",)
     # What the head's and tail's forwards (and so their backwards) compute in: fp32, or bf16
     # under torch.autocast (CPUs with native bf16 matmuls: AMX, avx512_bf16). LoRA, its
     # gradients, AdamW, the loss and the tensors sent to the server stay fp32.
     dtype: str = "fp32"
 
     def __post_init__(self) -> None:
-        parse_device_weights(self.weights)
+        object.__setattr__(self, "weights", parse_device_weights(self.weights))
         _check(
             self.dtype in DEVICE_DTYPES,
             f"device.dtype {self.dtype!r} unknown; choose one of {', '.join(DEVICE_DTYPES)}",
@@ -745,7 +799,7 @@ class DeviceConfig:
     def stored(self) -> str:
         """The storage of a device built from this config: the first entry (a device's own
         config carries one; ``FedpipeConfig.with_device_weights`` makes it)."""
-        return parse_device_weights(self.weights)[0]
+        return self.weights[0]
 
 
 @dataclass(frozen=True)
@@ -778,7 +832,7 @@ class FedpipeConfig:
         )
         for entry in ({}, *parse_privacy_specs(self.privacy.devices, "privacy.devices")):
             self._check_device_privacy(self.privacy.for_device(entry))
-        stored = [w for w in parse_device_weights(self.device.weights) if w != "fp32"] or [""]
+        stored = [w for w in self.device.weights if w != "fp32"] or [""]
         _check(
             not stored[0] or self.federated.aggregation not in ("exact", "stack"),
             f"device.weights = {stored[0]} stores the device's frozen weights rounded, but "
@@ -857,12 +911,12 @@ class FedpipeConfig:
             )
         _check(
             len(offered) == 1 or self.privacy.adapter_dp == "off",
-            f"model.cuts {self.model.cuts!r} lets devices hold different blocks, which "
+            f"model.cuts {format_cuts(self.model.cuts)!r} lets devices hold different blocks, "
+            "which "
             f"privacy.adapter_dp = {self.privacy.adapter_dp!r} does not account for (a device's "
             "update would reach the blocks others lack); offer one cut or set adapter_dp = off",
         )
-        wanted = parse_cuts(self.federated.device_cuts, "federated.device_cuts")
-        missing = [format_cut(c) for c in wanted if c not in offered]
+        missing = [format_cut(c) for c in self.federated.device_cuts if c not in offered]
         _check(
             not missing,
             f"federated.device_cuts names {missing}, which the server does not offer "
@@ -872,19 +926,19 @@ class FedpipeConfig:
     def device_weights(self, partition: int) -> str:
         """The storage simulated device ``partition`` uses: ``device.weights`` cycled (the
         evaluator beside the server, partition -1, keeps fp32)."""
-        entries = parse_device_weights(self.device.weights)
+        entries = self.device.weights
         return "fp32" if partition < 0 else entries[partition % len(entries)]
 
     def with_device_weights(self, weights: str) -> FedpipeConfig:
         """A copy whose devices store their frozen weights as ``weights`` (one entry)."""
-        parse_device_weights(weights, "--weights")
-        if weights == self.device.weights:
+        entries = parse_device_weights(weights, "--weights")
+        if entries == self.device.weights:
             return self
-        return replace(self, device=replace(self.device, weights=weights))
+        return replace(self, device=replace(self.device, weights=entries))
 
     def device_cut(self, partition: int) -> tuple[int, int]:
         """The cut simulated device ``partition`` uses: ``federated.device_cuts`` cycled."""
-        cuts = parse_cuts(self.federated.device_cuts, "federated.device_cuts")
+        cuts = self.federated.device_cuts
         if partition < 0 or not cuts:
             return (self.model.head_layers, self.model.tail_layers)
         return cuts[partition % len(cuts)]
@@ -893,17 +947,23 @@ class FedpipeConfig:
         """A copy whose device side is built with ``cut`` (the server's offer is unchanged)."""
         if cut == (self.model.head_layers, self.model.tail_layers):
             return self
-        offered = ",".join(format_cut(c) for c in self.model.offered_cuts)
+        offered = self.model.offered_cuts
         model = replace(self.model, head_layers=cut[0], tail_layers=cut[1], cuts=offered)
         return replace(self, model=model)
 
     def to_flat(self) -> dict[str, Any]:
-        """``{"section.key": value}`` for every setting (Flower run config, summaries)."""
-        return {
-            f"{section.name}.{f.name}": getattr(getattr(self, section.name), f.name)
-            for section in fields(self)
-            for f in fields(getattr(self, section.name))
-        }
+        """``{"section.key": value}`` for every setting (Flower run config, summaries): scalars
+        only, a list setting as the string it is written as (:func:`list_text`), which
+        :meth:`with_overrides` reads back to the same entries."""
+        out = {}
+        for section in fields(self):
+            for f in fields(getattr(self, section.name)):
+                key, value = (
+                    f"{section.name}.{f.name}",
+                    getattr(getattr(self, section.name), f.name),
+                )
+                out[key] = list_text(key, value) if isinstance(value, tuple) else value
+        return out
 
     def with_overrides(self, flat: dict[str, Any]) -> FedpipeConfig:
         """A copy with ``{"section.key": value}`` applied (strings are converted to the type)."""
@@ -915,6 +975,37 @@ class FedpipeConfig:
             sections[section][name] = _coerce(type(self), section, name, value)
         types = get_type_hints(type(self))
         return replace(self, **{k: types[k](**v) for k, v in sections.items()})
+
+
+# How each list setting's entries are written as one string (the inverse of its parser).
+_LIST_TEXT: dict[str, Callable[[Any], str]] = {
+    "model.cuts": format_cuts,
+    "federated.device_cuts": format_cuts,
+    "federated.profiles": join_specs,  # with "; " where commas alone would regroup the specs
+    "device.weights": ",".join,
+}
+
+
+# Each list setting's parser (a comma string or a list of entries -> the checked tuple).
+_LIST_PARSE: dict[str, Callable[[Any, str], tuple[Any, ...]]] = {
+    "model.cuts": parse_cuts,
+    "federated.device_cuts": parse_cuts,
+    "federated.profiles": parse_profiles,
+    "device.weights": parse_device_weights,
+}
+LIST_SETTINGS = tuple(_LIST_TEXT)
+
+
+def list_text(key: str, entries: tuple[Any, ...]) -> str:
+    """A list setting's entries as the string a user writes (``"2+1,1+1"``), which its
+    parser reads back to the same entries; for messages, summaries and Flower's run config."""
+    return _LIST_TEXT[key](entries)
+
+
+def canonical_list_text(key: str, value: Any) -> str:
+    """A list setting's value (a string as written, or a list) as :meth:`FedpipeConfig.to_flat`
+    writes it: ``"1+1, 2+2"`` -> ``"1+1,2+2"`` (raises ValueError naming ``key``)."""
+    return list_text(key, _LIST_PARSE[key](value, key))
 
 
 def _unknown_setting(key: str, known: list[str]) -> str:
@@ -937,9 +1028,15 @@ def _coerce(cls: type, section: str, name: str, value: Any) -> Any:
     return coerce_value(f"{section}.{name}", kind, value)
 
 
-def coerce_value(key: str, kind: type, value: Any) -> Any:
+def coerce_value(key: str, kind: Any, value: Any) -> Any:
     """``value`` as a ``kind`` (bool, int, float or str), from a string or a number; a value
-    of another type is refused in one line naming ``key``."""
+    of another type is refused in one line naming ``key``.
+
+    A list setting (``kind`` a tuple type) takes a list of entries, made a tuple, or one
+    comma-separated string, kept whole: the setting's own section splits it (an inline
+    profile spec keeps its commas there) and checks every entry."""
+    if get_origin(kind) is tuple:
+        return _coerce_list(key, kind, value)
     if isinstance(value, str) and kind is not str:
         text = value.strip()
         if kind is bool:
@@ -957,6 +1054,19 @@ def coerce_value(key: str, kind: type, value: Any) -> Any:
     if not isinstance(value, kind):
         raise ValueError(f"{key} must be {kind.__name__}, got {value!r}")
     return value
+
+
+def _coerce_list(key: str, kind: Any, value: Any) -> str | tuple[Any, ...]:
+    """A list setting's value: a comma string as it is, a list or tuple as a tuple."""
+    if isinstance(value, str):
+        return value.strip()
+    entry = get_args(kind)[0]  # str, or tuple[int, int] (a cut, also written "2+1")
+    ok = (str,) if entry is str else (str, list, tuple)
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, ok) for v in value):
+        raise ValueError(
+            f"{key} must be a list of strings or a comma-separated string, got {value!r}"
+        )
+    return tuple(tuple(v) if isinstance(v, list) else v for v in value)
 
 
 def parse_overrides(items: list[str]) -> dict[str, str]:

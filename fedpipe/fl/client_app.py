@@ -18,6 +18,7 @@ from flwr.clientapp import ClientApp
 
 from fedpipe.config import format_cut
 from fedpipe.config.flower_keys import NodeSettings
+from fedpipe.config.settings import parse_profiles
 from fedpipe.fl.adapter_codec import adapter_codec_mod
 from fedpipe.fl.adapter_dp import adapter_clipping_mod
 from fedpipe.fl.device_work import DeviceWork, RunSettings, partition_profile, run_settings
@@ -39,8 +40,14 @@ _TrainFn = Callable[[Message, Context], Message]
 def _device_profile_name(context: Context) -> tuple[int, str]:
     """This node's partition and profile name, as DeviceWork picks them (cheaply)."""
     node = NodeSettings.from_node_config(context.node_config)
+    if node.profile:
+        return node.partition_id, node.profile
     profiles = context.run_config.get("federated.profiles", "")
-    return node.partition_id, node.profile or partition_profile(str(profiles), node.partition_id)
+    try:  # the run config's string, split as the settings split it
+        entries = parse_profiles(str(profiles))
+    except ValueError:  # refused again, in full, when the device's settings are built
+        entries = (str(profiles),)
+    return node.partition_id, partition_profile(entries, node.partition_id)
 
 
 def _says_who(train: _TrainFn) -> _TrainFn:

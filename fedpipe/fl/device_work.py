@@ -35,7 +35,7 @@ from fedpipe.data import (
 from fedpipe.data import partition as partition_docs
 from fedpipe.edge.runtime import DeviceRuntime
 from fedpipe.edge.trainer import DeviceTrainer, RoundReport
-from fedpipe.emulation import DeviceProfile, parse_device_profile, split_specs
+from fedpipe.emulation import DeviceProfile, parse_device_profile
 from fedpipe.fl.eval_generate import questions
 from fedpipe.models import load_tokenizer
 from fedpipe.privacy import LinkAccountant, releases_so_far
@@ -86,11 +86,10 @@ def server_run_settings(run_config: Mapping[str, Any]) -> tuple[FedpipeConfig, R
     return cfg, replace(run, secret=secret)
 
 
-def partition_profile(profiles: str, partition_id: int) -> str:
+def partition_profile(profiles: tuple[str, ...], partition_id: int) -> str:
     """The entry of ``federated.profiles`` (names and inline specs, ``config.profile_spec``)
     that partition ``partition_id`` takes: they are dealt in turn; none given is loopback."""
-    entries = split_specs(profiles)
-    return entries[partition_id % len(entries)] if entries else "loopback"
+    return profiles[partition_id % len(profiles)] if profiles else "loopback"
 
 
 def _profile(cfg: FedpipeConfig, partition_id: int, name: str | None) -> DeviceProfile | None:

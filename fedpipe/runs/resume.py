@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from fedpipe.config import FedpipeConfig
+from fedpipe.config.settings import LIST_SETTINGS, canonical_list_text
 
 __all__ = ["FROZEN", "ResumeRefused", "resume_settings"]
 
@@ -45,6 +46,17 @@ FROZEN = (
 )
 
 
+def _as_written(key: str, value: Any) -> Any:
+    """A saved value as this version writes it: a list setting saved as ``"1+1, 2+2"`` is
+    the same setting as ``"1+1,2+2"``, not a change (a value it refuses is left as saved)."""
+    if key not in LIST_SETTINGS:
+        return value
+    try:
+        return canonical_list_text(key, value)
+    except ValueError:
+        return value
+
+
 class ResumeRefused(ValueError):
     """A resume asked for a change the run's checkpoints cannot continue with."""
 
@@ -61,7 +73,7 @@ def resume_settings(
     if saved is None:
         return config, ["this run folder records no settings (an older run): using these"]
     flat = config.to_flat()
-    known = {k: v for k, v in saved.items() if k in flat}
+    known = {k: _as_written(k, v) for k, v in saved.items() if k in flat}
     chosen = flat if explicit is None else {k: flat[k] for k in explicit if k in flat}
     resolved = FedpipeConfig().with_overrides({**known, **chosen})
     new = resolved.to_flat()

@@ -293,12 +293,12 @@ def test_the_device_param_bytes_drop_2x_4x_7x(tmp_path: Path) -> None:
 
 # -- the setting -------------------------------------------------------------------------------
 def test_the_setting_defaults_to_fp32_and_is_dealt_to_devices() -> None:
-    assert FedpipeConfig().device.weights == "fp32" and DEVICE_WEIGHTS[0] == "fp32"
+    assert FedpipeConfig().device.weights == ("fp32",) and DEVICE_WEIGHTS[0] == "fp32"
     config = load_config(None, {"device.weights": "int4, fp32"})
     assert [config.device_weights(p) for p in range(3)] == ["int4", "fp32", "int4"]
     assert config.device_weights(-1) == "fp32"  # the evaluator beside the server
     own = config.with_device_weights("int8")
-    assert own.device.weights == own.device.stored == "int8"
+    assert own.device.weights == ("int8",) and own.device.stored == "int8"
     assert FedpipeConfig().with_overrides(own.to_flat()) == own
 
 

@@ -62,4 +62,4 @@ def test_the_example_ships_the_builders_output_and_trains_on_it(tmp_path: Path) 
         "answers",
         4,
     )
-    assert len(set(cfg.federated.profiles.split(","))) == 4
+    assert len(set(cfg.federated.profiles)) == 4

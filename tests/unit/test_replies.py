@@ -136,7 +136,7 @@ def test_a_device_is_named_by_the_profile_it_runs_inline_specs_included() -> Non
             node_id=partition,
             node_config={"partition-id": partition},
             state=RecordDict(),
-            run_config={"federated.profiles": cfg.federated.profiles},
+            run_config=cfg.to_flat(),  # what Flower hands the ClientApp: scalars
         )
         named.append(_device_profile_name(context)[1])
     assert named == ["phone-lte", "up=10,down=25,rtt=50ms", "rpi-wifi", "phone-lte"]
