@@ -270,20 +270,33 @@ def test_link_probes_cannot_grow_the_server_past_a_bound(tmp_path: Path) -> None
 
 
 def test_a_link_probes_reply_counts_like_any_reply(folder: Path) -> None:
-    """A probe's reply holds a pending slot and its bytes until it is read, in the session's
-    limits and the server's budget; a second probe on a stream whose last reply is unread
-    passes server.max_pending_mb here (8 MiB each, 12 MiB allowed) and is refused."""
+    """A probe's reply holds a pending slot and its bytes until the transport takes it, in the
+    session's limits and the server's budget; a probe sent while the last one's reply still
+    waits is refused (it would also pass server.max_pending_mb here: 8 MiB each, 12 MiB
+    allowed), and the stream, which never reads, is cut off with everything given back."""
     server = _serve(folder, max_pending_mb=12, stream_idle_s=30)
     stream = None
     try:
         with grpc.insecure_channel(server.address) as chan:
             session_id = _open(pb_grpc.StageLinkStub(chan), "prober", microbatch_size=64)
-            stream = _NeverReads(server.address, session_id, *[_msg(pb.ECHO, tokens=64)] * 3)
-            # The third probe is refused while the second's reply waits; the stream, stuck on the
-            # first, is cancelled after the grace and gives everything back.
+            probe = _msg(pb.ECHO, tokens=64)
+            stream = _NeverReads(server.address, session_id, probe)
             slots = server._host.link.slots
             info = server.runtime.session(session_id)
-            wait_for(lambda: info.echoes == 2, "two probes to be answered", timeout=15)
+            # Each probe goes once the server has taken the last reply off the stream, as a
+            # prober that reads would send it (sent all at once, the second could arrive before
+            # the first reply is taken and be refused as a probe ahead of its reply, a race).
+            # The first reply is taken and stuck in the transport (8 MiB into a 64 KiB window).
+            wait_for(lambda: info.echoes == 1, "the first probe to be answered", timeout=15)
+            wait_for(lambda: not info.stream.echo_out, "its reply to be taken", timeout=15)
+            stream.frames.put(seal(probe).SerializeToString())
+            # The second's reply waits behind it, unread, holding its slot and bytes ...
+            wait_for(lambda: info.echoes == 2, "the second probe to be answered", timeout=15)
+            assert info.stream.echo_out and info.stream.pending_bytes == 8 * 2**20
+            assert server.runtime.budget.used >= 8 * 2**20
+            # ... so the third is refused; the stream, stuck on the first, is cancelled after the
+            # grace and gives everything back.
+            stream.frames.put(seal(probe).SerializeToString())
             wait_for(lambda: slots.live == 0, "the stream to be cut off", timeout=15)
             wait_for(lambda: server.runtime.budget.used == 0, "the probes' bytes to be given back")
             assert server.runtime.session(session_id).echoes == 2
