@@ -414,16 +414,10 @@ def run_rounds(
     evaluator = DeviceWork(cfg, device_id="evaluator", partition=-1, num_partitions=fed.num_devices)
     initial = seeded_adapters(cfg, evaluator)
     records: list[dict[str, Any]] = []
-    rounds = RoundHooks(control, run, 0, log=records.append, policy=fed)
+    grid = LocalGrid(devices.nodes())
+    rounds = RoundHooks(cfg, control, run, grid, initial=dict(initial), log=records.append)
     start = time.perf_counter()
-    result = server_rounds(
-        cfg,
-        rounds,
-        LocalGrid(devices.nodes()),
-        initial,
-        initial=dict(initial),
-        num_rounds=fed.rounds,
-    )
+    result = server_rounds(rounds, initial, num_rounds=fed.rounds)
     wall = time.perf_counter() - start
     failures = [r for r in records if r["event"] == "failure"]
     if failures:  # the ServerApp goes on without them; a bench row must not

@@ -37,7 +37,7 @@ from flwr.serverapp.strategy import Result, Strategy
 
 from fedpipe import GRPC_FORK_SETTING_LATE
 from fedpipe.auth.tokens import issue_token
-from fedpipe.config import FederatedConfig, FedpipeConfig, format_cut
+from fedpipe.config import FedpipeConfig, format_cut
 from fedpipe.edge.trainer import initial_device_adapters
 from fedpipe.fl.adapter_codec import AdapterCodecs, decode_reply, encode_adapters
 from fedpipe.fl.adapter_dp import with_adapter_dp
@@ -47,7 +47,6 @@ from fedpipe.fl.aggregate import (
     by_holders,
     clip_replies,
     held,
-    non_finite,
     pad_to_union,
 )
 from fedpipe.fl.device_work import DeviceWork, RunSettings, evaluate_split, server_run_settings
@@ -86,59 +85,100 @@ _PROGRESS_EVERY_S = 2.0  # how often a round asks the StageServer how far its de
 
 
 class RoundHooks:
-    """Per-round hooks around a Flower strategy: tokens, commit, and the round offset on resume.
+    """Per-round hooks around a Flower strategy, for one run: tokens and train orders, reply
+    checks, the StageServer's counts and commit, exact aggregation, freezing, and the run's
+    round number on resume. Built complete here from the run's settings; nothing is set on it
+    afterwards but each round's own state.
 
-    ``log`` takes every record of the run (the ServerApp's: metrics.jsonl and TensorBoard).
+    ``grid`` is Flower's (the ServerApp's, or a bench's in-process one), wrapped in fedpipe's
+    round policy (:class:`RoundGrid`). ``initial``: the seeded device adapters (``stack``
+    restarts from them every round). ``offset``: the rounds a resumed run has done already;
+    ``freeze``: its checkpoint's freezing decision (``pipeline.freeze = progressive``). ``log``
+    takes every record of the run (the ServerApp's: metrics.jsonl and TensorBoard).
     """
 
     def __init__(
         self,
+        cfg: FedpipeConfig,
         control: StageControl,
         run: RunSettings,
-        offset: int,
+        grid: Grid,
         *,
+        initial: dict[str, torch.Tensor],
         log: Callable[[dict[str, Any]], None],
-        policy: FederatedConfig | None = None,
+        offset: int = 0,
+        freeze: FreezeState | None = None,
     ) -> None:
-        self.control, self.offset, self.log = control, offset, log
+        fed = self.policy = cfg.federated
+        self.cfg, self.control, self.offset, self.log = cfg, control, offset, log
         self.replicas = control if isinstance(control, ReplicaControl) else None
         self.secret, self.run_id = run.secret, run.run_id
         self.stage_address, self.token_ttl_s = run.stage_address, run.round_timeout_s
         self.last_commit: tuple[int, int] = (0, 0)
         self.finished: dict[str, float] = {}
-        self.policy = policy or FederatedConfig()
         self.devices = DeviceBook()
-        self.grid: RoundGrid | None = None
         # the last committed round's, for its record (with replicas: lists per replica too)
         self.stats: dict[str, float | int | list[float] | list[int]] = {}
         self.failures_total = 0
         self.started = self.round_started = time.time()
-        self.exact = ExactState(mode=self.policy.aggregation)  # `exact`, `stack` across rounds
-        self.rule = aggregation_rule(self.policy)  # both sides combine adapters by it
-        self.reply_rules: ReplyRules | None = None  # what replies may carry (run_rounds)
-        self.codecs = AdapterCodecs.of(self.policy)  # adapters through Flower (adapter_codec)
+        self.exact = ExactState(  # `exact`, `stack` across rounds
+            mode=fed.aggregation,
+            lora_scale=cfg.model.lora_alpha / cfg.model.lora_r,
+            device_initial=initial,
+        )
+        self.rule = aggregation_rule(fed)  # both sides combine adapters by it
+        num_layers = int(load_config(resolve_model(cfg.model.name)).num_hidden_layers)
+        self.reply_rules = ReplyRules(  # what replies may carry
+            device_keys(cfg, initial, num_layers),
+            default_cut=format_cut((cfg.model.head_layers, cfg.model.tail_layers)),
+            max_examples=cfg.train.batch_size * cfg.train.local_steps,
+            rows_per_step=cfg.train.batch_size,
+        )
+        self.codecs = AdapterCodecs.of(fed)  # adapters through Flower (adapter_codec)
         self._down: tuple[ArrayRecord, ArrayRecord] | None = None  # a round's global, encoded
         # pipeline.freeze = progressive (fedpipe.fl.freeze): the rule and the decision so far
         # (a resumed run's from its checkpoint); None: off, and nothing here changes a round.
-        self.freeze_rule: FreezeRule | None = None
-        self.freeze: FreezeState | None = None
+        progressive = cfg.pipeline.freeze == "progressive"
+        self.freeze_rule = FreezeRule.of(cfg.pipeline, num_layers) if progressive else None
+        self.freeze = (freeze or FreezeState()) if progressive else None
         self._server_before: dict[str, torch.Tensor] | None = None  # its global, last round
+        self.grid = RoundGrid(
+            grid,
+            log=log,
+            devices=self.devices,
+            deadline_s=fed.round_deadline_s,
+            report_every_s=fed.report_every_s,
+            straggler_s=fed.straggler_s,
+            watch=RoundWatch(  # each device's steps, as the StageServer counts them
+                control.round_status,
+                steps=cfg.train.local_steps,
+                grace_s=fed.report_every_s,
+                connect_s=fed.connect_wait_s,
+                every_s=min(_PROGRESS_EVERY_S, fed.report_every_s),
+            ),
+        )
+
+    def run_round(self, server_round: int) -> int:
+        """The run's round number of Flower's ``server_round`` (a resumed run's go on)."""
+        return self.offset + server_round
 
     @property
     def frozen_below(self) -> int:
         """Blocks below this index train nothing this round (0: none; pipeline.freeze)."""
         return self.freeze.frozen_below if self.freeze is not None else 0
 
-    def begin(self, server_round: int, grid: RoundGrid) -> None:
+    def begin(self, server_round: int) -> None:
         """Before a round: wait (no longer than stated) for the devices to connect."""
         self.round_started = time.time()
-        grid.round = self.offset + server_round
+        self.grid.round = self.run_round(server_round)
         fed = self.policy
         want = fed.num_devices if fed.fraction_train >= 1 else fed.min_devices
-        grid.wait_for_devices(want=want, min_devices=fed.min_devices, wait_s=fed.connect_wait_s)
+        self.grid.wait_for_devices(
+            want=want, min_devices=fed.min_devices, wait_s=fed.connect_wait_s
+        )
 
     def configure(self, server_round: int, messages: Iterable[Message]) -> list[Message]:
-        round_ = self.offset + server_round
+        round_ = self.run_round(server_round)
         self.control.begin_round(
             round_,
             self.run_id,
@@ -198,7 +238,7 @@ class RoundHooks:
 
     def commit(self, server_round: int, replies: list[Message]) -> None:
         """Merge the finished devices on the server, record the round, apply the stop policy."""
-        round_ = self.offset + server_round
+        round_ = self.run_round(server_round)
         ok = [r for r in replies if not r.has_error()]
         self.finished = {
             str(r.metadata.src_node_id): float(TrainReply.read(r.content).num_examples) for r in ok
@@ -213,7 +253,7 @@ class RoundHooks:
             node = reply.metadata.src_node_id
             metrics = TrainReply.read(reply.content).log_fields()
             self.log({"event": "train", "round": round_, **self.devices.fields(node), **metrics})
-        failed = len(self.grid.failures) if self.grid is not None else len(replies) - len(ok)
+        failed = len(self.grid.failures)
         self.failures_total += failed
         self.stats = {**_round_stats(ok, failed), **figures}
         log.info("round %d: %d devices merged, %d failed", round_, len(ok), failed)
@@ -235,7 +275,7 @@ class RoundHooks:
         round's frozen blocks (pipeline.freeze = progressive; otherwise ``result`` as it is)."""
         if self.freeze is None or self.freeze_rule is None or result[0] is None:
             return result
-        round_ = self.offset + server_round
+        round_ = self.run_round(server_round)
         before = self.exact.device_global  # what this round's devices started from
         state = pin_frozen(result[0].to_torch_state_dict(), before, self.frozen_below)
         server = split_deltas(self.control.get_adapter())[0]
@@ -273,14 +313,13 @@ class RoundHooks:
             for r in replies
             if not r.has_error()
         }
-        lost = self.replicas.collect(self.offset + server_round, finished)
+        lost = self.replicas.collect(self.run_round(server_round), finished)
         for reply in replies:
             if str(reply.metadata.src_node_id) in lost:
                 self._fail(reply.metadata.src_node_id, lost[str(reply.metadata.src_node_id)])
         return [r for r in replies if str(r.metadata.src_node_id) not in lost]
 
     def _fail(self, node: int, reason: str) -> None:
-        assert self.grid is not None, "rounds run on fedpipe's RoundGrid"
         self.grid.failure(node, reason)
 
     def valid_replies(self, replies: list[Message]) -> list[Message]:
@@ -290,8 +329,8 @@ class RoundHooks:
         for reply in replies:
             why = ""
             if not reply.has_error():  # an encoded update first becomes whole adapters
-                why = decode_reply(reply, self.exact.device_global, self.codecs) or (
-                    check_reply(reply, self.reply_rules) if self.reply_rules else _finite(reply)
+                why = decode_reply(reply, self.exact.device_global, self.codecs) or check_reply(
+                    reply, self.reply_rules
                 )
             if why:
                 self._fail(reply.metadata.src_node_id, why)
@@ -304,8 +343,8 @@ class RoundHooks:
         microbatches it ran forward and backward in the steps it applied for the device's
         session (an empty step counts nothing), never more than the device claims. Without the
         server's counts (an older server), the checked claims stand."""
-        rows = self.reply_rules.rows_per_step if self.reply_rules else 0
-        status = self.control.round_status(self.offset + server_round) if rows else None
+        rows = self.reply_rules.rows_per_step
+        status = self.control.round_status(self.run_round(server_round)) if rows else None
         if status is None:
             return
         done = {p.device_id: p.rows_done for p in status}
@@ -319,7 +358,7 @@ class RoundHooks:
                 log.warning(
                     "round %d: device %s claims %d examples, the StageServer counted %d: "
                     "weighted by the count",
-                    self.offset + server_round,
+                    self.run_round(server_round),
                     self.devices.name(reply.metadata.src_node_id),
                     claimed,
                     counted,
@@ -343,13 +382,6 @@ def _sides(
     """Both sides' adapters in one mapping: a block both hold (cuts) is measured over both."""
     sides = {f"device.{k}": v for k, v in device.items()}
     return sides | {f"server.{k}": v for k, v in server.items()}
-
-
-def _finite(reply: Message) -> str:
-    bad = non_finite(reply)
-    if not bad:
-        return ""
-    return f"device adapter not aggregated: {len(bad)} tensors hold NaN or Inf (e.g. {bad[0]})"
 
 
 def _log_privacy(round_: int, ok: list[Message]) -> None:
@@ -401,7 +433,7 @@ class FedpipeStrategy(Strategy):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         rounds = self.rounds
-        rounds.begin(server_round, cast(RoundGrid, grid))  # run_rounds hands Flower its grid
+        rounds.begin(server_round)  # Flower's `grid` is rounds.grid (run_rounds hands it over)
         rounds.exact.device_global, rounds.exact.device_deltas = split_deltas(
             arrays.to_torch_state_dict()
         )
@@ -455,7 +487,7 @@ def _make_evaluate(
     control = rounds.control
 
     def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
-        round_ = rounds.offset + server_round
+        round_ = rounds.run_round(server_round)
         if server_round == 0 and resumed:
             return MetricRecord({})
         state = arrays.to_torch_state_dict()
@@ -478,7 +510,7 @@ def _make_evaluate(
                 device=state,
                 server=control.get_adapter(),
                 state=_checkpoint_state(
-                    round_, run, rounds, fingerprint=work.trainer.split.fingerprint
+                    round_, run, rounds.freeze, fingerprint=work.trainer.split.fingerprint
                 ),
             )
         if work.questions:  # federated.eval_generate: greedy answers, scored
@@ -497,15 +529,15 @@ def _make_evaluate(
 
 
 def _checkpoint_state(
-    round_: int, run: RunSettings, rounds: RoundHooks, *, fingerprint: str = ""
+    round_: int, run: RunSettings, freeze: FreezeState | None, *, fingerprint: str = ""
 ) -> dict[str, Any]:
     """The round state a checkpoint keeps beside both sides' adapters, and the fingerprint of
     the base model they were trained on (what `fedpipe export` checks a base model against)."""
     state: dict[str, Any] = {"round": round_, "run_id": run.run_id}
     if fingerprint:
         state[FINGERPRINT_KEY] = fingerprint
-    if rounds.freeze is not None:  # a resumed run goes on from this decision
-        state["freeze"] = rounds.freeze.to_json()
+    if freeze is not None:  # a resumed run goes on from this decision
+        state["freeze"] = freeze.to_json()
     return state
 
 
@@ -564,54 +596,21 @@ def seeded_adapters(cfg: FedpipeConfig, work: DeviceWork) -> dict[str, torch.Ten
 
 
 def run_rounds(
-    cfg: FedpipeConfig,
     rounds: RoundHooks,
-    grid: Grid,
     arrays: dict[str, torch.Tensor],
     *,
-    initial: dict[str, torch.Tensor],
     num_rounds: int,
     evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
 ) -> Result:
-    """``num_rounds`` rounds from the global device adapters ``arrays``, over ``grid``.
+    """``num_rounds`` rounds of ``rounds``' run from the global device adapters ``arrays``.
 
     The configured Flower strategy (``federated.strategy``, ``server_lr``, ``fraction_train``,
-    ``privacy.adapter_dp``) wrapped in fedpipe's round hooks (``rounds``: tokens, finite
+    ``privacy.adapter_dp``) wrapped in fedpipe's round hooks (``rounds``: tokens, reply
     checks, cuts, exact aggregation, the StageServer's commit) runs Flower's own round loop,
-    with fedpipe's round policy (:class:`RoundGrid`) between it and ``grid``. ``initial``:
-    the seeded adapters (``stack`` restarts from them every round).
+    with fedpipe's round policy (``rounds.grid``) between it and Flower's grid.
     """
-    fed = cfg.federated
-    rounds.exact.device_initial = initial
-    rounds.exact.lora_scale = cfg.model.lora_alpha / cfg.model.lora_r
-    num_layers = int(load_config(resolve_model(cfg.model.name)).num_hidden_layers)
-    rounds.reply_rules = ReplyRules(
-        device_keys(cfg, initial, num_layers),
-        default_cut=format_cut((cfg.model.head_layers, cfg.model.tail_layers)),
-        max_examples=cfg.train.batch_size * cfg.train.local_steps,
-        rows_per_step=cfg.train.batch_size,
-    )
-    if cfg.pipeline.freeze == "progressive":
-        rounds.freeze_rule = FreezeRule.of(cfg.pipeline, num_layers)
-        rounds.freeze = rounds.freeze or FreezeState()
-    else:
-        rounds.freeze_rule = rounds.freeze = None
-    rounds.grid = RoundGrid(
-        grid,
-        log=rounds.log,
-        devices=rounds.devices,
-        deadline_s=fed.round_deadline_s,
-        report_every_s=fed.report_every_s,
-        straggler_s=fed.straggler_s,
-        watch=RoundWatch(  # each device's steps, as the StageServer counts them
-            rounds.control.round_status,
-            steps=cfg.train.local_steps,
-            grace_s=fed.report_every_s,
-            connect_s=fed.connect_wait_s,
-            every_s=min(_PROGRESS_EVERY_S, fed.report_every_s),
-        ),
-    )
-    return _strategy(cfg, rounds).start(
+    fed = rounds.policy
+    return _strategy(rounds.cfg, rounds).start(
         grid=rounds.grid,
         initial_arrays=ArrayRecord(arrays),
         num_rounds=num_rounds,
@@ -657,9 +656,12 @@ def server_main(grid: Grid, context: Context) -> None:
         folder.log_metrics(entry)
         board.write(entry)
 
-    rounds = RoundHooks(control, run, offset, log=record, policy=cfg.federated)
-    if checkpoint is not None and "freeze" in checkpoint.state:  # the decision so far
-        rounds.freeze = FreezeState.from_json(checkpoint.state["freeze"])
+    freeze = None  # a resumed run's freezing decision so far
+    if checkpoint is not None and "freeze" in checkpoint.state:
+        freeze = FreezeState.from_json(checkpoint.state["freeze"])
+    rounds = RoundHooks(
+        cfg, control, run, grid, initial=initial, log=record, offset=offset, freeze=freeze
+    )
     # Records of rounds after `offset` from an earlier attempt (a crash between commit and
     # checkpoint) are superseded from here on; build_summary drops them.
     rounds.log({"event": "start", "round": offset, "resumed": checkpoint is not None})
@@ -668,21 +670,17 @@ def server_main(grid: Grid, context: Context) -> None:
         run.run_id,
         cfg.federated.aggregation,
         rounds.rule.text(),
-        frozen_below=rounds.frozen_below if cfg.pipeline.freeze == "progressive" else 0,
+        frozen_below=rounds.frozen_below,
     )
     try:
         run_rounds(
-            cfg,
             rounds,
-            grid,
             arrays,
-            initial=initial,
             num_rounds=remaining,
             evaluate_fn=_make_evaluate(work, rounds, run, folder, resumed=checkpoint is not None),
         )
     except StopRun as stop:
-        stopped = rounds.grid.round if rounds.grid is not None else offset
-        rounds.log({"event": "stop", "round": stopped, "reason": str(stop)})
+        rounds.log({"event": "stop", "round": rounds.grid.round, "reason": str(stop)})
         log.error("run stopped: %s", stop)
     finally:
         board.close()

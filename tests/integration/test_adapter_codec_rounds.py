@@ -89,16 +89,10 @@ def _run(settings: dict[str, Any], rounds: int, tamper: Any = None) -> Run:
         evaluator = DeviceWork(cfg, device_id="evaluator", partition=-1, num_partitions=3)
         initial = seeded_adapters(cfg, evaluator)
         records: list[dict[str, Any]] = []
-        state = RoundHooks(control, run, 0, log=records.append, policy=cfg.federated)
         devices = _Hostile(cfg, tamper) if tamper else LocalDevices(cfg)
-        result = run_rounds(
-            cfg,
-            state,
-            LocalGrid(devices.nodes()),
-            initial,
-            initial=dict(initial),
-            num_rounds=rounds,
-        )
+        grid = LocalGrid(devices.nodes())
+        state = RoundHooks(cfg, control, run, grid, initial=dict(initial), log=records.append)
+        result = run_rounds(state, initial, num_rounds=rounds)
         failures = [r for r in records if r["event"] == "failure"]
         device = dict(result.arrays.to_torch_state_dict())
         return Run(dict(initial), device, control.get_adapter(), failures, devices)

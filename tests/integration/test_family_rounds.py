@@ -55,8 +55,9 @@ def test_two_rounds_of_two_devices_lower_the_held_out_loss(tmp_path: Path, model
         evaluator = DeviceWork(cfg, device_id="evaluator", partition=-1, num_partitions=2)
         initial = seeded_adapters(cfg, evaluator)
         records: list[dict[str, Any]] = []
-        hooks = RoundHooks(control, run, 0, log=records.append, policy=cfg.federated)
         devices = LocalDevices(cfg)
+        grid = LocalGrid(devices.nodes())
+        hooks = RoundHooks(cfg, control, run, grid, initial=dict(initial), log=records.append)
         evals: dict[int, float] = {}
 
         def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
@@ -64,10 +65,7 @@ def test_two_rounds_of_two_devices_lower_the_held_out_loss(tmp_path: Path, model
             evals[server_round] = evaluate_split(evaluator, state, run, server_round)[0]
             return MetricRecord({"eval_loss": evals[server_round]})
 
-        result = run_rounds(
-            cfg, hooks, LocalGrid(devices.nodes()), initial, initial=dict(initial),
-            num_rounds=ROUNDS, evaluate_fn=evaluate,
-        )  # fmt: skip
+        result = run_rounds(hooks, initial, num_rounds=ROUNDS, evaluate_fn=evaluate)
         server_adapter = control.get_adapter()
     finally:
         control.close()

@@ -74,13 +74,12 @@ def _run(
         evaluator = DeviceWork(cfg, device_id="evaluator", partition=-1, num_partitions=2)
         initial = seeded_adapters(cfg, evaluator)
         records: list[dict[str, Any]] = []
-        rounds = _Watched(control, run, 0, log=records.append, policy=cfg.federated)
-        rounds.freeze = resumed  # as server_main sets it from a checkpoint's state
-        start = (split_deltas(initial)[0], split_deltas(control.get_adapter())[0])
         grid = LocalGrid(devices.nodes())
-        run_rounds(
-            cfg, rounds, grid, initial, initial=dict(initial), num_rounds=cfg.federated.rounds
+        rounds = _Watched(  # as server_main builds it, from a checkpoint's decision if resumed
+            cfg, control, run, grid, initial=dict(initial), log=records.append, freeze=resumed
         )
+        start = (split_deltas(initial)[0], split_deltas(control.get_adapter())[0])
+        run_rounds(rounds, initial, num_rounds=cfg.federated.rounds)
         return {
             "globals": [start, *rounds.globals],
             "records": records,

@@ -115,11 +115,10 @@ def _round(tamper: Tamper) -> tuple[dict[str, torch.Tensor], dict[str, torch.Ten
         evaluator = DeviceWork(cfg, device_id="evaluator", partition=-1, num_partitions=3)
         initial = seeded_adapters(cfg, evaluator)
         records: list[dict[str, Any]] = []
-        rounds = RoundHooks(control, run, 0, log=records.append, policy=cfg.federated)
         devices = _Devices(cfg, tamper)
-        result = run_rounds(
-            cfg, rounds, LocalGrid(devices.nodes()), initial, initial=dict(initial), num_rounds=1
-        )
+        grid = LocalGrid(devices.nodes())
+        rounds = RoundHooks(cfg, control, run, grid, initial=dict(initial), log=records.append)
+        result = run_rounds(rounds, initial, num_rounds=1)
         failures = [r for r in records if r["event"] == "failure"]
         return result.arrays.to_torch_state_dict(), control.get_adapter(), failures
     finally:

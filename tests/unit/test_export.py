@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from fedpipe.fl.device_work import RunSettings
-from fedpipe.fl.server_app import RoundHooks, _checkpoint_state
+from fedpipe.fl.server_app import _checkpoint_state
 from fedpipe.runs.export import export_run
 from fedpipe.runs.folder import FINGERPRINT_KEY
 from fedpipe.runs.generate import Sampling, generate, load_model
@@ -163,8 +163,7 @@ def test_export_refusals_are_one_line(
 
 def test_checkpoint_state_records_the_base_models_fingerprint() -> None:
     run = RunSettings(run_id="r")
-    rounds = RoundHooks(None, run, 0, log=lambda _: None)  # type: ignore[arg-type]  # no rounds run
-    state = _checkpoint_state(2, run, rounds, fingerprint="ab" * 32)
+    state = _checkpoint_state(2, run, None, fingerprint="ab" * 32)
     assert state == {"round": 2, "run_id": "r", FINGERPRINT_KEY: "ab" * 32}
 
 

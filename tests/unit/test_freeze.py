@@ -20,7 +20,7 @@ from fedpipe.edge.planner.plan import (
 from fedpipe.edge.trainer import DeviceTrainer
 from fedpipe.fl.device_work import RunSettings
 from fedpipe.fl.freeze import FreezeRule, FreezeState, block_movement, decide, pin_frozen
-from fedpipe.fl.server_app import RoundHooks, _checkpoint_state
+from fedpipe.fl.server_app import _checkpoint_state
 from fedpipe.lora import lora_parameters
 from fedpipe.lora.freezing import freeze_blocks, is_frozen, trainable_part
 from fedpipe.runs.folder import RunFolder
@@ -160,18 +160,16 @@ def test_a_checkpoint_keeps_the_decision_for_a_resumed_run(tmp_path: Path) -> No
     decide(rule, state, 1, {0: 1.0, 1: 1.0})
     decide(rule, state, 2, {0: 0.1, 1: 0.9})
     run = RunSettings(run_id="r")
-    rounds = RoundHooks(None, run, 0, log=lambda _: None)  # type: ignore[arg-type]  # no rounds run
-    rounds.freeze = state
     folder = RunFolder.open(tmp_path, "run")
     adapter = {"model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(2, 4)}
     folder.save_checkpoint(
-        2, device=adapter, server=adapter, state=_checkpoint_state(2, run, rounds)
+        2, device=adapter, server=adapter, state=_checkpoint_state(2, run, state)
     )
     saved = folder.latest_checkpoint()
     assert saved is not None
     assert FreezeState.from_json(saved.state["freeze"]) == state and state.frozen_below == 1
-    rounds.freeze = None  # pipeline.freeze = off: the checkpoint holds no decision
-    assert "freeze" not in _checkpoint_state(2, run, rounds)
+    # pipeline.freeze = off: the checkpoint holds no decision
+    assert "freeze" not in _checkpoint_state(2, run, None)
 
 
 def test_a_frozen_head_turns_the_trainer_forward_only_and_its_planner_plans_anew() -> None:

@@ -12,10 +12,13 @@ from typing import Any
 
 import pytest
 import torch
-from flwr.app import ArrayRecord, MetricRecord
 
+from fedpipe.config import FedpipeConfig
+from fedpipe.edge.trainer import DeviceTrainer
 from fedpipe.fl.device_work import RunSettings
-from fedpipe.fl.round_grid import DeviceBook, RoundGrid, StopRun
+from fedpipe.fl.freeze import FreezeRule, FreezeState, decide
+from fedpipe.fl.replies import METRIC_KEYS, TrainReply
+from fedpipe.fl.round_grid import StopRun
 from fedpipe.fl.server_app import RoundHooks
 from fedpipe.wire.control_client import Committed
 
@@ -32,52 +35,69 @@ class _Control:
         kept = [d for d in finished if d not in self.dropped]
         return Committed(len(kept), 0, {d: self.dropped[d] for d in finished if d in self.dropped})
 
+    def round_status(self, round_: int) -> None:
+        return None  # a StageServer without counts: the replies' checked claims stand
 
-def _reply(node: int, value: float) -> Any:
-    """What the strategy hands back: a device's reply with one adapter tensor and its metrics."""
-    metrics = MetricRecord({"num-examples": 4, "train-loss": 1.0, "bytes-up": 10, "bytes-down": 10})
-    content = {"arrays": ArrayRecord({"lora_A": torch.full((2, 2), value)}), "metrics": metrics}
+
+_CFG = FedpipeConfig().with_overrides({"model.name": "tiny-llama"})
+
+
+@pytest.fixture(scope="module")
+def initial() -> dict[str, torch.Tensor]:
+    """The run's seeded device adapters (tiny-llama at the default cut)."""
+    return DeviceTrainer(_CFG, device_id="evaluator").adapters()
+
+
+def _reply(node: int, value: float, initial: dict[str, torch.Tensor]) -> Any:
+    """What the strategy hands back: a device's reply, every adapter tensor set to ``value``."""
+    metrics = dict.fromkeys(METRIC_KEYS, 0) | {"num-examples": 4, "train-loss": 1.0, "steps": 1}
+    adapters = {k: torch.full_like(v, value) for k, v in initial.items()}
     return SimpleNamespace(
-        content=content,
+        content=TrainReply(metrics=metrics).write(adapters),
         metadata=SimpleNamespace(src_node_id=node),
         has_error=lambda: False,
     )
 
 
-def _rounds(control: _Control) -> tuple[RoundHooks, list[dict]]:
+def _rounds(control: _Control, initial: dict[str, torch.Tensor]) -> tuple[RoundHooks, list]:
     records: list[dict] = []
-    rounds = RoundHooks(control, RunSettings(), 0, log=records.append)  # type: ignore[arg-type]
-    rounds.grid = RoundGrid(
-        SimpleNamespace(),  # type: ignore[arg-type]
+    grid = SimpleNamespace()  # Flower's grid: these tests call the hooks, not Flower's loop
+    rounds = RoundHooks(
+        _CFG,
+        control,  # type: ignore[arg-type]
+        RunSettings(),
+        grid,  # type: ignore[arg-type]
+        initial=initial,
         log=records.append,
-        devices=DeviceBook(),
-        deadline_s=60,
-        report_every_s=30,
     )
     rounds.grid.round = 1
     return rounds, records
 
 
-def test_a_non_finite_device_adapter_is_not_aggregated() -> None:
+def test_a_non_finite_device_adapter_is_not_aggregated(initial: dict[str, torch.Tensor]) -> None:
     control = _Control(dropped={})
-    rounds, records = _rounds(control)
-    replies = [_reply(1, 0.5), _reply(2, float("nan")), _reply(3, float("inf"))]
+    rounds, records = _rounds(control, initial)
+    replies = [_reply(1, 0.5, initial), _reply(2, float("nan"), initial)]
+    replies.append(_reply(3, float("inf"), initial))
     kept = rounds.valid_replies(replies)
     assert [r.metadata.src_node_id for r in kept] == [1]
     assert [(r["node_id"], r["event"]) for r in records] == [(2, "failure"), (3, "failure")]
-    assert (
-        "device adapter not aggregated: 1 tensors hold NaN or Inf (e.g. lora_A)"
-        in (records[0]["reason"])
-    )
+    first, size = next(iter(initial)), next(iter(initial.values())).numel()
+    for record in records:  # said as the reply checks say it, naming the first bad tensor
+        assert record["reason"] == (
+            f"device adapter not aggregated: {size} values of {first} are NaN or Inf"
+        )
     rounds.commit(1, kept)
     assert control.commits == [{"1": 4.0}]  # the bad devices' server adapters are discarded
     assert rounds.stats["devices_trained"] == 1 and rounds.stats["devices_failed"] == 2
 
 
-def test_a_server_adapter_the_stage_server_dropped_is_a_failure() -> None:
+def test_a_server_adapter_the_stage_server_dropped_is_a_failure(
+    initial: dict[str, torch.Tensor],
+) -> None:
     control = _Control(dropped={"2": "1 of 512 values of lora_B are NaN or Inf"})
-    rounds, records = _rounds(control)
-    rounds.commit(1, [_reply(1, 0.5), _reply(2, 0.5)])
+    rounds, records = _rounds(control, initial)
+    rounds.commit(1, [_reply(1, 0.5, initial), _reply(2, 0.5, initial)])
     failures = [r for r in records if r["event"] == "failure"]
     assert [(r["node_id"], r["reason"]) for r in failures] == [
         (2, "server adapter not merged: 1 of 512 values of lora_B are NaN or Inf")
@@ -85,6 +105,46 @@ def test_a_server_adapter_the_stage_server_dropped_is_a_failure() -> None:
     assert rounds.stats["devices_trained"] == 1 and rounds.stats["devices_failed"] == 1
 
     control = _Control(dropped={"1": "NaN"})
-    rounds, _ = _rounds(control)
+    rounds, _ = _rounds(control, initial)
     with pytest.raises(StopRun, match="no device trained"):
-        rounds.commit(1, [_reply(1, 0.5)])
+        rounds.commit(1, [_reply(1, 0.5, initial)])
+
+
+def test_the_round_hooks_are_built_complete_from_the_run_settings(
+    initial: dict[str, torch.Tensor],
+) -> None:
+    """What server_main and the benches once set on the hooks afterwards is the constructor's:
+    the reply rules, the exact-aggregation state, freezing (a resumed run's decision) and the
+    round number of a resumed run."""
+    cfg = _CFG.with_overrides({"pipeline.freeze": "progressive", "train.batch_size": 4})
+    decision = FreezeState()
+    decide(FreezeRule(ratio=0.5, after=1, max_blocks=1), decision, 1, {0: 1.0, 1: 1.0})
+    decide(FreezeRule(ratio=0.5, after=1, max_blocks=1), decision, 2, {0: 0.1, 1: 0.9})
+    grid = SimpleNamespace()
+    hooks = RoundHooks(
+        cfg,
+        _Control({}),  # type: ignore[arg-type]
+        RunSettings(),
+        grid,  # type: ignore[arg-type]
+        initial=initial,
+        log=lambda _: None,
+        offset=3,
+        freeze=decision,
+    )
+    assert hooks.run_round(1) == 4 and hooks.grid.grid is grid
+    assert hooks.freeze is decision and hooks.frozen_below == 1 and hooks.freeze_rule is not None
+    assert hooks.reply_rules.rows_per_step == 4
+    assert hooks.reply_rules.max_examples == 4 * cfg.train.local_steps
+    assert hooks.exact.device_initial is initial
+    assert hooks.exact.lora_scale == cfg.model.lora_alpha / cfg.model.lora_r
+    off = RoundHooks(
+        _CFG,
+        _Control({}),  # type: ignore[arg-type]
+        RunSettings(),
+        grid,  # type: ignore[arg-type]
+        initial=initial,
+        log=lambda _: None,
+        freeze=decision,  # a checkpoint's decision, but pipeline.freeze = off now
+    )
+    assert off.freeze is None and off.freeze_rule is None and off.frozen_below == 0
+    assert off.run_round(1) == 1
