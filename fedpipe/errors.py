@@ -13,6 +13,7 @@ __all__ = [
     "ModelFileError",
     "RunStateError",
     "SessionStateError",
+    "SettingsError",
     "SplitMismatchError",
     "StageCapacityError",
     "StageLinkError",
@@ -46,6 +47,11 @@ class InvalidRequestError(FedpipeError, ValueError):
     """A request asks for what the server does not allow: a setting out of its bounds, a tensor
     that does not fit what the session declared, labels outside the vocabulary (INVALID_ARGUMENT).
     """
+
+
+class SettingsError(FedpipeError, ValueError):
+    """A setting that cannot work (the command line's checks); its message is one line saying
+    what to change."""
 
 
 class SessionStateError(FedpipeError):

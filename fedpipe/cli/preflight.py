@@ -11,19 +11,23 @@ from __future__ import annotations
 
 import difflib
 import logging
-import socket
-import ssl
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fedpipe.cli.probes import (
+    check_port_free,
+    check_stage_secret,
+    check_tls_matches,
+    split_address,
+)
 from fedpipe.config import FedpipeConfig, PrivacyConfig, parse_cuts
 from fedpipe.config.privacy_spec import parse_privacy_spec
 from fedpipe.config.settings import parse_device_weights
 from fedpipe.data import default_corpus, load_documents, partition, train_eval_split
 from fedpipe.emulation import link_names, parse_device_profile, parse_link
-from fedpipe.errors import FedpipeError
+from fedpipe.errors import SettingsError
 
 __all__ = [
     "SettingsError",
@@ -32,21 +36,15 @@ __all__ = [
     "check_examples",
     "check_file",
     "check_model",
-    "check_port_free",
     "check_profiles",
     "check_run",
     "check_server",
     "check_simulate",
     "check_strategy",
     "did_you_mean",
-    "probe_tls",
 ]
 
 log = logging.getLogger(__name__)
-
-
-class SettingsError(FedpipeError, ValueError):
-    """A setting that cannot work; its message is one line saying what to change."""
 
 
 def did_you_mean(value: str, choices: Iterable[str]) -> str:
@@ -200,90 +198,6 @@ def default_split(layers: int, wanted: int = 2) -> int:
     return max(1, min(wanted, (layers - 1) // 2))
 
 
-# -- network ------------------------------------------------------------------------------------
-def split_address(address: str, flag: str) -> tuple[str, int]:
-    """``host:port`` (``[v6]:port`` too) -> (host, port), or a SettingsError naming ``flag``."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise SettingsError(f"{flag}: expected HOST:PORT (e.g. 127.0.0.1:8000), got {address!r}")
-    return host.strip("[]"), int(port)
-
-
-def check_port_free(host: str, port: int, flag: str) -> None:
-    """Nothing listens on ``host:port`` (port 0 = any free port, always fine)."""
-    if port == 0:
-        return
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is not "busy"
-        try:
-            sock.bind((host, port))
-        except PermissionError:
-            raise SettingsError(
-                f"{flag}: port {port} needs privileges on this machine; use a port >= 1024"
-            ) from None
-        except OSError as exc:
-            raise SettingsError(
-                f"{flag}: {host}:{port} is not free ({exc.strerror}{_holder(port)}); "
-                "choose another port or stop that process"
-            ) from None
-
-
-def _holder(port: int) -> str:
-    """``; held by pid N (name)`` when this user may see who listens on ``port``."""
-    import psutil
-
-    try:
-        for conn in psutil.net_connections(kind="inet"):
-            if conn.laddr and conn.laddr.port == port and conn.status == "LISTEN" and conn.pid:
-                return f"; held by pid {conn.pid} ({psutil.Process(conn.pid).name()})"
-    except (psutil.Error, OSError):
-        pass
-    return ""
-
-
-def probe_tls(host: str, port: int, timeout_s: float = 3.0) -> bool | None:
-    """True if ``host:port`` completes a TLS handshake, False if it answers in plaintext,
-    None if nothing answers. Certificates are not checked: this only asks which protocol."""
-    context = ssl.create_default_context()
-    context.check_hostname = False
-    context.verify_mode = ssl.CERT_NONE
-    context.set_alpn_protocols(["h2", "http/1.1"])
-    try:
-        with socket.create_connection((host, port), timeout=timeout_s) as raw:
-            try:
-                with context.wrap_socket(raw, server_hostname=host):
-                    return True
-            except (ssl.SSLError, ConnectionResetError, TimeoutError):
-                return False
-    except OSError:
-        return None
-
-
-def check_tls_matches(
-    address: str, ca: str | None, flag: str, what: str, *, required: bool = False
-) -> None:
-    """A TLS server needs ``--tls-ca``; a plaintext one must not get it. A server that does
-    not answer is an error when ``required``, else a warning (it may start later)."""
-    host, port = split_address(address, flag)
-    speaks_tls = probe_tls(host, port)
-    if speaks_tls is None:
-        message = f"no {what} answers at {address}"
-        if required:
-            raise SettingsError(f"{message}: start it first, or fix {flag}")
-        log.warning("%s yet; waiting for it", message)
-    if speaks_tls and not ca:
-        raise SettingsError(
-            f"the {what} at {address} serves TLS: give the CA that signed its certificate "
-            "with --tls-ca FILE"
-        )
-    if speaks_tls is False and ca:
-        raise SettingsError(
-            f"the {what} at {address} serves plaintext, not TLS: drop --tls-ca, or start it "
-            "with --tls-cert/--tls-key"
-        )
-
-
 # -- per command ---------------------------------------------------------------------------------
 def _check_common(config: FedpipeConfig) -> None:
     check_profiles(list(config.federated.profiles), "federated.profiles")
@@ -327,60 +241,16 @@ def check_run(config: FedpipeConfig, target: RunTarget) -> None:
             check_file(ca, "--tls-ca", "CA certificate")
     # one StageServer, or each of its replicas (a comma-separated list)
     for address in [a.strip() for a in target.stage_server.split(",") if a.strip()]:
-        each = replace(target, stage_server=address)
         check_tls_matches(address, target.stage_ca, "--stage-server", "StageServer", required=True)
-        check_stage_secret(each, config.server.client_identity())
+        check_stage_secret(
+            address,
+            target.secret_file,
+            target.stage_ca,
+            config.server.client_identity(),
+        )
     check_tls_matches(
         target.superlink, target.superlink_ca, "--superlink", "SuperLink", required=True
     )
-
-
-def check_stage_secret(
-    target: RunTarget, identity: tuple[bytes | None, bytes | None] = (None, None)
-) -> None:
-    """Ask the StageServer (a read-only, signed control call) whether it accepts the secret.
-
-    A fresh StageServer answers FAILED_PRECONDITION (no run's adapter yet) only after it checked
-    the call's signature, so that answer, too, says the secret is right.
-    """
-    import grpc  # deferred: gRPC loads only for the commands that reach a server
-
-    from fedpipe.wire.control_client import StageControlClient  # deferred: torch, gRPC
-
-    secret = target.secret_file.read_text().strip() if target.secret_file else ""
-    ca = Path(target.stage_ca).expanduser().read_bytes() if target.stage_ca else None
-    address = target.stage_server
-    client = StageControlClient(
-        address,
-        secret,
-        root_certificates=ca,
-        certificate_chain=identity[0],
-        private_key=identity[1],
-    )
-    try:
-        client.check_access(timeout=10)
-    except grpc.RpcError as exc:
-        raise SettingsError(_stage_refusal(address, exc, target)) from None
-    finally:
-        client.close()
-
-
-def _stage_refusal(address: str, exc: Any, target: RunTarget) -> str:
-    import grpc
-
-    code = exc.code()
-    if code == grpc.StatusCode.UNAUTHENTICATED:
-        given = f"the secret in {target.secret_file}" if target.secret_file else "no secret"
-        return (
-            f"the StageServer at {address} refused {given}: pass the same --secret-file that "
-            "`fedpipe server` was started with"
-        )
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-        return (
-            f"no StageServer answers at {address} ({exc.details()}): start `fedpipe server` "
-            "there or fix --stage-server"
-        )
-    return f"the StageServer at {address} answered {code.name}: {exc.details()}"
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,8 @@ from typing import Any
 
 from fedpipe.auth.secret_files import create_secret_file, read_secret_file
 from fedpipe.cli.main import EXIT_FAILED, config_from_args
-from fedpipe.cli.preflight import ServerSetup, check_secret_needed, check_server, split_address
+from fedpipe.cli.preflight import ServerSetup, check_secret_needed, check_server
+from fedpipe.cli.probes import split_address
 from fedpipe.config import FedpipeConfig
 from fedpipe.launch.processes import Certificates, start_superlink
 from fedpipe.server.build import build_stage_server

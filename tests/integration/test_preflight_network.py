@@ -11,13 +11,8 @@ from pathlib import Path
 import pytest
 from harness.certs import certificates
 
-from fedpipe.cli.preflight import (
-    SettingsError,
-    check_port_free,
-    check_tls_matches,
-    probe_tls,
-    split_address,
-)
+from fedpipe.cli.probes import check_port_free, check_tls_matches, probe_tls, split_address
+from fedpipe.errors import SettingsError
 
 
 def _serve(tls: ssl.SSLContext | None) -> Iterator[int]:
