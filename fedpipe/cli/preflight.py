@@ -267,16 +267,10 @@ class ServerSetup:
 
 
 def check_secret_needed(config: FedpipeConfig, host: str, secret: str | None) -> None:
-    """A StageServer that others can reach needs a secret, unless the operator opts out."""
-    if secret or config.server.allow_unauthenticated:
-        return
-    if host in ("localhost", "::1") or host.startswith("127."):
-        return
-    raise SettingsError(
-        f"--stage-server {host}: a StageServer that others can reach needs a secret (anyone "
-        "could open sessions and change the run's adapters): add --secret-file FILE, or "
-        "--set server.allow_unauthenticated=true on a closed network"
-    )
+    """A StageServer that others can reach needs a secret, unless the operator opts out
+    (:meth:`~fedpipe.config.ServerConfig.secret_refusal`, the StageServer's own rule)."""
+    if refusal := config.server.secret_refusal(host, secret):
+        raise SettingsError(f"--stage-server {host}: {refusal}")
 
 
 def check_server(config: FedpipeConfig, setup: ServerSetup) -> None:

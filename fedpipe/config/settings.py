@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import ipaddress
 import tomllib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, replace
@@ -349,6 +350,14 @@ class DataConfig:
         )
 
 
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is reachable only from this machine (no one else on the path)."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """The StageServer: where it listens, on what hardware, and its limits."""
@@ -513,6 +522,20 @@ class ServerConfig:
             self.replica_restarts >= -1,
             f"server.replica_restarts must be >= -1 (-1: without limit), got "
             f"{self.replica_restarts}",
+        )
+
+    def secret_refusal(self, host: str, secret: str | None) -> str:
+        """Why a StageServer bound to ``host`` may not serve with ``secret`` ("" when it may):
+        one that others can reach needs a secret, unless ``allow_unauthenticated``. The one
+        rule, for ``fedpipe server``'s check and for the StageServer's construction."""
+        if secret or self.allow_unauthenticated or is_loopback(host):
+            return ""
+        return (
+            f"a StageServer on {host}, which others can reach, needs a secret (anyone who "
+            "reaches it could open sessions and change the run's adapters): give it "
+            "--secret-file FILE (the ServerApp gets the same file), or set "
+            "server.allow_unauthenticated = true (--set server.allow_unauthenticated=true) on "
+            "a closed network"
         )
 
     def root_certificates(self, override: str = "") -> bytes | None:

@@ -11,7 +11,7 @@ import torch
 from fedpipe.auth.calls import ControlVerifier
 from fedpipe.auth.secret_files import warn_if_readable
 from fedpipe.auth.tokens import InvalidTokenError, TokenLedger, check_secret, verify_token
-from fedpipe.config import FedpipeConfig, ServerConfig
+from fedpipe.config import FedpipeConfig, ServerConfig, is_loopback
 from fedpipe.errors import AuthError
 from fedpipe.lora import BatchedAdapterBank, adapter_bank, lora_settings
 from fedpipe.models import load_config, model_family, model_fingerprint, resolve_model
@@ -21,7 +21,6 @@ from fedpipe.server.sessions import RuntimeLimits
 from fedpipe.server.stage_server import StageServer
 from fedpipe.split import TailStage, build_stage, split_layout
 from fedpipe.split.agreement import SplitInfo
-from fedpipe.wire.host import is_loopback
 
 __all__ = [
     "build_runtime",
@@ -217,13 +216,8 @@ def build_stage_server(
     that is refused on an address others can reach unless ``server.allow_unauthenticated``.
     """
     host = config.server.host
-    if not secret and not is_loopback(host) and not config.server.allow_unauthenticated:
-        raise ValueError(
-            f"the StageServer would listen on {host} without a secret: anyone who reaches it "
-            "could open sessions and change the run's adapters; give it --secret-file (the "
-            "ServerApp gets the same file), or set server.allow_unauthenticated = true for a "
-            "closed network"
-        )
+    if refusal := config.server.secret_refusal(host, secret):
+        raise ValueError(refusal)
     if not secret and not is_loopback(host):
         log.warning("no secret on %s: sessions and round control need no token", host)
     runtime, split = build_runtime(config, folder=folder)

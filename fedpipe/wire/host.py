@@ -7,33 +7,25 @@ and the standard ``grpc.health.v1.Health`` service, on one port.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 from concurrent import futures
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from fedpipe.config import is_loopback
 from fedpipe.proto import stage_pb2_grpc as pb_grpc
 from fedpipe.wire.backend import StageBackend
 from fedpipe.wire.channels import channel_options
 from fedpipe.wire.control_servicer import ControlAuth, ControlServicer
 from fedpipe.wire.link_servicer import LinkServicer, add_link_servicer
 
-__all__ = ["GrpcHost", "is_loopback"]
+__all__ = ["GrpcHost"]
 
 log = logging.getLogger(__name__)
 
 _UNARY_THREADS = 16  # gRPC threads kept free of streams: health, sessions and control
 _SERVICES = ("", "fedpipe.proto.StageLink", "fedpipe.proto.StageControl")
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` is reachable only from this machine (no one else on the path)."""
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 class GrpcHost:

@@ -50,3 +50,21 @@ def test_a_reachable_stage_server_without_a_secret_is_refused_in_one_line(
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == EXIT_SETTINGS and len(err) == 1, err
     assert "needs a secret" in err[0] and "server.allow_unauthenticated=true" in err[0]
+
+
+def test_one_rule_says_who_may_serve_without_a_secret() -> None:
+    """ServerConfig.secret_refusal is what `fedpipe server`'s check and the StageServer's
+    construction both refuse by: loopback alone, a secret, or the explicit opt-out."""
+    from fedpipe.cli.preflight import SettingsError, check_secret_needed
+    from fedpipe.config import FedpipeConfig, ServerConfig
+
+    server = ServerConfig()
+    for host in ("127.0.0.1", "127.3.2.1", "::1", "[::1]", "localhost"):
+        assert server.secret_refusal(host, None) == "", host
+    for host in ("0.0.0.0", "10.0.0.5", "::", "server.example"):
+        assert "needs a secret" in server.secret_refusal(host, None), host
+        assert server.secret_refusal(host, "s" * 32) == ""
+        assert ServerConfig(allow_unauthenticated=True).secret_refusal(host, None) == ""
+    with pytest.raises(SettingsError) as refused:
+        check_secret_needed(FedpipeConfig(), "0.0.0.0", None)
+    assert str(refused.value) == "--stage-server 0.0.0.0: " + server.secret_refusal("0.0.0.0", "")
