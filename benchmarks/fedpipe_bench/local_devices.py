@@ -5,15 +5,12 @@ the ClientApp's mods first, outermost first (the adapter codec's, when
 ``federated.adapter_codec`` or ``adapter_downlink_codec`` is not fp32: the global adapters
 decoded and the device's update encoded, its residuals kept in the node's ``context.state``
 across rounds as Flower keeps it; then Flower's client-side clipping, when
-``privacy.adapter_dp = client`` puts a clipping norm in the round's config), then the round's
-global adapters loaded, the
-local steps over the stage link with the round's token (and FedProx's ``proximal-mu`` under
-``fedprox``, the round's frozen blocks under ``pipeline.freeze``), and a reply holding the
-device's adapters, its ``RoundReport`` as metrics, its plan and cut. A node's device id is
-its node id, as a Flower node's is, so the ServerApp's commit names the sessions it trained on
-the StageServer. Left out, as a simulation's devices
-do not use them: a device's own data and TLS files, test fault injection, and a delta cache
-kept on disk (each device's stays in memory for the run, as its DeviceWork does).
+``privacy.adapter_dp = client`` puts a clipping norm in the round's config), then the
+ClientApp's own device round (:func:`fedpipe.fl.device_round.train_round`). A node's device id
+is its node id, as a Flower node's is, so the ServerApp's commit names the sessions it trained
+on the StageServer. Left out, as a simulation's devices do not use them: a device's own data
+and TLS files, test fault injection, and a delta cache kept on disk (each device's stays in
+memory for the run, as its DeviceWork does).
 """
 
 from __future__ import annotations
@@ -24,13 +21,13 @@ from typing import cast
 
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
-from fedpipe.config import FedpipeConfig, format_cut
-from fedpipe.edge.trainer import RoundReport
+from fedpipe.config import FedpipeConfig
+from fedpipe.edge.trainer import TrainReport
 from fedpipe.fl.adapter_codec import adapter_codec_mod, adapter_nbytes
 from fedpipe.fl.adapter_dp import adapter_clipping_mod
+from fedpipe.fl.device_round import train_round
 from fedpipe.fl.device_work import DeviceWork
 from fedpipe.fl.orders import TrainOrder
-from fedpipe.fl.replies import train_content
 from fedpipe_bench.local_grid import Node
 
 __all__ = ["FIRST_NODE", "LocalDevices", "Traffic"]
@@ -61,7 +58,7 @@ class LocalDevices:
             node: DeviceWork(cfg, device_id=str(node), partition=i, num_partitions=fed.num_devices)
             for node, i in nodes.items()
         }
-        self.reports: dict[int, list[RoundReport]] = {}  # by round, in the order they trained
+        self.reports: dict[int, list[TrainReport]] = {}  # by round, in the order they trained
         self.traffic = Traffic()
         # Flower's per-node state across a run's rounds (the adapter codec's residuals)
         self.contexts = {
@@ -86,29 +83,11 @@ class LocalDevices:
         return reply
 
     def _train(self, node: int, msg: Message) -> Message:
-        work = self.works[node]
-        order = TrainOrder.read(cast(ConfigRecord, msg.content["config"]))
-        work.trainer.load_adapters(cast(ArrayRecord, msg.content["arrays"]).to_torch_state_dict())
-        fedprox = self.cfg.federated.strategy == "fedprox"
-        report = work.train(
-            order.stage_address,
-            round_=order.round,
-            token=order.token,
-            proximal_mu=order.proximal_mu if fedprox else 0.0,
-            frozen_below=order.frozen_below,
-        )
-        adapters = work.trainer.adapters()
-        self._count(order.round, report)
-        content = train_content(
-            report,
-            adapters,
-            work.partition,
-            format_cut(work.trainer.cut),
-            weights=work.trainer.weights,
-        )
-        return Message(content=content, reply_to=msg)
+        reply, report = train_round(self.works[node], msg)
+        self._count(TrainOrder.read(cast(ConfigRecord, msg.content["config"])).round, report)
+        return reply
 
-    def _count(self, round_: int, report: RoundReport) -> None:
+    def _count(self, round_: int, report: TrainReport) -> None:
         """A device's round: its stage-link bytes and tokens."""
         self.reports.setdefault(round_, []).append(report)
         self.traffic.up += report.bytes_up

@@ -1,6 +1,6 @@
 """A Flower ``Grid`` whose nodes are functions in this process, answered as they are pushed.
 
-``fedpipe bench quality`` runs the ServerApp's rounds (:func:`fedpipe.fl.server_app.run_rounds`:
+``fedpipe bench quality`` runs the ServerApp's rounds (:class:`fedpipe.fl.rounds.FedpipeStrategy`:
 the configured strategy, fedpipe's round hooks and round policy) over this grid instead of a
 SuperLink: a message pushed to node ``n`` is handed to ``nodes[n]`` at once and its reply is
 kept for the pull that follows. Devices therefore train one after another, in the order the

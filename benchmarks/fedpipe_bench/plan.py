@@ -27,7 +27,7 @@ import torch
 
 from fedpipe.config import FedpipeConfig
 from fedpipe.edge.planner.bound import Components, link_occupancy, predict_step
-from fedpipe.edge.trainer import DeviceTrainer, RoundReport
+from fedpipe.edge.trainer import DeviceTrainer, TrainReport
 from fedpipe.emulation import DeviceProfile, parse_link
 from fedpipe.trace import Event, Tracer
 from fedpipe.wire.link_client import StageClient
@@ -68,7 +68,7 @@ def _inrun_prediction(trainer: DeviceTrainer, events: list[Event], plan: dict[st
 
 
 def _session_entry(
-    trainer: DeviceTrainer, report: RoundReport, events: list[Event], skip: int
+    trainer: DeviceTrainer, report: TrainReport, events: list[Event], skip: int
 ) -> dict[str, Any]:
     """The plan of one session and its error; the first ``skip`` steps left out."""
     planned = report.steps[skip:]
@@ -88,7 +88,7 @@ def _session_entry(
     }
 
 
-def _step_events(tracer: Tracer, report: RoundReport, skip: int) -> list[Event]:
+def _step_events(tracer: Tracer, report: TrainReport, skip: int) -> list[Event]:
     """The trace events of the session's steps after the first ``skip`` (by step times)."""
     if skip >= len(report.steps):
         return []

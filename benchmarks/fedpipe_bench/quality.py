@@ -10,7 +10,7 @@ optimizer steps, then evaluates held-out loss:
   (named by its codec) and ``frozen`` (frozen-device mode): fedpipe with 4 devices.
 
 The federated runs use the real pipeline (device runtime, codecs, the real StageServer over gRPC
-on 127.0.0.1) and the ServerApp's own rounds (:func:`fedpipe.fl.server_app.run_rounds`: the
+on 127.0.0.1) and the ServerApp's own rounds (:class:`fedpipe.fl.rounds.FedpipeStrategy`: the
 Flower strategy ``federated.strategy`` builds, with ``server_lr``, ``fraction_train`` sampling
 and ``privacy.adapter_dp``, inside fedpipe's round hooks: tokens, finite checks, cuts, exact
 aggregation, CommitRound on the StageServer). Only the transport of Flower's messages differs:
@@ -41,10 +41,10 @@ from fedpipe.data import (
     train_eval_split,
 )
 from fedpipe.data import partition as partition_docs
-from fedpipe.edge.trainer import RoundReport
+from fedpipe.edge.trainer import TrainReport
 from fedpipe.fl.device_work import DeviceWork, RunSettings, evaluate_split
-from fedpipe.fl.server_app import RoundHooks, seeded_adapters
-from fedpipe.fl.server_app import run_rounds as server_rounds
+from fedpipe.fl.rounds import FedpipeStrategy
+from fedpipe.fl.server_app import seeded_adapters
 from fedpipe.lora import apply_lora, lora_settings
 from fedpipe.models import (
     load_causal_lm,
@@ -66,7 +66,7 @@ __all__ = [
     "RUNS",
     "check_modelled",
     "run_quality_bench",
-    "run_rounds",
+    "federated_rounds",
 ]
 
 log = logging.getLogger(__name__)
@@ -395,14 +395,14 @@ def _federated(cfg: FedpipeConfig) -> dict[str, Any]:
     control = StageControlClient(f"127.0.0.1:{server.port}", "")
     try:
         control.reset_adapter()
-        row, _ = run_rounds(cfg, server.port, control)
+        row, _ = federated_rounds(cfg, server.port, control)
         return row
     finally:
         control.close()
         server.stop(grace=None)
 
 
-def run_rounds(
+def federated_rounds(
     cfg: FedpipeConfig, port: int, control: StageControlClient
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """``federated.rounds`` rounds of the ServerApp's own code with this process's devices on
@@ -415,9 +415,9 @@ def run_rounds(
     initial = seeded_adapters(cfg, evaluator)
     records: list[dict[str, Any]] = []
     grid = LocalGrid(devices.nodes())
-    rounds = RoundHooks(cfg, control, run, grid, initial=dict(initial), log=records.append)
+    rounds = FedpipeStrategy(cfg, control, run, grid, initial=dict(initial), log=records.append)
     start = time.perf_counter()
-    result = server_rounds(rounds, initial, num_rounds=fed.rounds)
+    result = rounds.run(initial, num_rounds=fed.rounds)
     wall = time.perf_counter() - start
     failures = [r for r in records if r["event"] == "failure"]
     if failures:  # the ServerApp goes on without them; a bench row must not
@@ -440,7 +440,7 @@ def run_rounds(
     return row, final
 
 
-def _round_row(round_: int, reports: list[RoundReport]) -> dict[str, Any]:
+def _round_row(round_: int, reports: list[TrainReport]) -> dict[str, Any]:
     """One round's devices (those the strategy sampled), its stage-link bytes per trained
     token and, with delta coding, its hit rate."""
     tokens = sum(s.tokens for r in reports for s in r.steps)

@@ -43,7 +43,7 @@ from fedpipe.wire.link_client import StageClient, StageSession
 
 __all__ = [
     "DeviceTrainer",
-    "RoundReport",
+    "TrainReport",
     "initial_device_adapters",
     "split_terms",
 ]
@@ -118,7 +118,7 @@ def _add_proximal_term(
 
 
 @dataclass
-class RoundReport:
+class TrainReport:
     """What a device did in one round."""
 
     steps: list[StepResult] = field(default_factory=list)
@@ -463,7 +463,7 @@ class DeviceTrainer:
         round_: int = 0,
         token: str = "",
         proximal_mu: float = 0.0,
-    ) -> RoundReport:
+    ) -> TrainReport:
         """Run one round's local steps as pipelined split training; returns metrics.
 
         ``proximal_mu`` > 0 adds FedProx's ``mu/2 * ||w - w_round_start||^2`` to the device
@@ -478,7 +478,7 @@ class DeviceTrainer:
         )
         if proximal_mu > 0 and optimizer is not None:
             _add_proximal_term(optimizer, params, proximal_mu)
-        report = RoundReport()
+        report = TrainReport()
         start = time.perf_counter()
         session, runtime = self.connect(client, optimizer=optimizer, round_=round_, token=token)
         self._log_delta(session, round_)
@@ -504,7 +504,7 @@ class DeviceTrainer:
         session: StageSession,
         runtime: DeviceRuntime,
         batches: list[dict[str, torch.Tensor]],
-        report: RoundReport,
+        report: TrainReport,
         round_: int,
     ) -> None:
         """The round's steps over ``session``, which this closes."""

@@ -6,7 +6,7 @@ Three things it cannot do alone: devices of different cuts hold different blocks
 :func:`pad_to_union` fills each reply instead, for the strategies whose state spans the whole
 adapter), every device's update may be clipped to a norm bound first (:func:`clip_replies`),
 and the ``exact`` and ``stack`` rules fold each round's product of adapters into dense base
-deltas (:func:`aggregate_exactly`, state kept across rounds in :class:`ExactState`).
+deltas (:meth:`ExactState.fold`, state kept across rounds in :class:`ExactState`).
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ from typing import cast
 import torch
 from flwr.app import ArrayRecord, Message, MetricRecord
 
-from fedpipe.lora.aggregation import DELTA_SUFFIX, aggregate_held
+from fedpipe.fl.replies import TrainReply
+from fedpipe.lora.aggregation import DELTA_SUFFIX, aggregate_held, split_deltas
 from fedpipe.lora.robust import clip_updates
 
 __all__ = [
     "ExactState",
-    "aggregate_exactly",
     "by_holders",
     "clip_replies",
     "held",
@@ -44,12 +44,42 @@ class ExactState:
     device_deltas: dict[str, torch.Tensor] = field(default_factory=dict)  # folded so far
     device_global: dict[str, torch.Tensor] = field(default_factory=dict)  # sent this round
 
+    def begin(self, arrays: dict[str, torch.Tensor]) -> None:
+        """A round starts from the global device ``arrays``: its adapters, its folded deltas."""
+        self.device_global, self.device_deltas = split_deltas(arrays)
+
+    def fold(
+        self,
+        held: tuple[list[dict[str, torch.Tensor]], list[float]],
+        result: tuple[ArrayRecord | None, object],
+    ) -> tuple[ArrayRecord | None, object]:
+        """``exact`` / ``stack``: the device adapters aggregated by fedpipe, base deltas folded.
+
+        Each layer over the devices that hold it (their cut's blocks); a layer nobody ran keeps
+        its global value. The global arrays then carry the cumulative deltas (``*.base_delta``)
+        down to every device each round (dense: out x in values per adapted layer) and into the
+        checkpoints. Other modes: ``result`` (the strategy's) as it is.
+        """
+        states, weights = held
+        if self.mode not in ("exact", "stack") or not states or result[0] is None:
+            return result
+        merged, deltas = aggregate_held(
+            states, weights, self.mode, scale=self.lora_scale, initial=self.device_initial
+        )
+        merged = {**self.device_global, **merged}
+        total = dict(self.device_deltas)
+        for name, delta in deltas.items():
+            total[name] = total[name] + delta if name in total else delta
+        self.device_deltas = total
+        arrays = {**merged, **{k + DELTA_SUFFIX: v.contiguous() for k, v in total.items()}}
+        return ArrayRecord(arrays), result[1]
+
 
 def held(replies: list[Message]) -> tuple[list[dict[str, torch.Tensor]], list[float]]:
     """Each finished device's adapters as it sent them (its cut's blocks) and its weight."""
     ok = [r for r in replies if not r.has_error()]
     states = [dict(cast(ArrayRecord, r.content["arrays"]).to_torch_state_dict()) for r in ok]
-    return states, [float(cast(int, r.content["metrics"]["num-examples"])) for r in ok]
+    return states, [float(TrainReply.read(r.content).num_examples) for r in ok]
 
 
 def pad_to_union(
@@ -139,34 +169,6 @@ def clip_replies(
         (clipped,) = clip_updates([dict(state)], global_state, bound)
         if clipped is not state:
             reply.content["arrays"] = ArrayRecord({k: v.contiguous() for k, v in clipped.items()})
-
-
-def aggregate_exactly(
-    state: ExactState,
-    held: tuple[list[dict[str, torch.Tensor]], list[float]],
-    result: tuple[ArrayRecord | None, object],
-) -> tuple[ArrayRecord | None, object]:
-    """``exact`` / ``stack``: the device adapters aggregated by fedpipe, base deltas folded.
-
-    Each layer over the devices that hold it (their cut's blocks); a layer nobody ran keeps
-    its global value. The global arrays then carry the cumulative deltas (``*.base_delta``)
-    down to every device each round (dense: out x in values per adapted layer) and into the
-    checkpoints.
-    """
-    mode = state.mode
-    states, weights = held
-    if mode not in ("exact", "stack") or not states or result[0] is None:
-        return result
-    merged, deltas = aggregate_held(
-        states, weights, mode, scale=state.lora_scale, initial=state.device_initial
-    )
-    merged = {**state.device_global, **merged}
-    total = dict(state.device_deltas)
-    for name, delta in deltas.items():
-        total[name] = total[name] + delta if name in total else delta
-    state.device_deltas = total
-    arrays = {**merged, **{k + DELTA_SUFFIX: v.contiguous() for k, v in total.items()}}
-    return ArrayRecord(arrays), result[1]
 
 
 def non_finite(reply: Message) -> list[str]:

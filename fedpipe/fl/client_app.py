@@ -11,19 +11,18 @@ import logging
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message
+from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
-from fedpipe.config import format_cut
 from fedpipe.config.flower_keys import NodeSettings
 from fedpipe.config.settings import parse_profiles
 from fedpipe.fl.adapter_codec import adapter_codec_mod
 from fedpipe.fl.adapter_dp import adapter_clipping_mod
+from fedpipe.fl.device_round import train_round
 from fedpipe.fl.device_work import DeviceWork, RunSettings, partition_profile, run_settings
-from fedpipe.fl.orders import TrainOrder
-from fedpipe.fl.replies import TrainReply, train_content
+from fedpipe.fl.replies import TrainReply
 
 __all__ = ["client_app"]
 
@@ -110,21 +109,11 @@ def client_train(msg: Message, context: Context) -> Message:
         privacy=node.privacy,  # `fedpipe client --privacy`; else privacy.devices
         weights=node.weights,  # `fedpipe client --weights`; else device.weights
     )
-    order = TrainOrder.read(cast(ConfigRecord, msg.content["config"]))
-    work.trainer.load_adapters(cast(ArrayRecord, msg.content["arrays"]).to_torch_state_dict())
-    report = work.train(
-        order.address_for(node.stage_address, run.stage_address),
-        round_=order.round,
-        token=order.token,
-        proximal_mu=order.proximal_mu if cfg.federated.strategy == "fedprox" else 0.0,
+    reply, _ = train_round(
+        work,
+        msg,
+        device_address=node.stage_address,
+        fallback_address=run.stage_address,
         trace_dir=Path(run.dir) / "traces" if run.dir else None,
-        frozen_below=order.frozen_below,
     )
-    content = train_content(
-        report,
-        work.trainer.adapters(),
-        node.partition_id,
-        format_cut(work.trainer.cut),
-        weights=work.trainer.weights,
-    )
-    return Message(content=content, reply_to=msg)
+    return reply

@@ -34,7 +34,7 @@ from fedpipe.data import (
 )
 from fedpipe.data import partition as partition_docs
 from fedpipe.edge.runtime import DeviceRuntime
-from fedpipe.edge.trainer import DeviceTrainer, RoundReport
+from fedpipe.edge.trainer import DeviceTrainer, TrainReport
 from fedpipe.emulation import DeviceProfile, parse_device_profile
 from fedpipe.fl.eval_generate import questions
 from fedpipe.models import load_tokenizer
@@ -261,7 +261,7 @@ class DeviceWork:
         proximal_mu: float = 0.0,
         trace_dir: Path | None = None,
         frozen_below: int = 0,
-    ) -> RoundReport:
+    ) -> TrainReport:
         """One round of local steps; batches depend only on (seed, partition, round, step).
 
         ``frozen_below``: the round's frozen blocks (pipeline.freeze, from the round's config).

@@ -31,7 +31,7 @@ from fedpipe.config import PipelineConfig
 from fedpipe.lora.aggregation import DELTA_SUFFIX, adapter_block
 from fedpipe.lora.freezing import is_frozen
 
-__all__ = ["FreezeRule", "FreezeState", "block_movement", "decide", "pin_frozen"]
+__all__ = ["FreezeRule", "FreezeState", "block_movement", "pin_frozen"]
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,31 @@ class FreezeState:
     frozen_below: int = 0
     peaks: dict[int, float] = field(default_factory=dict)
     history: list[dict[str, Any]] = field(default_factory=list)
+
+    def decide(self, rule: FreezeRule, round_: int, movement: Mapping[int, float]) -> int:
+        """Take round ``round_``'s ``movement`` into this state; the new ``frozen_below``.
+
+        Frozen blocks stay frozen: the result never goes down. A block freezes only when every
+        block below it is frozen and its own movement was measured this round and fell to
+        ``rule.ratio`` of its peak.
+        """
+        for block, value in movement.items():
+            self.peaks[block] = max(self.peaks.get(block, 0.0), value)
+        below = self.frozen_below
+        if round_ >= rule.after:
+            while below < rule.max_blocks and below in movement:
+                if movement[below] > rule.ratio * self.peaks[below]:
+                    break
+                below += 1
+        self.history.append(
+            {
+                "round": round_,
+                "frozen_below": below,
+                "movement": {str(b): round(v, 6) for b, v in sorted(movement.items())},
+            }
+        )
+        self.frozen_below = below
+        return below
 
     def to_json(self) -> dict[str, Any]:
         """What a checkpoint keeps (JSON: block indices as strings)."""
@@ -96,32 +121,6 @@ def block_movement(
     return {
         b: math.sqrt(change[b] / size[b]) for b in sorted(change) if change[b] > 0 and size[b] > 0
     }
-
-
-def decide(rule: FreezeRule, state: FreezeState, round_: int, movement: Mapping[int, float]) -> int:
-    """Update ``state`` with round ``round_``'s ``movement``; the new ``frozen_below``.
-
-    Frozen blocks stay frozen: the result never goes down. A block freezes only when every
-    block below it is frozen and its own movement was measured this round and fell to
-    ``rule.ratio`` of its peak.
-    """
-    for block, value in movement.items():
-        state.peaks[block] = max(state.peaks.get(block, 0.0), value)
-    below = state.frozen_below
-    if round_ >= rule.after:
-        while below < rule.max_blocks and below in movement:
-            if movement[below] > rule.ratio * state.peaks[below]:
-                break
-            below += 1
-    state.history.append(
-        {
-            "round": round_,
-            "frozen_below": below,
-            "movement": {str(b): round(v, 6) for b, v in sorted(movement.items())},
-        }
-    )
-    state.frozen_below = below
-    return below
 
 
 def pin_frozen(

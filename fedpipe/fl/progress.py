@@ -20,9 +20,9 @@ replies so far, :func:`assess` gives every device of the round a state:
     ``starting``: it may be waiting for their slot.
 
 ``start_s`` is how long a device may take to start (a deployed device starts its ClientApp
-and loads the model every round): :class:`RoundWatch` allows the longest of
+and loads the model every round): :class:`StepWatch` allows the longest of
 ``federated.connect_wait_s``, :data:`START_S` and twice the longest start it has seen in the
-run. It asks and assesses; :class:`~fedpipe.fl.round_grid.RoundGrid` records the result as
+run. It asks and assesses; :class:`~fedpipe.fl.deadline_grid.DeadlineGrid` records the result as
 ``progress`` records and names only the late devices in its ``waiting`` records.
 """
 
@@ -37,7 +37,7 @@ __all__ = [
     "LATE_STEPS",
     "START_S",
     "DeviceProgress",
-    "RoundWatch",
+    "StepWatch",
     "assess",
     "by_device",
     "step_seconds",
@@ -189,7 +189,7 @@ def by_device(sessions: Iterable[SessionProgress]) -> dict[str, SessionProgress]
     return newest
 
 
-class RoundWatch:
+class StepWatch:
     """Asks the StageServer how the round goes and assesses each device (see the module).
 
     ``status``: round -> its sessions, or None when the server cannot say (then nothing is

@@ -62,7 +62,7 @@ class Route:
 
 
 @dataclass
-class _Round:
+class _AcrossReplicas:
     """What one round did across the replicas."""
 
     number: int = -1
@@ -101,7 +101,7 @@ class ReplicaControl:
         self.frozen_below = 0  # pipeline.freeze: the round's frozen blocks (BeginRound)
         self.rule = AggregationRule()
         self.needs_load: set[int] = set()  # replicas that must get the global adapter first
-        self.round = _Round()
+        self.round = _AcrossReplicas()
 
     def _client(self, index: int) -> StageControlClient:
         secret, roots, chain, key = self._credentials
@@ -137,15 +137,13 @@ class ReplicaControl:
             return
         errors = []
         for address, client in zip(self.addresses, self.clients, strict=True):
-            run_id, client.run_id = client.run_id, ""  # read outside any run: none begun yet
             try:
-                client.reset_adapter()
-                self.initial = client.get_adapter()
+                with client.outside_run():  # read outside any run: none begun yet
+                    client.reset_adapter()
+                    self.initial = client.get_adapter()
                 return
             except grpc.RpcError as exc:
                 errors.append(f"{address}: {exc.code().name}")
-            finally:
-                client.run_id = run_id
         raise RuntimeError(f"no StageServer replica answers: {'; '.join(errors)}")
 
     def _load_all(self) -> None:
@@ -184,7 +182,7 @@ class ReplicaControl:
         if run_id and run_id != self.run_id:
             self.run_id = run_id
             for index, client in enumerate(self.clients):
-                client.run_id = replica_run_id(run_id, index)
+                client.join_run(replica_run_id(run_id, index))
         self.aggregation = aggregation or "separate"
         self.rule = AggregationRule.parse(rule)
         deadline = time.monotonic() + self.wait_s
@@ -195,7 +193,7 @@ class ReplicaControl:
                     f"({', '.join(self.addresses)})"
                 )
             time.sleep(2.0)
-        self.round = _Round(number=round_, live=live)
+        self.round = _AcrossReplicas(number=round_, live=live)
 
     def _begin_each(self, round_: int, aggregation: str, rule: str) -> list[int]:
         live = []

@@ -34,38 +34,26 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
 from fedpipe.config import DEVICE_WEIGHTS, FedpipeConfig, format_cut
-from fedpipe.edge.trainer import RoundReport
+from fedpipe.edge.trainer import TrainReport
 from fedpipe.lora.aggregation import DELTA_SUFFIX, adapter_block
 
 __all__ = [
     "DATA_KEYS",
     "METRIC_KEYS",
+    "NUM_EXAMPLES",
     "PRIVACY_KEYS",
     "ReplyRules",
     "TrainReply",
     "check_reply",
     "device_keys",
-    "train_content",
 ]
 
-# What every fedpipe device reports (fedpipe.edge.trainer.RoundReport.metrics, the ClientApp).
-METRIC_KEYS = frozenset(
-    {
-        "num-examples",
-        "train-loss",
-        "step-time-median-s",
-        "step-time-max-s",
-        "bytes-up",
-        "bytes-down",
-        "steps",
-        "wall-s",
-        "peak-rss-mb",
-        "stash-peak",
-        "partition-id",
-    }
-)
-# What settings add: delta coding.
-_OPTIONAL_KEYS = frozenset({"delta-hit-rate", "delta-resumed"})
+NUM_EXAMPLES = "num-examples"  # the weight Flower's strategies aggregate by
+_PARTITION = "partition-id"
+# What every fedpipe device reports: its round's report (fedpipe.edge.trainer.TrainReport,
+# whose metrics() spells the keys) and its partition; delta coding adds its own.
+METRIC_KEYS = frozenset(TrainReport().metrics()) | {_PARTITION}
+_OPTIONAL_KEYS = frozenset(TrainReport(delta_resumed=False).metrics()) - METRIC_KEYS
 # The reply's "privacy" record: LinkAccountant.report and, under privacy.decorrelation, the
 # head's mean distance correlation with its tokens.
 PRIVACY_KEYS = frozenset(
@@ -164,7 +152,7 @@ def _metrics_problem(metrics: MetricRecord, max_examples: int) -> str:
     for key, value in metrics.items():
         if not isinstance(value, int | float) or not math.isfinite(float(value)):
             return f"metric {key} is {value!r}, not a finite number"
-    examples = float(cast(float, metrics["num-examples"]))
+    examples = float(cast(float, metrics[NUM_EXAMPLES]))
     if not (examples.is_integer() and 0 <= examples <= max_examples):
         return (
             f"it claims {examples:g} examples; a device trains 0 to {max_examples} in a round "
@@ -205,19 +193,6 @@ def _data_problem(content: RecordDict) -> str:
     return ""
 
 
-def train_content(
-    report: RoundReport,
-    adapters: dict[str, torch.Tensor],
-    partition: int,
-    cut: str,
-    *,
-    weights: str = "fp32",
-) -> RecordDict:
-    """A device's train reply: adapters, metrics, and its plan, privacy figures, cut and how
-    it stores its frozen weights (device.weights)."""
-    return TrainReply.of(report, partition, cut, weights=weights).write(adapters)
-
-
 # The reply's records besides "arrays" (the adapters, which Flower's strategies aggregate).
 _METRICS, _PLAN, _PRIVACY, _DATA, _DEVICE = "metrics", "plan", "privacy", "data", "device"
 
@@ -242,10 +217,10 @@ class TrainReply:
     data: Mapping[str, int] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, report: RoundReport, partition: int, cut: str, *, weights: str) -> TrainReply:
+    def of(cls, report: TrainReport, partition: int, cut: str, *, weights: str) -> TrainReply:
         """A device's reply to its round's report."""
         return cls(
-            metrics={**report.metrics(), "partition-id": partition},
+            metrics={**report.metrics(), _PARTITION: partition},
             cut=cut,
             weights=weights,
             plan=dict(report.plan or {}),
@@ -256,11 +231,30 @@ class TrainReply:
     @property
     def partition(self) -> int:
         """The device's partition (-1: a reply that does not say)."""
-        return int(self.metrics.get("partition-id", -1))
+        return int(self.metrics.get(_PARTITION, -1))
 
     @property
     def num_examples(self) -> int:
-        return int(self.metrics["num-examples"])
+        """The reply's weight: the examples it trained on (the server's count, once weighed)."""
+        return int(self.metrics[NUM_EXAMPLES])
+
+    @property
+    def train_loss(self) -> float:
+        return float(self.metrics["train-loss"])
+
+    @property
+    def bytes_up(self) -> int:
+        """Stage-link bytes the device sent in its round."""
+        return int(self.metrics["bytes-up"])
+
+    @property
+    def bytes_down(self) -> int:
+        """Stage-link bytes the device received in its round."""
+        return int(self.metrics["bytes-down"])
+
+    def weighed(self, examples: int) -> TrainReply:
+        """This reply weighing ``examples`` (the StageServer's count, where it is lower)."""
+        return replace(self, metrics={**self.metrics, NUM_EXAMPLES: examples})
 
     def named(self, profile: str) -> TrainReply:
         return replace(self, profile=profile)

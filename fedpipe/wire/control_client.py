@@ -10,6 +10,7 @@ The read-only looks (RoundStatus, the access check) try once.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -73,6 +74,19 @@ class StageControlClient:
         self.run_id = run_id  # the run the calls are made in (begin_round sets it)
         self._secret = secret
         self._server_id: str | None = None  # the server's Hello, fetched at the first call
+
+    def join_run(self, run_id: str) -> None:
+        """Make the calls from now on in ``run_id`` (a replica's own, once its run is known)."""
+        self.run_id = run_id
+
+    @contextlib.contextmanager
+    def outside_run(self) -> Iterator[None]:
+        """Calls inside name no run (read before any run was begun), then the run again."""
+        run_id, self.run_id = self.run_id, ""
+        try:
+            yield
+        finally:
+            self.run_id = run_id
 
     def _metadata(self, name: str, body: bytes) -> Any:
         if not self._secret:

@@ -1,5 +1,5 @@
 """Compressed adapter rounds (``federated.adapter_codec``) through the ServerApp's own rounds
-(:func:`fedpipe.fl.server_app.run_rounds`: Flower's strategy, the reply checks, the
+(:class:`fedpipe.fl.rounds.FedpipeStrategy`: Flower's strategy, the reply checks, the
 StageServer's commit) over an in-process grid whose devices answer as the ClientApp does
 (:class:`fedpipe_bench.local_devices.LocalDevices`, both of its mods) and train on a real
 StageServer.
@@ -24,7 +24,8 @@ from flwr.app import Array, ArrayRecord, Error, Message
 from fedpipe.config import load_config
 from fedpipe.fl.adapter_codec import ENCODED, FEEDBACK_KEY
 from fedpipe.fl.device_work import DeviceWork, RunSettings
-from fedpipe.fl.server_app import RoundHooks, run_rounds, seeded_adapters
+from fedpipe.fl.rounds import FedpipeStrategy
+from fedpipe.fl.server_app import seeded_adapters
 from fedpipe.server.build import build_stage_server
 from fedpipe.wire.control_client import StageControlClient
 
@@ -91,8 +92,8 @@ def _run(settings: dict[str, Any], rounds: int, tamper: Any = None) -> Run:
         records: list[dict[str, Any]] = []
         devices = _Hostile(cfg, tamper) if tamper else LocalDevices(cfg)
         grid = LocalGrid(devices.nodes())
-        state = RoundHooks(cfg, control, run, grid, initial=dict(initial), log=records.append)
-        result = run_rounds(state, initial, num_rounds=rounds)
+        state = FedpipeStrategy(cfg, control, run, grid, initial=dict(initial), log=records.append)
+        result = state.run(initial, num_rounds=rounds)
         failures = [r for r in records if r["event"] == "failure"]
         device = dict(result.arrays.to_torch_state_dict())
         return Run(dict(initial), device, control.get_adapter(), failures, devices)

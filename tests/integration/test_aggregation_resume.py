@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from fedpipe_bench.quality import QUICK_SIZE, run_rounds
+from fedpipe_bench.quality import QUICK_SIZE, federated_rounds
 
 from fedpipe.config import FedpipeConfig
 from fedpipe.fl.device_work import DeviceWork, RunSettings, evaluate_split
@@ -55,7 +55,7 @@ def test_resume_carries_the_folded_base(
     control = StageControlClient(f"127.0.0.1:{first.port}", "")
     try:
         control.reset_adapter()
-        row, device = run_rounds(cfg, first.port, control)
+        row, device = federated_rounds(cfg, first.port, control)
         server = control.get_adapter()
         assert any(k.endswith(".base_delta") for k in server)
         assert any(k.endswith(".base_delta") for k in device)

@@ -19,7 +19,7 @@ from harness.stage import stage_server
 
 from fedpipe.compress.delta import DeltaCache, DeltaEncoder
 from fedpipe.config import FedpipeConfig, PipelineConfig, ServerConfig, TrainConfig
-from fedpipe.edge.trainer import DeviceTrainer, RoundReport
+from fedpipe.edge.trainer import DeviceTrainer, TrainReport
 from fedpipe.runs.report import report_lines
 from fedpipe.runs.summary import build_summary
 from fedpipe.server.delta_store import DeltaStore
@@ -71,7 +71,7 @@ def _device(folder, device_id: str = "d1", **pipeline: object) -> DeviceTrainer:
 
 def _round(
     server: StageServer, trainer: DeviceTrainer, round_: int = 1, **kw: object
-) -> RoundReport:
+) -> TrainReport:
     with StageClient(server.address) as client:
         return trainer.train_round(client, _batches(), round_=round_, **kw)  # type: ignore[arg-type]
 
@@ -115,7 +115,7 @@ def test_a_session_only_cache_is_never_kept(server: StageServer, folder) -> None
 
 def _resets(
     server: StageServer, trainer: DeviceTrainer, reason: str, round_: int = 2
-) -> RoundReport:
+) -> TrainReport:
     """A session that must start both caches empty (for ``reason``), train and stay mirrored."""
     report = _round(server, trainer, round_)
     assert report.delta_resumed is False
@@ -354,7 +354,7 @@ def test_the_run_summary_says_per_device_whether_its_cache_was_resumed() -> None
             "partition": partition,
             "profile": "loopback",
             "train_loss": 3.0,
-            "delta_resumed": resumed,  # RoundReport.metrics(), snake_case as the ServerApp logs
+            "delta_resumed": resumed,  # TrainReport.metrics(), snake_case as the ServerApp logs
             "delta_hit_rate": hits,
         }
 

@@ -14,7 +14,7 @@ from harness.stage import stage_server
 from fedpipe.config import FedpipeConfig, ModelConfig, PipelineConfig, TrainConfig
 from fedpipe.config.settings import DeviceConfig
 from fedpipe.edge.trainer import DeviceTrainer
-from fedpipe.fl.replies import ReplyRules, check_reply, device_keys, train_content
+from fedpipe.fl.replies import ReplyRules, TrainReply, check_reply, device_keys
 from fedpipe.server.build import build_runtime
 from fedpipe.split.quant import StoredLinear
 from fedpipe.wire.link_client import StageClient
@@ -65,13 +65,13 @@ def test_a_stored_device_trains_against_an_unchanged_stage_server(weights: str) 
     assert all(v.dtype == torch.float32 and torch.isfinite(v).all() for v in trained.values())
     assert any(not torch.equal(trained[k], fresh[k]) for k in fresh)  # it trained
     # Its reply names its storage, and the ServerApp's checks accept it.
-    content = train_content(reports[weights], trained, 0, "2+1", weights=device.weights)
+    content = TrainReply.of(reports[weights], 0, "2+1", weights=device.weights).write(trained)
     assert content["device"]["weights"] == weights
     reply = SimpleNamespace(content=content, has_error=lambda: False)
     keys = device_keys(server_config, fresh, num_layers=info.num_layers)
     rules = ReplyRules(keys_by_cut=keys, default_cut="2+1", max_examples=BATCH * 2)
     assert check_reply(reply, rules) == ""  # type: ignore[arg-type]
-    bad = train_content(reports[weights], trained, 0, "2+1", weights="int3")
+    bad = TrainReply.of(reports[weights], 0, "2+1", weights="int3").write(trained)
     assert "device weights 'int3'" in check_reply(
         SimpleNamespace(content=bad, has_error=lambda: False),
         rules,  # type: ignore[arg-type]

@@ -1,5 +1,5 @@
 """Every family fedpipe splits trains federated rounds: two devices, two rounds through the
-ServerApp's own rounds (:func:`fedpipe.fl.server_app.run_rounds`: Flower's FedAvg, the reply
+ServerApp's own rounds (:class:`fedpipe.fl.rounds.FedpipeStrategy`: Flower's FedAvg, the reply
 checks, the StageServer's counts and commit, held-out evaluation over the stage link), the
 devices answering as the ClientApp does (``fedpipe_bench.local_devices``) on a real StageServer
 over loopback gRPC, each on a tiny random model of the family saved as a Hugging Face folder
@@ -20,7 +20,8 @@ from flwr.app import ArrayRecord, MetricRecord
 
 from fedpipe.config import load_config
 from fedpipe.fl.device_work import DeviceWork, RunSettings, evaluate_split
-from fedpipe.fl.server_app import RoundHooks, run_rounds, seeded_adapters
+from fedpipe.fl.rounds import FedpipeStrategy
+from fedpipe.fl.server_app import seeded_adapters
 from fedpipe.models.families import FAMILIES
 from fedpipe.server.build import build_stage_server
 from fedpipe.wire.control_client import StageControlClient
@@ -57,7 +58,7 @@ def test_two_rounds_of_two_devices_lower_the_held_out_loss(tmp_path: Path, model
         records: list[dict[str, Any]] = []
         devices = LocalDevices(cfg)
         grid = LocalGrid(devices.nodes())
-        hooks = RoundHooks(cfg, control, run, grid, initial=dict(initial), log=records.append)
+        hooks = FedpipeStrategy(cfg, control, run, grid, initial=dict(initial), log=records.append)
         evals: dict[int, float] = {}
 
         def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
@@ -65,7 +66,7 @@ def test_two_rounds_of_two_devices_lower_the_held_out_loss(tmp_path: Path, model
             evals[server_round] = evaluate_split(evaluator, state, run, server_round)[0]
             return MetricRecord({"eval_loss": evals[server_round]})
 
-        result = run_rounds(hooks, initial, num_rounds=ROUNDS, evaluate_fn=evaluate)
+        result = hooks.run(initial, num_rounds=ROUNDS, evaluate_fn=evaluate)
         server_adapter = control.get_adapter()
     finally:
         control.close()

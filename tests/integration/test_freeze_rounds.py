@@ -1,5 +1,5 @@
 """pipeline.freeze = progressive through real rounds: the ServerApp's own rounds
-(:func:`fedpipe.fl.server_app.run_rounds`, its Flower strategy and commit) with devices that
+(:class:`fedpipe.fl.rounds.FedpipeStrategy`, its Flower strategy and commit) with devices that
 answer as the ClientApp does, over a real StageServer on 127.0.0.1 (tiny-llama: 4 blocks, the
 head holds block 0, the server 1 and 2, the tail 3).
 
@@ -25,7 +25,8 @@ from fedpipe_bench.quality import QUICK_SIZE
 from fedpipe.config import FedpipeConfig
 from fedpipe.fl.device_work import DeviceWork, RunSettings
 from fedpipe.fl.freeze import FreezeState
-from fedpipe.fl.server_app import RoundHooks, run_rounds, seeded_adapters
+from fedpipe.fl.rounds import FedpipeStrategy, Resumed
+from fedpipe.fl.server_app import seeded_adapters
 from fedpipe.lora.aggregation import adapter_block, split_deltas
 from fedpipe.server.stage_server import StageServer
 from fedpipe.wire.control_client import StageControlClient
@@ -46,15 +47,15 @@ def _config(rounds: int, **freeze: Any) -> FedpipeConfig:
     )
 
 
-class _Watched(RoundHooks):
+class _Watched(FedpipeStrategy):
     """The ServerApp's rounds, keeping each round's committed global adapters of both sides."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.globals: list[tuple[State, State]] = []
 
-    def settle_freeze(self, server_round: int, result: Any) -> Any:
-        result = super().settle_freeze(server_round, result)
+    def settle_freeze(self, result: Any) -> Any:
+        result = super().settle_freeze(result)
         device = split_deltas(result[0].to_torch_state_dict())[0]
         self.globals.append((device, split_deltas(self.control.get_adapter())[0]))
         return result
@@ -76,10 +77,16 @@ def _run(
         records: list[dict[str, Any]] = []
         grid = LocalGrid(devices.nodes())
         rounds = _Watched(  # as server_main builds it, from a checkpoint's decision if resumed
-            cfg, control, run, grid, initial=dict(initial), log=records.append, freeze=resumed
+            cfg,
+            control,
+            run,
+            grid,
+            initial=dict(initial),
+            log=records.append,
+            resumed=Resumed(0, resumed) if resumed else None,
         )
         start = (split_deltas(initial)[0], split_deltas(control.get_adapter())[0])
-        run_rounds(rounds, initial, num_rounds=cfg.federated.rounds)
+        rounds.run(initial, num_rounds=cfg.federated.rounds)
         return {
             "globals": [start, *rounds.globals],
             "records": records,

@@ -1,5 +1,5 @@
 """A hostile device's train reply plants nothing in anyone's model, through the ServerApp's own
-rounds (:func:`fedpipe.fl.server_app.run_rounds`: Flower's strategy, fedpipe's reply checks,
+rounds (:class:`fedpipe.fl.rounds.FedpipeStrategy`: Flower's strategy, fedpipe's reply checks,
 the StageServer's commit) over an in-process grid whose devices train on a real StageServer.
 
 Each tampered reply is refused and its device named as failed; the global device adapter and
@@ -21,7 +21,8 @@ from flwr.app import ArrayRecord, Error, Message, MetricRecord
 
 from fedpipe.config import load_config
 from fedpipe.fl.device_work import DeviceWork, RunSettings
-from fedpipe.fl.server_app import RoundHooks, run_rounds, seeded_adapters
+from fedpipe.fl.rounds import FedpipeStrategy
+from fedpipe.fl.server_app import seeded_adapters
 from fedpipe.server.build import build_stage_server
 from fedpipe.wire.control_client import StageControlClient
 
@@ -117,8 +118,8 @@ def _round(tamper: Tamper) -> tuple[dict[str, torch.Tensor], dict[str, torch.Ten
         records: list[dict[str, Any]] = []
         devices = _Devices(cfg, tamper)
         grid = LocalGrid(devices.nodes())
-        rounds = RoundHooks(cfg, control, run, grid, initial=dict(initial), log=records.append)
-        result = run_rounds(rounds, initial, num_rounds=1)
+        rounds = FedpipeStrategy(cfg, control, run, grid, initial=dict(initial), log=records.append)
+        result = rounds.run(initial, num_rounds=1)
         failures = [r for r in records if r["event"] == "failure"]
         return result.arrays.to_torch_state_dict(), control.get_adapter(), failures
     finally:

@@ -2,7 +2,7 @@
 
 A real StageServer on loopback gRPC (port 0) with a secret; one device trains two steps of
 round 1 with a real ``DeviceTrainer``, another opens its session and does nothing. What the
-ServerApp's control client reads back, and what :class:`~fedpipe.fl.progress.RoundWatch`
+ServerApp's control client reads back, and what :class:`~fedpipe.fl.progress.StepWatch`
 makes of it, are checked against that.
 """
 
@@ -16,7 +16,7 @@ from harness.batches import random_batches
 from fedpipe.auth.tokens import issue_token
 from fedpipe.config import FedpipeConfig, PipelineConfig, TrainConfig
 from fedpipe.edge.trainer import DeviceTrainer, split_terms
-from fedpipe.fl.progress import RoundWatch, by_device
+from fedpipe.fl.progress import StepWatch, by_device
 from fedpipe.messages import Kind, StageMsg
 from fedpipe.models import resolve_model
 from fedpipe.proto import stage_pb2 as pb
@@ -62,7 +62,7 @@ def test_round_status_counts_the_steps_each_session_completed() -> None:
                 status = control.round_status(1)
                 assert status is not None
                 sessions = by_device(status)
-                watch = RoundWatch(control.round_status, steps=2, grace_s=3600.0, connect_s=0.0)
+                watch = StepWatch(control.round_status, steps=2, grace_s=3600.0, connect_s=0.0)
                 devices = watch.look(1, [1, 2, 3], {}, elapsed_s=10.0)
                 after_reply = watch.look(1, [1, 2, 3], {1: "done"}, elapsed_s=10.0)
         assert control.round_status(0) == []  # no session of round 0

@@ -222,7 +222,7 @@ def test_the_server_app_carries_cumulative_device_deltas(tmp_path: Path) -> None
 
     from flwr.app import ArrayRecord, MetricRecord
 
-    from fedpipe.fl.aggregate import ExactState, aggregate_exactly, held
+    from fedpipe.fl.aggregate import ExactState, held
 
     gen = torch.Generator().manual_seed(0)
     template = {
@@ -239,7 +239,7 @@ def test_the_server_app_carries_cumulative_device_deltas(tmp_path: Path) -> None
     ]
     state = ExactState("exact", 2.0, device_initial=template)
     state.device_deltas = {"l": torch.ones(5, 6)}  # what earlier rounds folded
-    arrays, _ = aggregate_exactly(state, held(replies), (ArrayRecord({}), None))  # type: ignore[arg-type]
+    arrays, _ = state.fold(held(replies), (ArrayRecord({}), None))  # type: ignore[arg-type]
     got = arrays.to_torch_state_dict()  # type: ignore[union-attr]
     mean_ba = sum(
         w * s["l.lora_B.weight"] @ s["l.lora_A.weight"]

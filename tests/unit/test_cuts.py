@@ -271,7 +271,7 @@ def test_device_adapters_of_different_cuts_average_per_block(tmp_path: Path) -> 
     the devices whose cut holds it; a block no device holds keeps its global value."""
     from flwr.serverapp.strategy import FedAvg
 
-    from fedpipe.fl.aggregate import ExactState, aggregate_exactly, pad_to_union
+    from fedpipe.fl.aggregate import ExactState, pad_to_union
     from fedpipe.fl.aggregate import held as held_by
 
     gen = torch.Generator().manual_seed(0)
@@ -291,7 +291,7 @@ def test_device_adapters_of_different_cuts_average_per_block(tmp_path: Path) -> 
         pad_to_union(replies, held, global_state)  # type: ignore[arg-type]
         arrays, _ = FedAvg().aggregate_train(1, replies)  # type: ignore[arg-type]
         state = ExactState(mode, 2.0, device_initial=global_state, device_global=global_state)
-        arrays, _ = aggregate_exactly(state, held, (arrays, None))
+        arrays, _ = state.fold(held, (arrays, None))
         got = arrays.to_torch_state_dict()  # type: ignore[union-attr]
         for key, value in global_state.items():
             block = adapter_block(key)

@@ -332,9 +332,9 @@ def test_folding_base_deltas_into_stored_weights_is_refused() -> None:
 
 
 def test_each_device_is_dealt_its_storage_and_says_it() -> None:
-    from fedpipe.edge.trainer import RoundReport
+    from fedpipe.edge.trainer import TrainReport
     from fedpipe.fl.device_work import DeviceWork
-    from fedpipe.fl.replies import train_content
+    from fedpipe.fl.replies import TrainReply
     from fedpipe.runs.summary import build_summary
 
     config = load_config(None, {"model.name": "tiny-llama", "device.weights": "int4,fp32"})
@@ -342,7 +342,7 @@ def test_each_device_is_dealt_its_storage_and_says_it() -> None:
     assert [w.trainer.weights for w in works] == ["int4", "fp32"]
     own = DeviceWork(config, device_id="own", partition=0, num_partitions=2, weights="int8")
     assert own.trainer.weights == "int8"  # `fedpipe client --weights` wins over the cycle
-    content = train_content(RoundReport(), {}, 0, "1+1", weights=own.trainer.weights)
+    content = TrainReply.of(TrainReport(), 0, "1+1", weights=own.trainer.weights).write({})
     assert dict(content["device"]) == {"cut": "1+1", "weights": "int8"}
     history = [
         {"event": "train", "round": 1, "partition": p, "train_loss": 3.0, "weights": w}

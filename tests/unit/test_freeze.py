@@ -19,7 +19,7 @@ from fedpipe.edge.planner.plan import (
 )
 from fedpipe.edge.trainer import DeviceTrainer
 from fedpipe.fl.device_work import RunSettings
-from fedpipe.fl.freeze import FreezeRule, FreezeState, block_movement, decide, pin_frozen
+from fedpipe.fl.freeze import FreezeRule, FreezeState, block_movement, pin_frozen
 from fedpipe.fl.server_app import _checkpoint_state
 from fedpipe.lora import lora_parameters
 from fedpipe.lora.freezing import freeze_blocks, is_frozen, trainable_part
@@ -31,7 +31,7 @@ RULE = FreezeRule(ratio=0.5, after=2, max_blocks=3)
 def _history(rule: FreezeRule, rounds: list[dict[int, float]]) -> list[int]:
     """Each round's frozen_below after feeding ``rounds`` of movements in order."""
     state = FreezeState()
-    return [decide(rule, state, r, movement) for r, movement in enumerate(rounds, start=1)]
+    return [state.decide(rule, r, movement) for r, movement in enumerate(rounds, start=1)]
 
 
 def test_lowest_converged_blocks_freeze_in_order_after_the_warm_up() -> None:
@@ -82,8 +82,8 @@ def test_rule_from_settings_counts_blocks_of_the_model() -> None:
 
 def test_state_survives_a_checkpoint_round_trip() -> None:
     state = FreezeState()
-    decide(FreezeRule(ratio=0.5, after=1, max_blocks=2), state, 1, {0: 1.0, 1: 2.0})
-    decide(FreezeRule(ratio=0.5, after=1, max_blocks=2), state, 2, {0: 0.2, 1: 2.0})
+    state.decide(FreezeRule(ratio=0.5, after=1, max_blocks=2), 1, {0: 1.0, 1: 2.0})
+    state.decide(FreezeRule(ratio=0.5, after=1, max_blocks=2), 2, {0: 0.2, 1: 2.0})
     again = FreezeState.from_json(state.to_json())
     assert again == state and again.frozen_below == 1 and again.peaks == {0: 1.0, 1: 2.0}
     assert FreezeState.from_json(None) == FreezeState()
@@ -157,8 +157,8 @@ def test_settings_refuse_unknown_modes_and_stack() -> None:
 def test_a_checkpoint_keeps_the_decision_for_a_resumed_run(tmp_path: Path) -> None:
     state = FreezeState()
     rule = FreezeRule(ratio=0.5, after=1, max_blocks=2)
-    decide(rule, state, 1, {0: 1.0, 1: 1.0})
-    decide(rule, state, 2, {0: 0.1, 1: 0.9})
+    state.decide(rule, 1, {0: 1.0, 1: 1.0})
+    state.decide(rule, 2, {0: 0.1, 1: 0.9})
     run = RunSettings(run_id="r")
     folder = RunFolder.open(tmp_path, "run")
     adapter = {"model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(2, 4)}

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from fedpipe.fl.round_grid import clean_reason, identity_from_reason
+from fedpipe.fl.deadline_grid import clean_reason, identity_from_reason
 from fedpipe.runs.tensorboard import Board
 
 
@@ -66,7 +66,7 @@ def test_flower_error_reasons_name_the_device() -> None:
 
 
 def test_device_book_names_known_devices_and_counts_the_others() -> None:
-    from fedpipe.fl.round_grid import DeviceBook, DeviceInfo
+    from fedpipe.fl.deadline_grid import DeviceBook, DeviceInfo
 
     book = DeviceBook()
     book.known[7] = DeviceInfo(1, "phone-lte")
@@ -82,7 +82,7 @@ def test_device_book_names_known_devices_and_counts_the_others() -> None:
 
 
 class _Nodes:
-    """Only what RoundGrid.wait_for_devices asks of Flower's grid: the connected node ids."""
+    """Only what DeadlineGrid.wait_for_devices asks of Flower's grid: the connected node ids."""
 
     def __init__(self, ids: list[int]) -> None:
         self.ids = ids
@@ -94,11 +94,11 @@ class _Nodes:
 def test_a_device_gone_for_good_costs_one_connect_wait() -> None:
     import pytest
 
-    from fedpipe.fl.round_grid import DeviceBook, RoundGrid, StopRun
+    from fedpipe.fl.deadline_grid import DeadlineGrid, DeviceBook, StopRun
 
     records: list[dict] = []
     nodes = _Nodes([1, 2])
-    grid = RoundGrid(
+    grid = DeadlineGrid(
         nodes,  # type: ignore[arg-type]
         log=records.append,
         devices=DeviceBook(),
@@ -118,11 +118,11 @@ def test_a_device_gone_for_good_costs_one_connect_wait() -> None:
 def test_a_device_flower_reports_gone_costs_no_connect_wait() -> None:
     """After a round, a device Flower no longer lists (killed, its heartbeat expired) is not
     waited for: the next round starts at once with the live ones (min_devices allowing)."""
-    from fedpipe.fl.round_grid import DeviceBook, RoundGrid
+    from fedpipe.fl.deadline_grid import DeadlineGrid, DeviceBook
 
     records: list[dict] = []
     nodes = _Nodes([1, 2])
-    grid = RoundGrid(
+    grid = DeadlineGrid(
         nodes,  # type: ignore[arg-type]
         log=records.append,
         devices=DeviceBook(),

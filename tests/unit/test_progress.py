@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from fedpipe.fl.progress import LATE_STEPS, START_S, RoundWatch, assess, by_device, step_seconds
+from fedpipe.fl.progress import LATE_STEPS, START_S, StepWatch, assess, by_device, step_seconds
 from fedpipe.wire.backend import SessionProgress
 
 STEPS, GRACE, START = 4, 30.0, 120.0
@@ -128,7 +128,7 @@ def test_the_start_allowance_grows_with_the_slowest_start_seen() -> None:
     """A deployed device starts its ClientApp and loads the model every round: once one took
     200 s to open its session, later rounds allow it twice that before calling it late."""
     seen: list[SessionProgress] = []
-    watch = RoundWatch(lambda round_: list(seen), steps=STEPS, grace_s=GRACE, connect_s=10.0)
+    watch = StepWatch(lambda round_: list(seen), steps=STEPS, grace_s=GRACE, connect_s=10.0)
     assert watch.start_s == START_S
     assert [d.state for d in watch.look(1, [1], {}, elapsed_s=START_S + 1) or []] == ["late"]
     seen.append(_session(1, 0, opened=100))
@@ -138,7 +138,7 @@ def test_the_start_allowance_grows_with_the_slowest_start_seen() -> None:
     assert [d.state for d in watch.look(2, [1], {}, elapsed_s=399) or []] == ["starting"]
     assert [d.state for d in watch.look(2, [1], {}, elapsed_s=401) or []] == ["late"]
     assert (
-        RoundWatch(lambda round_: None, steps=STEPS, grace_s=1, connect_s=1).look(
+        StepWatch(lambda round_: None, steps=STEPS, grace_s=1, connect_s=1).look(
             1, [1], {}, elapsed_s=1000
         )
         is None

@@ -15,11 +15,11 @@ import torch
 
 from fedpipe.config import FedpipeConfig
 from fedpipe.edge.trainer import DeviceTrainer
+from fedpipe.fl.deadline_grid import StopRun
 from fedpipe.fl.device_work import RunSettings
-from fedpipe.fl.freeze import FreezeRule, FreezeState, decide
+from fedpipe.fl.freeze import FreezeRule, FreezeState
 from fedpipe.fl.replies import METRIC_KEYS, TrainReply
-from fedpipe.fl.round_grid import StopRun
-from fedpipe.fl.server_app import RoundHooks
+from fedpipe.fl.rounds import FedpipeStrategy, Resumed
 from fedpipe.wire.control_client import Committed
 
 
@@ -59,10 +59,10 @@ def _reply(node: int, value: float, initial: dict[str, torch.Tensor]) -> Any:
     )
 
 
-def _rounds(control: _Control, initial: dict[str, torch.Tensor]) -> tuple[RoundHooks, list]:
+def _rounds(control: _Control, initial: dict[str, torch.Tensor]) -> tuple[FedpipeStrategy, list]:
     records: list[dict] = []
     grid = SimpleNamespace()  # Flower's grid: these tests call the hooks, not Flower's loop
-    rounds = RoundHooks(
+    rounds = FedpipeStrategy(
         _CFG,
         control,  # type: ignore[arg-type]
         RunSettings(),
@@ -70,7 +70,6 @@ def _rounds(control: _Control, initial: dict[str, torch.Tensor]) -> tuple[RoundH
         initial=initial,
         log=records.append,
     )
-    rounds.grid.round = 1
     return rounds, records
 
 
@@ -87,7 +86,7 @@ def test_a_non_finite_device_adapter_is_not_aggregated(initial: dict[str, torch.
         assert record["reason"] == (
             f"device adapter not aggregated: {size} values of {first} are NaN or Inf"
         )
-    rounds.commit(1, kept)
+    rounds.commit(kept)
     assert control.commits == [{"1": 4.0}]  # the bad devices' server adapters are discarded
     assert rounds.stats["devices_trained"] == 1 and rounds.stats["devices_failed"] == 2
 
@@ -97,7 +96,7 @@ def test_a_server_adapter_the_stage_server_dropped_is_a_failure(
 ) -> None:
     control = _Control(dropped={"2": "1 of 512 values of lora_B are NaN or Inf"})
     rounds, records = _rounds(control, initial)
-    rounds.commit(1, [_reply(1, 0.5, initial), _reply(2, 0.5, initial)])
+    rounds.commit([_reply(1, 0.5, initial), _reply(2, 0.5, initial)])
     failures = [r for r in records if r["event"] == "failure"]
     assert [(r["node_id"], r["reason"]) for r in failures] == [
         (2, "server adapter not merged: 1 of 512 values of lora_B are NaN or Inf")
@@ -107,44 +106,45 @@ def test_a_server_adapter_the_stage_server_dropped_is_a_failure(
     control = _Control(dropped={"1": "NaN"})
     rounds, _ = _rounds(control, initial)
     with pytest.raises(StopRun, match="no device trained"):
-        rounds.commit(1, [_reply(1, 0.5, initial)])
+        rounds.commit([_reply(1, 0.5, initial)])
 
 
-def test_the_round_hooks_are_built_complete_from_the_run_settings(
+def test_the_round_is_built_complete_from_the_run_settings(
     initial: dict[str, torch.Tensor],
 ) -> None:
-    """What server_main and the benches once set on the hooks afterwards is the constructor's:
-    the reply rules, the exact-aggregation state, freezing (a resumed run's decision) and the
-    round number of a resumed run."""
+    """What server_main and the benches once set on the round afterwards is the constructor's:
+    the configured Flower strategy, the reply rules, the exact-aggregation state, freezing (a
+    resumed run's decision) and the round number of a resumed run."""
     cfg = _CFG.with_overrides({"pipeline.freeze": "progressive", "train.batch_size": 4})
     decision = FreezeState()
-    decide(FreezeRule(ratio=0.5, after=1, max_blocks=1), decision, 1, {0: 1.0, 1: 1.0})
-    decide(FreezeRule(ratio=0.5, after=1, max_blocks=1), decision, 2, {0: 0.1, 1: 0.9})
+    decision.decide(FreezeRule(ratio=0.5, after=1, max_blocks=1), 1, {0: 1.0, 1: 1.0})
+    decision.decide(FreezeRule(ratio=0.5, after=1, max_blocks=1), 2, {0: 0.1, 1: 0.9})
     grid = SimpleNamespace()
-    hooks = RoundHooks(
+    hooks = FedpipeStrategy(
         cfg,
         _Control({}),  # type: ignore[arg-type]
         RunSettings(),
         grid,  # type: ignore[arg-type]
         initial=initial,
         log=lambda _: None,
-        offset=3,
-        freeze=decision,
+        resumed=Resumed(3, decision),
     )
-    assert hooks.run_round(1) == 4 and hooks.grid.grid is grid
+    assert hooks.number == 3 and hooks.number_of(1) == 4 and hooks.grid.grid is grid
+    assert hooks.grid.number() == 3  # the grid's records name the strategy's round
+    assert type(hooks.inner).__name__ == "FedAvg" and not hooks.stateful
     assert hooks.freeze is decision and hooks.frozen_below == 1 and hooks.freeze_rule is not None
     assert hooks.reply_rules.rows_per_step == 4
     assert hooks.reply_rules.max_examples == 4 * cfg.train.local_steps
     assert hooks.exact.device_initial is initial
     assert hooks.exact.lora_scale == cfg.model.lora_alpha / cfg.model.lora_r
-    off = RoundHooks(
+    off = FedpipeStrategy(
         _CFG,
         _Control({}),  # type: ignore[arg-type]
         RunSettings(),
         grid,  # type: ignore[arg-type]
         initial=initial,
         log=lambda _: None,
-        freeze=decision,  # a checkpoint's decision, but pipeline.freeze = off now
+        resumed=Resumed(0, decision),  # a checkpoint's decision, but pipeline.freeze = off now
     )
     assert off.freeze is None and off.freeze_rule is None and off.frozen_below == 0
-    assert off.run_round(1) == 1
+    assert off.number_of(1) == 1

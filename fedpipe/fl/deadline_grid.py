@@ -2,7 +2,7 @@
 
 Flower's strategies wait for ``min_available_nodes`` without limit and give the user no word
 while they wait; an error reply names the SuperLink, not the device that failed. fedpipe's
-round policy, as a :class:`RoundGrid` between the strategy and Flower's grid:
+round policy, as a :class:`DeadlineGrid` between the strategy and Flower's grid:
 
 - before a round, wait up to ``connect_wait_s`` for every device, then start with those that
   are connected if there are at least ``min_devices`` (else the run stops with the reason);
@@ -11,7 +11,7 @@ round policy, as a :class:`RoundGrid` between the strategy and Flower's grid:
 - after sending, wait for replies no longer than ``deadline_s``, and (``straggler_s`` > 0) no
   longer than ``straggler_s`` after the first device replied; a device that has not replied
   by then is a failure ("no reply within ...");
-- while replies are out (with a :class:`~fedpipe.fl.progress.RoundWatch`), log a
+- while replies are out (with a :class:`~fedpipe.fl.progress.StepWatch`), log a
   ``progress`` record every few seconds when it changed, and every ``report_every_s`` when
   it did not: each device's steps done (the StageServer's count) and state;
 - every ``report_every_s`` of waiting, log a ``waiting`` record naming whom it waits for:
@@ -39,10 +39,10 @@ from flwr.app import Message, MessageType
 from flwr.serverapp import Grid
 
 from fedpipe.errors import one_line
-from fedpipe.fl.progress import DeviceProgress, RoundWatch
+from fedpipe.fl.progress import DeviceProgress, StepWatch
 from fedpipe.fl.replies import TrainReply
 
-__all__ = ["DeviceBook", "RoundGrid", "StopRun", "clean_reason"]
+__all__ = ["DeadlineGrid", "DeviceBook", "StopRun", "clean_reason"]
 
 Record = dict[str, Any]
 
@@ -120,7 +120,7 @@ def identity_from_reason(reason: str) -> tuple[DeviceInfo | None, str]:
 class _Progress:
     """A round's progress while its replies are out: what was looked at and last said."""
 
-    watch: RoundWatch
+    watch: StepWatch
     nodes: list[int]
     outcome: dict[int, str] = field(default_factory=dict)  # node -> done | failed
     devices: list[DeviceProgress] | None = None  # the last look (None: the server cannot say)
@@ -129,26 +129,32 @@ class _Progress:
     said_at: float = -math.inf
 
 
-class RoundGrid(Grid):
-    """Flower's grid with fedpipe's round policy (see the module docstring)."""
+def _no_round() -> int:
+    return 0
+
+
+class DeadlineGrid(Grid):
+    """Flower's grid with fedpipe's round policy (see the module docstring). ``number``: the
+    run's round under way, as its owner (the strategy) counts it, for the records."""
 
     def __init__(
         self,
         grid: Grid,
         *,
+        number: Callable[[], int] = _no_round,
         log: Callable[[Record], None],
         devices: DeviceBook,
         deadline_s: float,
         report_every_s: float,
         straggler_s: float = 0.0,
         poll_s: float = 1.0,
-        watch: RoundWatch | None = None,
+        watch: StepWatch | None = None,
     ) -> None:
         self.grid, self.log, self.devices = grid, log, devices
         self.deadline_s, self.report_every_s, self.poll_s = deadline_s, report_every_s, poll_s
         self.straggler_s = straggler_s
         self.watch = watch
-        self.round = 0
+        self.number = number
         self.failures: list[Record] = []  # this round's, as logged
         self.last_nodes: list[int] | None = None  # the nodes the last round began with
         self._progress: _Progress | None = None  # the round's, while its replies are out
@@ -176,7 +182,7 @@ class RoundGrid(Grid):
             if self.last_nodes is not None:  # the devices the round hoped for
                 want = min(want, max(len(self.last_nodes), min_devices))
             raise StopRun(
-                f"round {self.round}: only {len(nodes)} of {want} devices connected after "
+                f"round {self.number()}: only {len(nodes)} of {want} devices connected after "
                 f"{wait_s:.0f} s (federated.min_devices={min_devices}); start more devices "
                 "or lower federated.min_devices"
             )
@@ -201,7 +207,7 @@ class RoundGrid(Grid):
             {
                 "event": "waiting",
                 "phase": "start" if going else "connect",
-                "round": self.round,
+                "round": self.number(),
                 "connected": len(nodes),
                 "want": want,
                 "waiting_for": missing,
@@ -281,7 +287,7 @@ class RoundGrid(Grid):
         if not final and now - progress.looked < progress.watch.every_s:
             return
         progress.looked = now
-        devices = progress.watch.look(self.round, progress.nodes, progress.outcome, waited)
+        devices = progress.watch.look(self.number(), progress.nodes, progress.outcome, waited)
         progress.devices = devices
         if devices is None:
             return
@@ -292,7 +298,7 @@ class RoundGrid(Grid):
         self.log(
             {
                 "event": "progress",
-                "round": self.round,
+                "round": self.number(),
                 "elapsed_s": round(waited, 1),
                 "steps": progress.watch.steps,
                 "devices": [self._device_progress(d) for d in devices],
@@ -316,7 +322,7 @@ class RoundGrid(Grid):
         late = [] if known is None else [d for d in known if d.state == "late"]
         if known is not None and not late:
             return  # every device still out is on time: the progress records say how far
-        record: Record = {"event": "waiting", "phase": "replies", "round": self.round}
+        record: Record = {"event": "waiting", "phase": "replies", "round": self.number()}
         if known is None:
             record["waiting_for"] = self.devices.names(nodes)
         else:
@@ -330,7 +336,7 @@ class RoundGrid(Grid):
         info, why = identity_from_reason(clean_reason(reason))
         if info is not None and node not in self.devices.known:
             self.devices.known[node] = info
-        record = {"event": "failure", "round": self.round, **self.devices.fields(node)}
+        record = {"event": "failure", "round": self.number(), **self.devices.fields(node)}
         record["reason"] = why
         self._replied(node, "failed")
         self.failures.append(record)
