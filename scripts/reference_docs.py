@@ -133,6 +133,16 @@ NOTES: dict[str, str] = {
     "it is late ([Rounds and failures](../guides/rounds-and-failures.md))",
     "federated.max_failures": "stop the run (exit 1) once more devices than this have failed "
     "(-1: no limit)",
+    "federated.mode": "`sync` rounds, or `async`: buffered asynchronous rounds where every free "
+    "device works and each `buffer` replies make a new version; `rounds` counts versions "
+    "([Asynchronous rounds](../guides/async-rounds.md))",
+    "federated.buffer": "async: the replies each version aggregates, exactly (1..num_devices)",
+    "federated.max_staleness": "async: a reply from more versions back than this is refused "
+    "and counted (0..100)",
+    "federated.staleness": "async: how a reply `s` versions stale weighs: `constant`, "
+    "`poly:A` (1/(1+s)^A) or `hinge:A,B` (1 up to B, then 1/(1 + A (s - B)))",
+    "federated.buffer_lr": "async: each version moves both sides by this times the weighted "
+    "mean update (1: FedAvg's step)",
 }
 
 

@@ -10,7 +10,10 @@ round policy starts to wait).
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from uuid import uuid4
 
 from flwr.app import Message, RecordDict
@@ -19,7 +22,7 @@ from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
-__all__ = ["LocalGrid", "Node"]
+__all__ = ["LocalGrid", "Node", "ThreadedGrid"]
 
 Node = Callable[[Message], Message]  # a pushed message -> its reply
 
@@ -80,3 +83,67 @@ class LocalGrid(Grid):
         self, messages: Iterable[Message], *, timeout: float | None = None
     ) -> Iterable[Message]:
         return self.pull_messages(self.push_messages(messages))
+
+
+class ThreadedGrid(LocalGrid):
+    """:class:`LocalGrid` whose nodes answer at once, each in a thread of its own, as devices
+    of their own would: a pushed message is computed in its node's thread and its reply is
+    there for a later pull (asynchronous rounds need devices that run side by side).
+
+    ``drop`` names nodes that train on their messages but whose replies never come (a device
+    killed mid-update, as the ServerApp sees it: its session on the StageServer was trained
+    on, no reply arrives); ``twice`` names nodes whose every reply arrives a second time (a
+    hostile device).
+    """
+
+    def __init__(
+        self,
+        nodes: dict[int, Node],
+        *,
+        run_id: int = 1,
+        drop: Iterable[int] = (),
+        twice: Iterable[int] = (),
+    ) -> None:
+        super().__init__(nodes, run_id=run_id)
+        self.drop, self.twice = set(drop), set(twice)
+        self._lock = threading.Lock()
+        self._pools = {
+            node: ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"node-{node}")
+            for node in nodes
+        }
+        self._running: dict[str, tuple[int, Future[Message]]] = {}
+        self.pushed: list[tuple[float, int, str]] = []  # (time.monotonic(), node, message id)
+        self.answered: list[tuple[float, int, str]] = []
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        ids = []
+        for msg in messages:
+            msg.metadata.__dict__["_message_id"] = str(uuid4())
+            node, msg_id = msg.metadata.dst_node_id, msg.metadata.message_id
+            with self._lock:
+                self.pushed.append((time.monotonic(), node, msg_id))
+            self._running[msg_id] = (node, self._pools[node].submit(self._answer, node, msg))
+            ids.append(msg_id)
+        return ids
+
+    def _answer(self, node: int, msg: Message) -> Message:
+        reply = self.nodes[node](msg)
+        with self._lock:
+            self.answered.append((time.monotonic(), node, msg.metadata.message_id))
+        return reply
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        replies = []
+        for msg_id in message_ids:
+            node, future = self._running.get(msg_id, (-1, None))
+            if future is None or not future.done() or node in self.drop:
+                continue
+            del self._running[msg_id]
+            reply = future.result()  # a node's exception is a bug of the bench's devices
+            replies += [reply, reply] if node in self.twice else [reply]
+        return replies
+
+    def close(self) -> None:
+        """Wait for the nodes' threads (their last messages) and end them."""
+        for pool in self._pools.values():
+            pool.shutdown(wait=True, cancel_futures=True)

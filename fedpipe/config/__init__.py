@@ -16,6 +16,7 @@ from fedpipe.config.settings import (
     DEVICE_DTYPES,
     DEVICE_WEIGHTS,
     LOSS_ON,
+    MAX_STALENESS,
     OVERLONG,
     SCHEDULE_NAMES,
     SERVER_WEIGHTS,
@@ -35,12 +36,14 @@ from fedpipe.config.settings import (
     load_config,
     parse_cuts,
     parse_overrides,
+    parse_staleness,
 )
 
 __all__ = [
     "AGGREGATIONS",
     "DEVICE_DTYPES",
     "DEVICE_WEIGHTS",
+    "MAX_STALENESS",
     "LOSS_ON",
     "OVERLONG",
     "SCHEDULE_NAMES",
@@ -61,4 +64,5 @@ __all__ = [
     "load_config",
     "parse_cuts",
     "parse_overrides",
+    "parse_staleness",
 ]

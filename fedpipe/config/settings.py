@@ -78,6 +78,30 @@ def _is_codec(name: str) -> bool:
     return True
 
 
+MAX_STALENESS = 100  # versions a StageServer admits sessions of (one adapter copy each)
+STALENESS_RULES = ("constant", "poly", "hinge")
+
+
+def parse_staleness(text: str) -> tuple[str, float, float]:
+    """``federated.staleness``: ``constant``, ``poly:a`` or ``hinge:a,b`` -> (rule, a, b)."""
+    name, _, args = str(text).strip().partition(":")
+    numbers: list[float] = []
+    try:
+        numbers = [float(x) for x in args.split(",")] if args.strip() else []
+    except ValueError:
+        numbers = [-1.0]
+    want = {"constant": 0, "poly": 1, "hinge": 2}.get(name)
+    ok = want is not None and len(numbers) == want and all(x >= 0 for x in numbers)
+    _check(
+        ok,
+        f"federated.staleness {text!r} unknown: write constant, poly:A (weight 1/(1+s)^A) or "
+        "hinge:A,B (1 up to B versions, then 1/(1 + A (s - B))), with A, B >= 0",
+    )
+    a = numbers[0] if numbers else 0.0
+    b = numbers[1] if len(numbers) > 1 else 0.0
+    return name, a, b
+
+
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
@@ -607,9 +631,20 @@ class FederatedConfig:
     straggler_s: float = 0.0
     report_every_s: float = 30.0
     max_failures: int = -1
+    # Buffered asynchronous rounds (fedpipe.fl.buffered): mode = async pushes work to every
+    # free device and aggregates every `buffer` replies as they come, each aggregation a new
+    # version (federated.rounds counts versions); a reply s versions stale weighs its examples
+    # times `staleness` (constant | poly:a = 1/(1+s)^a | hinge:a,b) and one staler than
+    # max_staleness is refused; the global moves by buffer_lr x the weighted mean update.
+    mode: str = "sync"  # sync | async
+    buffer: int = 2
+    max_staleness: int = 4
+    staleness: str = "poly:0.5"
+    buffer_lr: float = 1.0
 
     def __post_init__(self) -> None:
         _check(self.rounds >= 1, f"federated.rounds must be >= 1, got {self.rounds}")
+        self._check_async()
         _check(
             self.eval_generate >= 0,
             f"federated.eval_generate must be >= 0 (0: off), got {self.eval_generate}",
@@ -681,6 +716,47 @@ class FederatedConfig:
             self, "device_cuts", parse_cuts(self.device_cuts, "federated.device_cuts")
         )
         object.__setattr__(self, "profiles", parse_profiles(self.profiles, "federated.profiles"))
+
+    def _check_async(self) -> None:
+        """mode = async: its own settings, and the settings it cannot hold, said by name."""
+        _check(
+            self.mode in ("sync", "async"),
+            f"federated.mode must be sync or async, got {self.mode!r}",
+        )
+        parse_staleness(self.staleness)
+        _check(
+            0 <= self.max_staleness <= MAX_STALENESS,
+            f"federated.max_staleness must be in 0..{MAX_STALENESS} (the StageServer keeps a "
+            f"copy of the server adapter per version it admits), got {self.max_staleness}",
+        )
+        _check(self.buffer_lr > 0, f"federated.buffer_lr must be > 0, got {self.buffer_lr:g}")
+        if self.mode != "async":
+            return
+        _check(
+            1 <= self.buffer <= self.num_devices,
+            f"federated.buffer = {self.buffer} with mode = async waits for more replies than "
+            f"the {self.num_devices} devices (federated.num_devices) can ever send at once; "
+            "set it in 1..num_devices",
+        )
+        cannot = [
+            (self.strategy not in ("fedavg", "fedprox"), f"federated.strategy = {self.strategy}"),
+            (self.aggregation != "separate", f"federated.aggregation = {self.aggregation}"),
+            (self.update_norm_bound > 0, "federated.update_norm_bound > 0"),
+            (self.adapter_codec != "fp32", f"federated.adapter_codec = {self.adapter_codec}"),
+            (
+                self.adapter_downlink_codec != "fp32",
+                f"federated.adapter_downlink_codec = {self.adapter_downlink_codec}",
+            ),
+            (self.fraction_train < 1, "federated.fraction_train < 1"),
+            (self.straggler_s > 0, "federated.straggler_s > 0"),
+        ]
+        for bad, what in cannot:
+            _check(
+                not bad,
+                f"federated.mode = async cannot hold {what}: it merges each update against "
+                "its own version by the weighted mean (fedavg/fedprox, separate aggregation, "
+                "fp32 adapters, every free device working); set it back or use mode = sync",
+            )
 
 
 @dataclass(frozen=True)
@@ -853,6 +929,15 @@ class FedpipeConfig:
             "a round, but federated.aggregation = stack restarts the adapters every round "
             "(nothing to read); use separate, exact or ffa, or set pipeline.freeze = off",
         )
+        for bad, what in (
+            (self.pipeline.freeze != "off", f"pipeline.freeze = {self.pipeline.freeze}"),
+            (self.privacy.adapter_dp != "off", f"privacy.adapter_dp = {self.privacy.adapter_dp}"),
+        ):
+            _check(
+                self.federated.mode != "async" or not bad,
+                f"federated.mode = async cannot hold {what}: it decides per round what every "
+                "device trains or adds; set it off or use mode = sync",
+            )
         for entry in ({}, *parse_privacy_specs(self.privacy.devices, "privacy.devices")):
             self._check_device_privacy(self.privacy.for_device(entry))
         stored = [w for w in self.device.weights if w != "fp32"] or [""]

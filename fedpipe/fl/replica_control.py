@@ -175,9 +175,13 @@ class ReplicaControl:
         rule: str = "",
         *,
         frozen_below: int = 0,
+        window: int = 0,
     ) -> None:
         """Begin ``round_`` on every replica that answers (each under its own run id); their
-        sessions train no adapter of a block below ``frozen_below`` (pipeline.freeze)."""
+        sessions train no adapter of a block below ``frozen_below`` (pipeline.freeze).
+        Replicas serve synchronous rounds only (``window`` 0)."""
+        if window:
+            raise ValueError("StageServer replicas serve synchronous rounds only (window 0)")
         self.frozen_below = frozen_below
         if run_id and run_id != self.run_id:
             self.run_id = run_id

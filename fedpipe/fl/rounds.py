@@ -31,6 +31,7 @@ from fedpipe.config import FedpipeConfig, format_cut
 from fedpipe.fl.adapter_codec import AdapterCodecs, decode_reply, encode_adapters
 from fedpipe.fl.adapter_dp import with_adapter_dp
 from fedpipe.fl.aggregate import ExactState, by_holders, clip_replies, held, pad_to_union
+from fedpipe.fl.buffered import BufferedRounds
 from fedpipe.fl.deadline_grid import DeadlineGrid, DeviceBook, StopRun
 from fedpipe.fl.device_work import RunSettings
 from fedpipe.fl.freeze import FreezeRule, FreezeState, block_movement, pin_frozen
@@ -42,7 +43,7 @@ from fedpipe.fl.strategies import STATEFUL, aggregation_rule, make_strategy, rob
 from fedpipe.lora.aggregation import split_deltas
 from fedpipe.lora.freezing import trainable_part
 from fedpipe.models import load_config, resolve_model
-from fedpipe.wire.control_client import StageControlClient
+from fedpipe.wire.control_client import Committed, StageControlClient
 
 __all__ = ["FedpipeStrategy", "Resumed", "StageControl"]
 
@@ -110,6 +111,11 @@ class FedpipeStrategy(Strategy):
         # key is aggregated over the devices that hold it
         self.stateful = fed.strategy.strip().lower() in STATEFUL
         self.replicas = control if isinstance(control, ReplicaControl) else None
+        if fed.mode == "async" and self.replicas is not None:
+            raise ValueError(
+                "federated.mode = async runs on one StageServer: its sessions of several "
+                "versions cannot be split over replicas; give run.stage-address one address"
+            )
         self.secret, self.run_id = run.secret, run.run_id
         self.stage_address, self.token_ttl_s = run.stage_address, run.round_timeout_s
         self.offset = resumed.round if resumed is not None else 0
@@ -168,8 +174,12 @@ class FedpipeStrategy(Strategy):
         evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
     ) -> Result:
         """``num_rounds`` rounds from the global device adapters ``arrays``: Flower's own
-        round loop, with fedpipe's round policy (:attr:`grid`) between it and Flower's grid."""
+        round loop, with fedpipe's round policy (:attr:`grid`) between it and Flower's grid;
+        under ``federated.mode = async``, ``num_rounds`` versions of buffered aggregation
+        (:class:`~fedpipe.fl.buffered.BufferedRounds`) over the same grid."""
         fed = self.policy
+        if fed.mode == "async":
+            return BufferedRounds(self).run(arrays, versions=num_rounds, evaluate_fn=evaluate_fn)
         return self.start(
             grid=self.grid,
             initial_arrays=ArrayRecord(arrays),
@@ -189,14 +199,34 @@ class FedpipeStrategy(Strategy):
         return self.freeze.frozen_below if self.freeze is not None else 0
 
     def begin_on_server(self) -> None:
-        """Tell the StageServer (each replica) which round the run is at and how it merges."""
+        """Tell the StageServer (each replica) which round the run is at and how it merges;
+        under async, the versions before it whose sessions it still admits."""
+        fed = self.policy
         self.control.begin_round(
             self.number,
             self.run_id,
-            self.policy.aggregation,
+            fed.aggregation,
             self.rule.text(),
             frozen_below=self.frozen_below,
+            window=fed.max_staleness + 1 if fed.mode == "async" else 0,
         )
+
+    def begin_version(self, version: int, arrays: State) -> None:
+        """Async: the global is at ``version`` (the device adapters ``arrays``), on both sides."""
+        self.number = version
+        self.round_started = time.time()
+        self.exact.begin(arrays)
+        self.begin_on_server()
+
+    def commit_updates(
+        self, merge: list[tuple[str, int, float]], discard: list[tuple[str, int]]
+    ) -> Committed:
+        """Async: the StageServer merges each named (device, version) session as its update
+        against that version's server adapter, by the weights given, and drops ``discard``."""
+        control = self.control
+        if not isinstance(control, StageControlClient):  # refused at construction already
+            raise ValueError("federated.mode = async runs on one StageServer, not replicas")
+        return control.commit_updates(self.number, merge, discard, server_lr=self.policy.buffer_lr)
 
     # -- Flower's strategy ------------------------------------------------------------------
     def summary(self) -> None:
@@ -207,7 +237,7 @@ class FedpipeStrategy(Strategy):
     ) -> Iterable[Message]:
         self._begin(server_round, arrays)
         sampled = self.inner.configure_train(server_round, arrays, config, self.grid)
-        return self._orders(sampled)
+        return self.orders(sampled)
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -259,7 +289,7 @@ class FedpipeStrategy(Strategy):
         if self.freeze is not None and self._server_before is None:
             self._server_before = split_deltas(self.control.get_adapter())[0]
 
-    def _orders(self, messages: Iterable[Message]) -> list[Message]:
+    def orders(self, messages: Iterable[Message]) -> list[Message]:
         """Each sampled device's message: the strategy's, with the round's train order (its
         StageServer or replica, a token for it) and the global adapters as devices get them."""
         messages = list(messages)
@@ -336,13 +366,15 @@ class FedpipeStrategy(Strategy):
                 kept.append(reply)
         return kept
 
-    def weigh_by_server(self, replies: list[Message]) -> list[Message]:
+    def weigh_by_server(self, replies: list[Message], number: int = -1) -> list[Message]:
         """The replies, each weighing (``num-examples``) what the StageServer counted: the
         rows of the microbatches it ran forward and backward in the steps it applied for the
         device's session (an empty step counts nothing), never more than the device claims.
-        Without the server's counts (an older server), the checked claims stand."""
+        Without the server's counts (an older server), the checked claims stand. ``number``:
+        the round (version) the replies trained in; -1: the one under way."""
+        number = self.number if number < 0 else number
         rows = self.reply_rules.rows_per_step
-        status = self.control.round_status(self.number) if rows else None
+        status = self.control.round_status(number) if rows else None
         if status is None:
             return replies
         done = {p.device_id: p.rows_done for p in status}
@@ -355,7 +387,7 @@ class FedpipeStrategy(Strategy):
                 log.warning(
                     "round %d: device %s claims %d examples, the StageServer counted %d: "
                     "weighted by the count",
-                    self.number,
+                    number,
                     self.devices.name(reply.metadata.src_node_id),
                     said.num_examples,
                     counted,
@@ -387,7 +419,19 @@ class FedpipeStrategy(Strategy):
         """Merge the finished devices on the server, record the round, apply the stop policy."""
         ok = [r for r in replies if not r.has_error()]
         merged, discarded, dropped = self.control.commit_round(self.number, _weights(ok))
-        self.last_commit = (merged, discarded)
+        self.recorded(ok, (merged, discarded), dropped, self.grid.failures)
+
+    def recorded(
+        self,
+        ok: list[Message],
+        commit: tuple[int, int],
+        dropped: dict[str, str],
+        failures: list[dict[str, Any]],
+    ) -> None:
+        """After the server's commit (``commit``: merged, discarded; ``dropped``: devices whose
+        server adapter it refused): each trained device's record, the round's totals over
+        ``ok`` less the dropped, and the stop policy (``failures``: the round's, as logged)."""
+        self.last_commit = commit
         figures = self.replicas.round_figures() if self.replicas is not None else {}
         for device, why in dropped.items():  # its server adapter held NaN/Inf: not merged
             self.grid.failure(int(device), f"server adapter not merged: {why}")
@@ -396,7 +440,7 @@ class FedpipeStrategy(Strategy):
         for reply, reply_said in zip(ok, said, strict=True):
             fields = self.devices.fields(reply.metadata.src_node_id)
             self.log({"event": "train", "round": self.number, **fields, **reply_said.log_fields()})
-        failed = len(self.grid.failures)
+        failed = len(failures)
         self.failures_total += failed
         self.stats = {**_round_stats(said, failed), **figures}
         log.info("round %d: %d devices merged, %d failed", self.number, len(ok), failed)

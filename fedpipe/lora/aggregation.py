@@ -40,6 +40,7 @@ __all__ = [
     "aggregate_adapters",
     "aggregate_held",
     "adapter_block",
+    "apply_updates",
     "held_blocks",
     "split_deltas",
     "stack_adapters",
@@ -190,6 +191,42 @@ def aggregate_held(
         merged.update(part)
         deltas.update(delta)
     return merged, deltas
+
+
+def apply_updates(
+    current: dict[str, Tensor],
+    starts: list[dict[str, Tensor]],
+    states: list[dict[str, Tensor]],
+    weights: list[float],
+    *,
+    server_lr: float = 1.0,
+) -> dict[str, Tensor]:
+    """Buffered asynchronous aggregation (FedBuff): ``current`` moved by the weighted mean of
+    the updates ``states[k] - starts[k]``, scaled by ``server_lr``.
+
+    Each state's update is against the global it started from (``starts[k]``, an older one for
+    a stale device); ``weights`` carry the staleness weight already. Each key is averaged over
+    the states that hold it (devices or sessions of different cuts), its weights renormalised
+    over them; a key no state holds, or whose holders all weigh 0, keeps its current value.
+    With every start equal to ``current`` and ``server_lr`` 1 this is the weighted mean of the
+    states (:func:`aggregate_held`'s ``separate``). Returns the keys that moved.
+    """
+    if not len(starts) == len(states) == len(weights) or min(weights, default=0.0) < 0:
+        raise ValueError(f"need one start and one weight >= 0 per update, got {weights}")
+    moved: dict[str, Tensor] = {}
+    for key in dict.fromkeys(k for s in states for k in s):
+        holders = [i for i, s in enumerate(states) if key in s]
+        total = sum(weights[i] for i in holders)
+        if total <= 0 or key not in current:
+            continue
+        missing = [i for i in holders if key not in starts[i]]
+        if missing:
+            raise ValueError(f"update {missing[0]} holds {key} but its start does not")
+        step = torch.zeros_like(current[key], dtype=torch.float32)
+        for i in holders:
+            step += (weights[i] / total) * (states[i][key].float() - starts[i][key].float())
+        moved[key] = (current[key].float() + server_lr * step).to(current[key].dtype)
+    return moved
 
 
 def _stacked(

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from fedpipe.lora.aggregation import (
     BaseFold,
     aggregate_held,
+    apply_updates,
     check_aggregation,
     held_blocks,
     split_deltas,
@@ -131,6 +132,45 @@ class SharedAggregation:
         for name in names:
             self.remove(name)
         return merged
+
+    def apply_updates(
+        self,
+        starts: dict[str, dict[str, Tensor]],
+        weights: dict[str, float],
+        *,
+        server_lr: float = 1.0,
+        blocks: dict[str, tuple[int, ...] | None] | None = None,
+    ) -> dict[str, Tensor]:
+        """Global <- global + ``server_lr`` x the weighted mean of the named adapters' updates,
+        each against the global it started from (``starts[name]``); remove them.
+
+        Buffered asynchronous rounds (:func:`~fedpipe.lora.aggregation.apply_updates`):
+        sessions that started from older globals are merged as their change, not as their
+        value. ``blocks`` as for :meth:`merge`. Only ``separate`` aggregation folds nothing
+        into the base, and only it is offered here.
+        """
+        if not weights:
+            raise ValueError("apply_updates needs at least one adapter name with a weight")
+        if self.aggregation != "separate" or not self.rule.plain:
+            raise ValueError(
+                f"buffered updates merge by the weighted mean of separate aggregation, not "
+                f"{self.aggregation!r} with rule {self.rule.name!r}"
+            )
+        for name in weights:
+            self._check(name, allow_global=False)
+        names, ran = list(weights), blocks or {}
+        states = [held_blocks(self.state_dict(n), ran.get(n)) for n in names]
+        moved = apply_updates(
+            self._global_adapter(),
+            [starts[n] for n in names],
+            states,
+            [weights[n] for n in names],
+            server_lr=server_lr,
+        )
+        self._load_global({**self._global_adapter(), **moved})
+        for name in names:
+            self.remove(name)
+        return moved
 
 
 class AdapterBank(SharedAggregation):

@@ -204,18 +204,20 @@ class CloseSessionReply(_message.Message):
     def __init__(self, steps: _Optional[int] = ...) -> None: ...
 
 class BeginRoundRequest(_message.Message):
-    __slots__ = ("round", "run_id", "aggregation", "rule", "frozen_below")
+    __slots__ = ("round", "run_id", "aggregation", "rule", "frozen_below", "window")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     AGGREGATION_FIELD_NUMBER: _ClassVar[int]
     RULE_FIELD_NUMBER: _ClassVar[int]
     FROZEN_BELOW_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
     round: int
     run_id: str
     aggregation: str
     rule: str
     frozen_below: int
-    def __init__(self, round: _Optional[int] = ..., run_id: _Optional[str] = ..., aggregation: _Optional[str] = ..., rule: _Optional[str] = ..., frozen_below: _Optional[int] = ...) -> None: ...
+    window: int
+    def __init__(self, round: _Optional[int] = ..., run_id: _Optional[str] = ..., aggregation: _Optional[str] = ..., rule: _Optional[str] = ..., frozen_below: _Optional[int] = ..., window: _Optional[int] = ...) -> None: ...
 
 class BeginRoundReply(_message.Message):
     __slots__ = ()
@@ -236,6 +238,28 @@ class CommitRoundRequest(_message.Message):
     round: int
     finished: _containers.RepeatedCompositeFieldContainer[DeviceWeight]
     def __init__(self, round: _Optional[int] = ..., finished: _Optional[_Iterable[_Union[DeviceWeight, _Mapping]]] = ...) -> None: ...
+
+class SessionUpdate(_message.Message):
+    __slots__ = ("device_id", "round", "weight")
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    device_id: str
+    round: int
+    weight: float
+    def __init__(self, device_id: _Optional[str] = ..., round: _Optional[int] = ..., weight: _Optional[float] = ...) -> None: ...
+
+class CommitUpdatesRequest(_message.Message):
+    __slots__ = ("round", "merge", "discard", "server_lr")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    MERGE_FIELD_NUMBER: _ClassVar[int]
+    DISCARD_FIELD_NUMBER: _ClassVar[int]
+    SERVER_LR_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    merge: _containers.RepeatedCompositeFieldContainer[SessionUpdate]
+    discard: _containers.RepeatedCompositeFieldContainer[SessionUpdate]
+    server_lr: float
+    def __init__(self, round: _Optional[int] = ..., merge: _Optional[_Iterable[_Union[SessionUpdate, _Mapping]]] = ..., discard: _Optional[_Iterable[_Union[SessionUpdate, _Mapping]]] = ..., server_lr: _Optional[float] = ...) -> None: ...
 
 class CommitRoundReply(_message.Message):
     __slots__ = ("merged", "discarded", "dropped", "dropped_reason")

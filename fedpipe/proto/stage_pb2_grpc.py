@@ -206,6 +206,11 @@ class StageControlStub:
                 request_serializer=fedpipe_dot_proto_dot_stage__pb2.CommitRoundRequest.SerializeToString,
                 response_deserializer=fedpipe_dot_proto_dot_stage__pb2.CommitRoundReply.FromString,
                 _registered_method=True)
+        self.CommitUpdates = channel.unary_unary(
+                '/fedpipe.proto.StageControl/CommitUpdates',
+                request_serializer=fedpipe_dot_proto_dot_stage__pb2.CommitUpdatesRequest.SerializeToString,
+                response_deserializer=fedpipe_dot_proto_dot_stage__pb2.CommitRoundReply.FromString,
+                _registered_method=True)
         self.GetAdapter = channel.unary_stream(
                 '/fedpipe.proto.StageControl/GetAdapter',
                 request_serializer=fedpipe_dot_proto_dot_stage__pb2.AdapterRequest.SerializeToString,
@@ -244,6 +249,12 @@ class StageControlServicer:
         raise NotImplementedError('Method not implemented!')
 
     def CommitRound(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CommitUpdates(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -291,6 +302,11 @@ def add_StageControlServicer_to_server(servicer, server):
             'CommitRound': grpc.unary_unary_rpc_method_handler(
                     servicer.CommitRound,
                     request_deserializer=fedpipe_dot_proto_dot_stage__pb2.CommitRoundRequest.FromString,
+                    response_serializer=fedpipe_dot_proto_dot_stage__pb2.CommitRoundReply.SerializeToString,
+            ),
+            'CommitUpdates': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitUpdates,
+                    request_deserializer=fedpipe_dot_proto_dot_stage__pb2.CommitUpdatesRequest.FromString,
                     response_serializer=fedpipe_dot_proto_dot_stage__pb2.CommitRoundReply.SerializeToString,
             ),
             'GetAdapter': grpc.unary_stream_rpc_method_handler(
@@ -373,6 +389,33 @@ class StageControl:
             target,
             '/fedpipe.proto.StageControl/CommitRound',
             fedpipe_dot_proto_dot_stage__pb2.CommitRoundRequest.SerializeToString,
+            fedpipe_dot_proto_dot_stage__pb2.CommitRoundReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitUpdates(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedpipe.proto.StageControl/CommitUpdates',
+            fedpipe_dot_proto_dot_stage__pb2.CommitUpdatesRequest.SerializeToString,
             fedpipe_dot_proto_dot_stage__pb2.CommitRoundReply.FromString,
             options,
             channel_credentials,

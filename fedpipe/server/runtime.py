@@ -46,7 +46,7 @@ from fedpipe.errors import (
     UnknownSessionError,
 )
 from fedpipe.lora import AdapterBank, BatchedAdapterBank
-from fedpipe.lora.aggregation import held_blocks
+from fedpipe.lora.aggregation import held_blocks, split_deltas
 from fedpipe.lora.freezing import freeze_blocks
 from fedpipe.lora.robust import AggregationRule
 from fedpipe.messages import END, Kind, StageMsg
@@ -146,6 +146,12 @@ class StageRuntime:
         # block below this, and their commit leaves those blocks' global values as they are.
         self.frozen_below = 0
         self._collected: dict[int, CollectedRound] = {}  # the last collected rounds (retries)
+        # Async rounds (BeginRound's window > 0): the global adapter of each version whose
+        # sessions are still admitted (a session starts from its version's, and its update is
+        # merged against it); empty in synchronous rounds.
+        self._versions: dict[int, dict[str, torch.Tensor]] = {}
+        self._window = 0
+        self._updates: dict[int, CommitResult] = {}  # versions merged (a retry's answer)
         self._opening = 0  # sessions being opened: their adapter is being added
         self._lock = threading.RLock()  # sessions, streams, counters; never held by compute
         self._bank_lock = threading.RLock()  # the bank; taken after _lock, never before
@@ -203,8 +209,9 @@ class StageRuntime:
             self.limits, self.max_seq_len, request.microbatch_size, request.seq_len
         )
         with self._lock:
-            for old in [s for s in self._sessions.values() if s.device_id == device_id]:
+            for old in self._replaced_by(device_id, round_):
                 self._drop(old, reason="replaced by a new session")
+            start = self._start_of(round_)
             held = len(self._sessions) + self._opening
             if held >= self.limits.max_sessions:
                 raise StageCapacityError(
@@ -216,7 +223,7 @@ class StageRuntime:
         try:
             frozen_below = self.frozen_below
             with self._bank_lock:  # not under _lock: other sessions' streams keep flowing
-                self.bank.add(session_id)
+                self.bank.add(session_id, init=start)
                 freeze_blocks(self.bank.named_parameters(session_id), frozen_below)
                 opt = self.optimizer_factory(
                     self.bank.parameters(session_id), lr, request.weight_decay
@@ -229,7 +236,7 @@ class StageRuntime:
         info.blocks = blocks
         info.frozen_below = frozen_below
         with self._lock:
-            for old in [s for s in self._sessions.values() if s.device_id == device_id]:
+            for old in self._replaced_by(device_id, round_):
                 self._drop(old, reason="replaced by a newer session")  # a concurrent open
             self._sessions[session_id] = info
         log.info(
@@ -242,6 +249,21 @@ class StageRuntime:
             lr,
         )
         return session_id
+
+    def _replaced_by(self, device_id: str, round_: int) -> list[SessionInfo]:
+        """The sessions a new one of ``device_id`` for ``round_`` replaces: all the device's
+        (synchronous rounds), or its session of the same version (async rounds, where a
+        device's update of an older version may still wait in the ServerApp's buffer)."""
+        return [
+            s
+            for s in self._sessions.values()
+            if s.device_id == device_id and (not self._window or s.round == round_)
+        ]
+
+    def _start_of(self, round_: int) -> dict[str, torch.Tensor] | None:
+        """What a session of ``round_`` starts from: its version's global (async rounds), or
+        None, the global adapter as it is now."""
+        return self._versions.get(round_) if self._window else None
 
     def session(self, session_id: str) -> SessionInfo:
         with self._lock:
@@ -557,6 +579,94 @@ class StageRuntime:
             microbatches=microbatches,
         )
 
+    def begin_version(self, round_: int, window: int) -> None:
+        """BeginRound: with ``window`` > 0 (async rounds), keep the global adapter as
+        ``round_``'s beside those of the versions before it, ``window`` in all (a session of
+        an older version trains on; the ServerApp refuses its update as stale and discards
+        it). 0: synchronous rounds, none kept."""
+        with self._lock, self._bank_lock:
+            self._window = window
+            if not window:
+                self._versions.clear()
+                return
+            self._versions[round_] = {
+                k: v.detach().clone() for k, v in split_deltas(self.bank.global_state())[0].items()
+            }
+            for old in [v for v in self._versions if not round_ - window < v <= round_]:
+                del self._versions[old]
+
+    def commit_updates(
+        self,
+        round_: int,
+        merge: list[tuple[str, int, float]],
+        discard: list[tuple[str, int]],
+        *,
+        server_lr: float = 1.0,
+    ) -> CommitResult:
+        """Async rounds: merge each (device, version) session of ``merge`` as its update
+        against its version's global, ``global += server_lr x`` their weighted mean
+        (:meth:`~fedpipe.lora.peft_bank.SharedAggregation.apply_updates`); drop the sessions
+        of ``discard``. Every other session stays. An adapter holding NaN or Inf is never
+        merged (``dropped``); a session that is gone (reaped, replaced) is ``dropped`` too.
+        A retried commit of a merged version gets its first answer.
+        """
+        check_weights({f"{d}@{v}": w for d, v, w in merge})
+        with self._lock:
+            if merge and round_ in self._updates:
+                log.info("version %d was merged already; the retry gets its result", round_)
+                return self._updates[round_]
+            with self._bank_lock:
+                result = self._merge_updates(round_, merge, discard, server_lr)
+            if merge:
+                self._updates[round_] = result
+                while len(self._updates) > KEEP_COMMITS:
+                    del self._updates[min(self._updates)]
+            return result
+
+    def _merge_updates(
+        self,
+        round_: int,
+        merge: list[tuple[str, int, float]],
+        discard: list[tuple[str, int]],
+        server_lr: float,
+    ) -> CommitResult:
+        by_key = {(s.device_id, s.round): s for s in self._sessions.values()}
+        weights: dict[str, float] = {}
+        starts: dict[str, dict[str, torch.Tensor]] = {}
+        dropped: dict[str, str] = {}
+        for device_id, version, weight in merge:
+            info = by_key.get((device_id, version))
+            start = self._versions.get(version)
+            reason = (
+                f"its session of version {version} is gone (reaped or replaced)"
+                if info is None or info.steps_done == 0
+                else f"version {version} is outside the versions this server keeps"
+                if start is None
+                else non_finite(self.bank.state_dict(info.session_id))
+            )
+            if reason or info is None or start is None:
+                dropped[device_id] = reason
+                log.warning("[%s] version %d: adapter not merged: %s", device_id, round_, reason)
+                continue
+            weights[info.session_id] = weight
+            starts[info.session_id] = held_blocks(start, info.blocks)
+        if weights and sum(weights.values()) > 0:
+            self.bank.apply_updates(
+                starts,
+                weights,
+                server_lr=server_lr,
+                blocks={s: self._trained_blocks(s) for s in weights},
+            )
+            for session_id in weights:
+                info = self._sessions.pop(session_id)
+                info.dropped = True
+        else:
+            weights = {}
+        gone = [by_key[k] for k in discard if k in by_key and not by_key[k].dropped]
+        for info in gone:
+            self._drop(info, reason=f"version {info.round}: not aggregated")
+        return CommitResult(len(weights), len(gone), dropped)
+
     def set_aggregation(self, mode: str, rule: AggregationRule | None = None) -> None:
         """How commits aggregate from now on (federated.aggregation), by which rule."""
         with self._bank_lock:
@@ -578,6 +688,8 @@ class StageRuntime:
                 self.bank.set_global_state(state)
             self._commits.clear()
             self._collected.clear()
+            self._versions.clear()  # BeginRound keeps the new run's from here on
+            self._updates.clear()
 
     # -- the worker -------------------------------------------------------------------------
     def stop(self) -> None:

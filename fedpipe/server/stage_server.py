@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import secrets
 import threading
 import time
@@ -214,7 +215,14 @@ class StageServer:
 
     # -- round control (StageBackend) ------------------------------------------------------------
     def begin_round(
-        self, round_: int, run_id: str, aggregation: str, rule: str = "", *, frozen_below: int = 0
+        self,
+        round_: int,
+        run_id: str,
+        aggregation: str,
+        rule: str = "",
+        *,
+        frozen_below: int = 0,
+        window: int = 0,
     ) -> None:
         self.rounds.require_run("BeginRound")
         try:  # federated.aggregation and the strategy's rule: how this round's commit merges
@@ -222,7 +230,8 @@ class StageServer:
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from None
         self.runtime.frozen_below = frozen_below  # pipeline.freeze: sessions opened from now on
-        self.rounds.begin(round_, run_id)
+        self.runtime.begin_version(round_, window)  # async rounds: each version's adapter
+        self.rounds.begin(round_, run_id, window=window)
         self.delta_store.begin_run(run_id)  # devices' delta caches never cross into another run
         log.info("round %d of run %r begun", round_, run_id)
 
@@ -245,6 +254,36 @@ class StageServer:
         result = self.runtime.commit_round(round_, weights)
         log.info(
             "round %d committed: %d merged, %d discarded, dropped %s",
+            round_,
+            result.merged,
+            result.discarded,
+            result.dropped or "none",
+        )
+        return result
+
+    def commit_updates(
+        self,
+        round_: int,
+        merge: list[tuple[str, int, float]],
+        discard: list[tuple[str, int]],
+        *,
+        server_lr: float = 1.0,
+        signed_run: str | None = None,
+    ) -> CommitResult:
+        """Async rounds: the named sessions merged as their updates, each against its own
+        version (:meth:`StageRuntime.commit_updates`)."""
+        self.rounds.require_run("CommitUpdates", round_)
+        self._check_run("CommitUpdates", signed_run)
+        if not self.rounds.view().window and merge:
+            raise InvalidRequestError(
+                "CommitUpdates merges asynchronous rounds' sessions, but this round was begun "
+                "synchronously (BeginRound's window 0): use CommitRound"
+            )
+        if not (server_lr > 0 and math.isfinite(server_lr)):
+            raise InvalidRequestError(f"CommitUpdates: server_lr must be > 0, got {server_lr}")
+        result = self.runtime.commit_updates(round_, merge, discard, server_lr=server_lr)
+        log.info(
+            "version %d: %d updates merged, %d sessions discarded, dropped %s",
             round_,
             result.merged,
             result.discarded,

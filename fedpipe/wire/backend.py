@@ -190,10 +190,26 @@ class StageBackend(Protocol):
     def keep_delta(self, port: StreamPort, options: StreamOptions, cache: DeltaCache) -> None: ...
     def close_session(self, session_id: str) -> int: ...
     def begin_round(
-        self, round_: int, run_id: str, aggregation: str, rule: str, *, frozen_below: int = 0
+        self,
+        round_: int,
+        run_id: str,
+        aggregation: str,
+        rule: str,
+        *,
+        frozen_below: int = 0,
+        window: int = 0,
     ) -> None: ...
     def commit_round(
         self, round_: int, weights: dict[str, float], *, signed_run: str | None = None
+    ) -> CommitSummary: ...
+    def commit_updates(
+        self,
+        round_: int,
+        merge: list[tuple[str, int, float]],
+        discard: list[tuple[str, int]],
+        *,
+        server_lr: float = 1.0,
+        signed_run: str | None = None,
     ) -> CommitSummary: ...
     def collect_round(
         self, round_: int, weights: dict[str, float], *, signed_run: str | None = None

@@ -125,12 +125,15 @@ class StageControlClient:
         rule: str = "",
         *,
         frozen_below: int = 0,
+        window: int = 0,
     ) -> None:
         """Tell the StageServer that ``round_`` of ``run_id`` starts: tokens must name both.
 
         ``aggregation`` (federated.aggregation; "" = separate) is how its commit merges, and
         ``rule`` (``AggregationRule.text()``; "" = the weighted mean) by which rule; the
-        round's sessions train no adapter of a block below ``frozen_below`` (pipeline.freeze)."""
+        round's sessions train no adapter of a block below ``frozen_below`` (pipeline.freeze).
+        ``window`` > 0 (async rounds): the versions whose sessions are admitted, this one
+        included (``max_staleness + 1``)."""
         self.run_id = run_id or self.run_id
         request = pb.BeginRoundRequest(
             round=round_,
@@ -138,6 +141,7 @@ class StageControlClient:
             aggregation=aggregation,
             rule=rule,
             frozen_below=frozen_below,
+            window=window,
         )
         self._call("BeginRound", request, 30)
 
@@ -149,6 +153,26 @@ class StageControlClient:
             finished=[pb.DeviceWeight(device_id=d, weight=w) for d, w in finished.items()],
         )
         reply = self._call("CommitRound", request, 60)
+        dropped = dict(zip(reply.dropped, reply.dropped_reason, strict=False))
+        return Committed(reply.merged, reply.discarded, dropped)
+
+    def commit_updates(
+        self,
+        round_: int,
+        merge: list[tuple[str, int, float]],
+        discard: list[tuple[str, int]],
+        *,
+        server_lr: float = 1.0,
+    ) -> Committed:
+        """Async rounds: merge each (device, version) session of ``merge`` as its update
+        against its version, by its weight and ``server_lr``; drop those of ``discard``."""
+        request = pb.CommitUpdatesRequest(
+            round=round_,
+            merge=[pb.SessionUpdate(device_id=d, round=v, weight=w) for d, v, w in merge],
+            discard=[pb.SessionUpdate(device_id=d, round=v) for d, v in discard],
+            server_lr=server_lr,
+        )
+        reply = self._call("CommitUpdates", request, 60)
         dropped = dict(zip(reply.dropped, reply.dropped_reason, strict=False))
         return Committed(reply.merged, reply.discarded, dropped)
 

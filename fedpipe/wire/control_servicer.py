@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from fedpipe.config import MAX_STALENESS
 from fedpipe.errors import AuthError, InvalidRequestError
 from fedpipe.proto import stage_pb2 as pb
 from fedpipe.proto import stage_pb2_grpc as pb_grpc
@@ -122,9 +123,10 @@ class ControlServicer(pb_grpc.StageControlServicer):
                 f"BeginRound refused: signed for run {signed!r}, it begins {request.run_id!r}",
             )
         try:
-            if request.frozen_below < 0:
+            if request.frozen_below < 0 or not 0 <= request.window <= MAX_STALENESS + 1:
                 raise InvalidRequestError(
-                    f"BeginRound: frozen_below must be >= 0, got {request.frozen_below}"
+                    f"BeginRound: frozen_below must be >= 0 and window in 0..{MAX_STALENESS + 1}, "
+                    f"got {request.frozen_below} and {request.window}"
                 )
             self.backend.begin_round(
                 request.round,
@@ -132,6 +134,7 @@ class ControlServicer(pb_grpc.StageControlServicer):
                 request.aggregation or "separate",
                 request.rule,
                 frozen_below=request.frozen_below,
+                window=request.window,
             )
         except Exception as exc:
             context.abort(status_for(exc), str(exc))
@@ -142,6 +145,27 @@ class ControlServicer(pb_grpc.StageControlServicer):
         weights = {f.device_id: f.weight for f in request.finished}
         try:
             result = self.backend.commit_round(request.round, weights, signed_run=signed)
+        except Exception as exc:
+            context.abort(status_for(exc), str(exc))
+        return pb.CommitRoundReply(
+            merged=result.merged,
+            discarded=result.discarded,
+            dropped=list(result.dropped),
+            dropped_reason=list(result.dropped.values()),
+        )
+
+    def CommitUpdates(self, request: pb.CommitUpdatesRequest, context: grpc.ServicerContext):  # noqa: N802
+        signed = self._check("CommitUpdates", request, context)
+        merge = [(u.device_id, u.round, u.weight) for u in request.merge]
+        discard = [(u.device_id, u.round) for u in request.discard]
+        try:
+            result = self.backend.commit_updates(
+                request.round,
+                merge,
+                discard,
+                server_lr=request.server_lr or 1.0,
+                signed_run=signed,
+            )
         except Exception as exc:
             context.abort(status_for(exc), str(exc))
         return pb.CommitRoundReply(
