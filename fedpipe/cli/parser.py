@@ -120,6 +120,11 @@ def _run_folder(p: argparse.ArgumentParser) -> None:
     f = _D.federated
     p.add_argument("--rounds", type=int, help=f"federated.rounds (default: {f.rounds})")
     p.add_argument("--strategy", help=f"{_STRATEGIES} (default: {f.strategy})")
+    p.add_argument(
+        "--mode",
+        choices=("sync", "async"),
+        help=f"federated.mode: sync rounds or buffered async versions (default: {f.mode})",
+    )
     p.add_argument("--name", help="run name: results go to RUNS_DIR/NAME (default: run-DATE-TIME)")
     p.add_argument("--runs-dir", type=Path, default=Path("runs"), help="folder of run folders")
     p.add_argument("--resume", action="store_true", help="continue after the last saved round")

@@ -22,6 +22,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         "federated.rounds": args.rounds,
         "federated.num_devices": args.devices,
         "federated.strategy": args.strategy,
+        "federated.mode": args.mode,
         "server.tls_ca": args.tls_ca,  # the ServerApp verifies the StageServer with it
     }
     config = config_from_args(args, **flags)

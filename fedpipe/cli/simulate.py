@@ -21,6 +21,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         "federated.num_devices": args.devices,
         "federated.profiles": args.profiles,
         "federated.strategy": args.strategy,
+        "federated.mode": args.mode,
         "federated.data": args.data,
     }
     config = config_from_args(args, **flags)

@@ -79,7 +79,7 @@ def _make_evaluate(
             route = rounds.replicas.evaluator()
             where = replace(run, stage_address=route.address, run_id=route.run_id)
         loss, tokens = evaluate_split(work, state, where, round_)
-        record: dict[str, float | int | list[float] | list[int]] = {
+        record: dict[str, Any] = {
             "round": round_,
             "eval_loss": loss,
             "eval_ppl": math.exp(min(loss, 50.0)),
@@ -100,12 +100,18 @@ def _make_evaluate(
             record |= generation_record(
                 work.questions, work.trainer.folder, folder.path, round_, base=server_round == 0
             )
+        if rounds.policy.mode == "async":  # each record is a version's
+            record["unit"] = "version"
         now = time.time()
         record |= {"wall_s": now - rounds.round_started, "elapsed_s": now - rounds.started}
         rounds.log({"event": "eval", **record})
         log.info("round %d: eval loss %.4f (ppl %.2f)", round_, loss, record["eval_ppl"])
         # per replica (with replicas): lists, as MetricRecord holds them
-        values = {k: v if isinstance(v, list) else float(v) for k, v in record.items()}
+        values = {
+            k: v if isinstance(v, list) else float(v)
+            for k, v in record.items()
+            if not isinstance(v, str)
+        }
         return MetricRecord(values)  # type: ignore[arg-type]
 
     return evaluate

@@ -28,7 +28,8 @@ def _mb(n: float) -> str:
 
 def _round_line(rec: dict[str, Any], total: int) -> str:
     r = int(rec["round"])
-    head = f"round {r}/{total}: eval loss {rec['eval_loss']:.4f} (ppl {rec['eval_ppl']:.1f})"
+    word = rec.get("unit", "round")  # "version" in async runs (federated.mode = async)
+    head = f"{word} {r}/{total}: eval loss {rec['eval_loss']:.4f} (ppl {rec['eval_ppl']:.1f})"
     if rec.get("eval_exact_match") is not None:  # federated.eval_generate
         head += (
             f", exact {100 * rec['eval_exact_match']:.0f}% contains "
@@ -135,6 +136,11 @@ def format_record(rec: dict[str, Any], *, rounds: int) -> str | None:
         return _waiting_line(rec)
     if event == "progress":
         return progress_line(rec, rounds=rounds)
+    if event == "refused":  # async: a stale or second update, counted, not aggregated
+        return (
+            f"device {rec.get('device')}: update of version {rec.get('version')} refused: "
+            + str(rec.get("reason"))
+        )
     if event == "stop":
         return f"run stopped: {rec.get('reason')}"
     if event == "start" and rec.get("resumed"):
@@ -313,9 +319,10 @@ def _delta_lines(rounds: list[dict[str, Any]], names: dict[str, str]) -> list[st
 def report_lines(summary: dict[str, Any]) -> list[str]:
     """The final report: one line per round (losses, devices trained of sampled), then totals."""
     lines = []
+    unit = summary.get("unit", "round")  # "version" in async runs
     for entry in summary["rounds"]:
         loss, train = entry.get("eval_loss"), entry.get("train_loss")
-        text = f"round {entry['round']}: eval loss " + ("-" if loss is None else f"{loss:.4f}")
+        text = f"{unit} {entry['round']}: eval loss " + ("-" if loss is None else f"{loss:.4f}")
         if train is not None:
             text += f", train loss {train:.4f}"
         if entry["round"] > 0:

@@ -144,6 +144,8 @@ def build_summary(history: list[dict[str, Any]], *, config: dict[str, Any]) -> d
             entry["devices_failed"] += int(rec.get("devices", 0))
     out = [_close_round(entry) for _, entry in sorted(rounds.items())]
     summary |= {"rounds": out, "failures": failures, "devices": names, "config": config}
+    if config.get("federated.mode") == "async":  # each entry is a version, not a round
+        summary["unit"] = "version"
     plans = {d: p for entry in out for d, p in entry.get("plans", {}).items()}  # the latest
     if plans:
         summary["plans"] = plans
@@ -174,7 +176,8 @@ def judge(summary: dict[str, Any], *, rounds: int, max_failures: int) -> list[st
         problems.append(f"stopped early: {summary['stopped']['reason']}")
     for entry in summary["rounds"]:
         if entry["round"] > 0 and entry.get("devices_trained", 0) == 0:
-            text = f"round {entry['round']}: no device trained ({entry['devices_failed']} failed)"
+            unit, failed = summary.get("unit", "round"), entry["devices_failed"]
+            text = f"{unit} {entry['round']}: no device trained ({failed} failed)"
             if not any(text in said for said in problems):  # the stop reason says it already
                 problems.append(text)
     failed = len(summary["failures"])
@@ -184,7 +187,8 @@ def judge(summary: dict[str, Any], *, rounds: int, max_failures: int) -> list[st
         )
     done = max((e["round"] for e in summary["rounds"] if "eval_loss" in e), default=0)
     if done < rounds and not problems:
-        problems.append(f"only {done} of {rounds} rounds completed")
+        unit = summary.get("unit", "round")
+        problems.append(f"only {done} of {rounds} {unit}s completed")
     return problems
 
 

@@ -241,3 +241,19 @@ def test_example_counts_reach_the_summary_per_device() -> None:
     assert summary["rounds"][1]["examples"] == {"0": counts}
     assert summary["examples"] == {"0": counts}
     assert "examples" not in build_summary(history[2:], config={})
+
+
+def test_an_async_run_reports_versions_and_refused_updates() -> None:
+    history = [_eval(0, 4.0, unit="version"), _train(1, 0, 3.9, 10, 10), _eval(1, 3.8)]
+    summary = build_summary(history, config={"federated.mode": "async"})
+    assert summary["unit"] == "version"
+    assert report_lines(summary)[:2] == [
+        "version 0: eval loss 4.0000",
+        "version 1: eval loss 3.8000, train loss 3.9000, 1/1 devices trained",
+    ]
+    assert judge(summary, rounds=3, max_failures=-1) == ["only 1 of 3 versions completed"]
+    assert format_record(_eval(1, 3.8, unit="version"), rounds=3).startswith("version 1/3: ")
+    refused = {"event": "refused", "device": "3", "version": 2, "reason": "staleness 5 > 4"}
+    line = format_record(refused, rounds=3)
+    assert line == "device 3: update of version 2 refused: staleness 5 > 4"
+    assert build_summary(history, config={"federated.mode": "sync"}).get("unit") is None
