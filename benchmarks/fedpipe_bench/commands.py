@@ -70,6 +70,20 @@ def register(bsub: Any) -> None:
         metavar="SECTION.KEY=VALUE",
         help="override one setting of every run (repeatable), e.g. federated.rounds=5",
     )
+    ab = add_command(
+        bsub,
+        "async",
+        f"{_HERE}:cmd_bench_async",
+        "a 10x slower phone: sync rounds vs async versions, time to sync's loss",
+    )
+    ab.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    ab.add_argument("--quick", action="store_true", help="a tiny random model (CI, seconds)")
+    ab.add_argument(
+        "--set",
+        action="append",
+        metavar="SECTION.KEY=VALUE",
+        help="override one setting of both runs (repeatable), e.g. federated.buffer=3",
+    )
     ib = add_command(
         bsub,
         "instruct",
@@ -383,6 +397,39 @@ def cmd_bench_quality(args: argparse.Namespace) -> int:
             f"{r['eval_ppl']:>8.2f} {r['bytes_per_token']:>11.1f} {r['wall_s']:>7.1f} "
             f"{r['steps']:>5}"
         )
+    return 0
+
+
+def cmd_bench_async(args: argparse.Namespace) -> int:
+    """`fedpipe bench async`: sync rounds against async versions with a 10x slower phone."""
+    overrides = parse_overrides(args.set or [])
+    from fedpipe_bench.async_rounds import run_async_bench
+
+    report = run_async_bench(quick=args.quick, overrides=overrides)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    s = report["settings"]
+    print(
+        f"model {report['model']}, {s['devices']} devices ({', '.join(s['profiles'])}), "
+        f"buffer {s['buffer']}, max staleness {s['max_staleness']}, {s['staleness']}"
+    )
+    print(f"target: sync's final held-out loss {report['target_loss']:.4f}")
+    print(
+        f"{'mode':>6} {'to target s':>11} {'wall s':>7} {'final loss':>10} {'updates':>7} "
+        f"{'MB up':>7} {'MB down':>7} {'idle':>5}"
+    )
+    for mode in ("sync", "async"):
+        r = report[mode]
+        to = "never" if r["wall_to_target_s"] is None else f"{r['wall_to_target_s']:.1f}"
+        print(
+            f"{mode:>6} {to:>11} {r['wall_s']:>7.1f} {r['final_eval_loss']:>10.4f} "
+            f"{r['updates']:>7} {r['bytes_up'] / 1e6:>7.1f} {r['bytes_down'] / 1e6:>7.1f} "
+            f"{r['device_idle_mean']:>5.0%}"
+        )
+    ratio = report["wall_to_target_ratio"]
+    said = "not reached" if ratio is None else f"{ratio:.2f}"
+    print(f"async time to target / sync's: {said} (goal <= {report['goal']})")
     return 0
 
 

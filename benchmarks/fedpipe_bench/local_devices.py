@@ -15,6 +15,7 @@ memory for the run, as its DeviceWork does).
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from functools import partial
 from typing import cast
@@ -60,6 +61,7 @@ class LocalDevices:
         }
         self.reports: dict[int, list[TrainReport]] = {}  # by round, in the order they trained
         self.traffic = Traffic()
+        self._lock = threading.Lock()  # the tallies, when nodes answer in threads (ThreadedGrid)
         # Flower's per-node state across a run's rounds (the adapter codec's residuals)
         self.contexts = {
             node: Context(run_id=0, node_id=node, node_config={}, state=RecordDict(), run_config={})
@@ -78,8 +80,10 @@ class LocalDevices:
             lambda m, c: adapter_clipping_mod(m, c, lambda m2, _: self._train(node, m2)),
         )
         if not reply.has_error():
-            self.traffic.adapters_down += down
-            self.traffic.adapters_up += adapter_nbytes(cast(ArrayRecord, reply.content["arrays"]))
+            up = adapter_nbytes(cast(ArrayRecord, reply.content["arrays"]))
+            with self._lock:
+                self.traffic.adapters_down += down
+                self.traffic.adapters_up += up
         return reply
 
     def _train(self, node: int, msg: Message) -> Message:
@@ -89,7 +93,8 @@ class LocalDevices:
 
     def _count(self, round_: int, report: TrainReport) -> None:
         """A device's round: its stage-link bytes and tokens."""
-        self.reports.setdefault(round_, []).append(report)
-        self.traffic.up += report.bytes_up
-        self.traffic.down += report.bytes_down
-        self.traffic.tokens += sum(s.tokens for s in report.steps)
+        with self._lock:
+            self.reports.setdefault(round_, []).append(report)
+            self.traffic.up += report.bytes_up
+            self.traffic.down += report.bytes_down
+            self.traffic.tokens += sum(s.tokens for s in report.steps)
