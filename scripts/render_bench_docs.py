@@ -661,6 +661,60 @@ def _instruct(r: dict[str, Any]) -> list[Table]:
     return tables
 
 
+def _async(r: dict[str, Any]) -> list[Table]:
+    s = r.get("settings", {})
+    profiles = ", ".join(
+        f"{name} (x{slow:g})"
+        for name, slow in zip(s.get("profiles", []), s.get("slowdowns", []), strict=False)
+    )
+    caption = (
+        f"{r.get('model')}, cut {s.get('cut')}, {s.get('devices')} devices: {profiles}; "
+        f"{s.get('rounds')} sync rounds x {s.get('local_steps')} steps of {s.get('batch_size')} "
+        f"x {s.get('seq_len')} tokens; async buffer {s.get('buffer')}, max staleness "
+        f"{s.get('max_staleness')}, weight {s.get('staleness')}; target: sync's final held-out "
+        f"loss {num(r.get('target_loss'), 4)}"
+    )
+    headers = [
+        "mode", "time to target s", "wall s", "final loss", "loss at sync's wall",
+        "updates", "refused (stale)", "stage link up / down", "adapters up / down",
+        "device idle (mean)", "eval s",
+    ]  # fmt: skip
+    rows = []
+    for mode in ("sync", "async"):
+        m = r.get(mode, {})
+        rows.append(
+            [
+                mode,
+                num(m.get("wall_to_target_s"), 1),
+                num(m.get("wall_s"), 1),
+                num(m.get("final_eval_loss"), 4),
+                num(m.get("eval_loss_at_sync_wall", m.get("final_eval_loss")), 4),
+                m.get("updates"),
+                m.get("stale_refused", "–"),
+                f"{size(m.get('bytes_up'))} / {size(m.get('bytes_down'))}",
+                f"{size(m.get('adapter_bytes_up'))} / {size(m.get('adapter_bytes_down'))}",
+                pct(m.get("device_idle_mean")),
+                num(m.get("eval_s"), 1),
+            ]
+        )
+    ratio = r.get("wall_to_target_ratio")
+    verdict = "not reached" if ratio is None else num(ratio, 2)
+    tables = [
+        (
+            f"{caption}; async time to target / sync's: {verdict} (goal <= {r.get('goal')})",
+            headers,
+            rows,
+        )
+    ]
+    idle = [
+        [name, pct(get(r, "sync", "device_idle", name)), pct(get(r, "async", "device_idle", name))]
+        for name in get(r, "sync", "device_idle", default={})
+    ]
+    if idle:
+        tables.append(("idle share of the window per device", ["device", "sync", "async"], idle))
+    return tables
+
+
 def _whole(value: Any) -> Any:
     """A mean count of bytes as a whole number (``None`` as it is)."""
     return round(value) if isinstance(value, float) else value
@@ -789,6 +843,7 @@ BENCHES: dict[str, Bench] = {
     "quality": Bench("fedpipe bench quality --json", _quality, ("--quick",)),
     "privacy": Bench("fedpipe bench privacy --json", _privacy, ("--quick",)),
     "instruct": Bench("fedpipe bench instruct --json", _instruct, ("--limit", "--set")),
+    "async": Bench("fedpipe bench async --json", _async, ("--quick", "--set")),
     "transport": Bench(
         "python benchmarks/transport_bench.py --json", _generic, ("--messages", "--trials")
     ),

@@ -284,3 +284,30 @@ def test_transport_bench_prints_the_ratio_as_json() -> None:
     for key in ("session_bytes_up", "session_bytes_down"):
         per_message = result[key] / (trials * messages)
         assert payload < per_message < payload + 256, (key, per_message)
+
+
+def test_async_bench_quick_runs_both_modes_and_keeps_its_contract() -> None:
+    """`fedpipe bench async --quick --json`: both modes on the same five devices; the sync
+    run's final loss is the target; each mode's figures are present and consistent."""
+    done = subprocess.run(
+        [sys.executable, "-m", "fedpipe.cli", "bench", "async", "--quick", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout)
+    sync, asyn = report["sync"], report["async"]
+    assert report["settings"]["slowdowns"] == [1.5, 1.2, 6.0, 3.0, 30.0]
+    assert report["target_loss"] == sync["final_eval_loss"] == sync["evals"][-1]["eval_loss"]
+    assert sync["rounds"] == report["settings"]["rounds"]
+    assert sync["updates"] == 5 * sync["rounds"]  # every device, every round
+    assert asyn["updates"] == report["settings"]["buffer"] * asyn["versions"]
+    for mode in (sync, asyn):
+        assert set(mode["device_idle"]) == set(report["settings"]["profiles"])
+        assert all(0.0 <= f <= 1.0 for f in mode["device_idle"].values())
+        assert mode["bytes_up"] > 0 and mode["adapter_bytes_down"] > 0
+        assert [e["at_s"] for e in mode["evals"]] == sorted(e["at_s"] for e in mode["evals"])
+    to = asyn["wall_to_target_s"]
+    assert report["wall_to_target_ratio"] == (None if to is None else to / sync["wall_s"])
