@@ -48,6 +48,8 @@ from typing import Any
 
 import torch
 
+from fedpipe.wire.backend import SessionRequest
+
 ROWS, TOKENS, MICROBATCHES = 2, 128, 2  # per device step: 2 microbatches of 2 x 128 tokens
 LLAMA_1B: dict[str, Any] = {
     "hidden_size": 2048,
@@ -220,7 +222,9 @@ def measure(runtime: Any, probe: Any, n: int, round_: int, steps: int) -> dict[s
     cuda = runtime.device.type == "cuda"
     handles = []
     for i in range(n):
-        sid = runtime.open_session(f"d{i}", round_, microbatch_size=ROWS, seq_len=TOKENS)
+        sid = runtime.open(
+            SessionRequest(device_id=f"d{i}", round=round_, microbatch_size=ROWS, seq_len=TOKENS)
+        )
         handles.append(runtime.attach(sid))
     inputs = _inputs(n, runtime.hidden_size)
     if cuda:

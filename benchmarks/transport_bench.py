@@ -44,6 +44,7 @@ from fedpipe.messages import Kind, StageMsg
 from fedpipe.server.build import build_stage_server
 from fedpipe.server.sessions import RuntimeLimits
 from fedpipe.server.stage_server import StageServer
+from fedpipe.wire.backend import SessionRequest
 from fedpipe.wire.channels import channel_options
 from fedpipe.wire.link_client import StageClient
 from fedpipe.wire.serde import msg_to_wire
@@ -83,13 +84,17 @@ def _stage_trial(
     server: StageServer, client: StageClient, tensor: torch.Tensor, n: int, tally: _StageTally
 ) -> float:
     """Seconds to send ``n`` activation-sized ECHOs on a new session and receive their replies."""
-    session = client.open_session(
-        device_id="transport-bench",
-        microbatch_size=MICROBATCH,
-        seq_len=SEQ_LEN,
-        uplink_codec=CODEC,
-        downlink_codec=CODEC,
-        split=server.split,  # the device built the server's own cut
+    session = client.open(
+        SessionRequest(
+            device_id="transport-bench",
+            round=0,
+            microbatch_size=MICROBATCH,
+            seq_len=SEQ_LEN,
+            uplink_codec=CODEC,
+            downlink_codec=CODEC,
+            split=server.split,
+            learning_rate=1e-3,
+        )
     )
     try:
         start = time.perf_counter()

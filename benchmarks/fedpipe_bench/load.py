@@ -35,6 +35,7 @@ import torch
 from fedpipe.launch.processes import with_parent_death_signal
 from fedpipe.messages import Kind, StageMsg
 from fedpipe.split.agreement import SplitTerms
+from fedpipe.wire.backend import SessionRequest
 from fedpipe.wire.control_client import StageControlClient
 from fedpipe.wire.link_client import StageClient, StageSession
 
@@ -303,13 +304,15 @@ def run_device(
     digest = hashlib.sha256()
     shape = LoadShape()
     with StageClient(address) as client:
-        session = client.open_session(
-            device_id=device_id,
-            round_=round_,
-            lr=1e-2,
-            microbatch_size=shape.rows,
-            seq_len=shape.tokens,
-            split=device_split(),
+        session = client.open(
+            SessionRequest(
+                device_id=device_id,
+                round=round_,
+                learning_rate=1e-2,
+                microbatch_size=shape.rows,
+                seq_len=shape.tokens,
+                split=device_split(),
+            )
         )
         with session:
             device = LoadDevice(session, seed, shape, digest=digest)

@@ -80,6 +80,7 @@ from fedpipe.emulation import LinkProfile, parse_link
 from fedpipe.launch.processes import with_parent_death_signal
 from fedpipe.messages import Kind, StageMsg
 from fedpipe.trace import Event, Tracer
+from fedpipe.wire.backend import SessionRequest
 from fedpipe.wire.link_client import StageClient, StageSession
 from fedpipe.wire.tensors import encoded_nbytes
 
@@ -205,21 +206,24 @@ def _open_run(
     ``frozen_head`` the head runs forward only and no input gradient comes down."""
     cfg = trainer.config
     tracer = Tracer()
-    session = client.open_session(
-        device_id=f"bench-{name}",
-        lr=cfg.train.lr,
-        weight_decay=cfg.train.weight_decay,
-        uplink_codec=cfg.pipeline.uplink_codec,
-        downlink_codec=cfg.pipeline.downlink_codec,
-        gradient_codec=cfg.pipeline.gradient_codec,
+    session = client.open(
+        SessionRequest(
+            device_id=f"bench-{name}",
+            round=0,
+            learning_rate=cfg.train.lr,
+            weight_decay=cfg.train.weight_decay,
+            uplink_codec=cfg.pipeline.uplink_codec,
+            downlink_codec=cfg.pipeline.downlink_codec,
+            gradient_codec=cfg.pipeline.gradient_codec,
+            split=trainer.split,
+            microbatch_size=-(-cfg.train.batch_size // microbatches),
+            seq_len=cfg.train.seq_len,
+            frozen_head=frozen_head,
+        ),
         link=link,
         link_seed=f"bench-{name}",
         tracer=tracer,
         timeout_s=cfg.pipeline.timeout_s,
-        split=trainer.split,
-        microbatch_size=-(-cfg.train.batch_size // microbatches),
-        seq_len=cfg.train.seq_len,
-        frozen_head=frozen_head,
     )
     stack.enter_context(session)
     phased = name == SOLO

@@ -28,6 +28,7 @@ from fedpipe.server.build import build_runtime
 from fedpipe.server.runtime import StageRuntime
 from fedpipe.server.stage_server import StageServer
 from fedpipe.server.streams import StreamHandle
+from fedpipe.wire.backend import SessionRequest
 from fedpipe.wire.link_client import StageClient
 
 __all__ = ["Released", "RunResult", "Tap", "TappedRuntime", "record_training"]
@@ -174,8 +175,9 @@ def _server_outputs(
     """The server's middle output for ``blocks`` sent through the device's released head."""
     outputs = []
     with StageClient(address) as client:
-        session = client.open_session(
-            device_id="attacker", round_=1, timeout_s=cfg.pipeline.timeout_s, split=trainer.split
+        session = client.open(
+            SessionRequest(device_id="attacker", round=1, split=trainer.split, learning_rate=1e-3),
+            timeout_s=cfg.pipeline.timeout_s,
         )
         with session:
             for batch in torch.split(blocks, cfg.train.batch_size):  # as evaluate() sends
@@ -224,8 +226,9 @@ def _evaluate(
     """Held-out mean token loss of the split model (device adapters + merged server adapter)."""
     loss_sum, tokens = 0.0, 0
     with StageClient(address) as client:
-        session = client.open_session(
-            device_id="evaluator", round_=1, timeout_s=cfg.pipeline.timeout_s, split=trainer.split
+        session = client.open(
+            SessionRequest(device_id="evaluator", round=1, split=trainer.split, learning_rate=1e-3),
+            timeout_s=cfg.pipeline.timeout_s,
         )
         with session:
             runtime = DeviceRuntime(

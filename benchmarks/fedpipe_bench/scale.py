@@ -39,6 +39,7 @@ import torch
 from fedpipe.config import load_config
 from fedpipe.fl.replica_control import ReplicaControl
 from fedpipe.server.ray_replicas import ReplicaSet
+from fedpipe.wire.backend import SessionRequest
 from fedpipe.wire.control_client import StageControlClient
 from fedpipe.wire.link_client import StageClient
 from fedpipe_bench.load import DeviceEmulation, LoadDevice, LoadShape, device_split
@@ -114,12 +115,15 @@ def _device_loop(settings: ScaleSettings) -> Callable[..., list[Span]]:
 
     def loop(address: str, device_id: str, seed: int, round_: int, barrier: threading.Barrier):  # type: ignore[no-untyped-def]
         with StageClient(address) as client:
-            session = client.open_session(
-                device_id=device_id,
-                round_=round_,
-                microbatch_size=shape.rows,
-                seq_len=shape.tokens,
-                split=split,
+            session = client.open(
+                SessionRequest(
+                    device_id=device_id,
+                    round=round_,
+                    microbatch_size=shape.rows,
+                    seq_len=shape.tokens,
+                    split=split,
+                    learning_rate=1e-3,
+                )
             )
             device = LoadDevice(session, seed, shape, settings.emulation)
             return step_device(session, device, barrier, total)

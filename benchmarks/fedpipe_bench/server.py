@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fedpipe.emulation import LinkProfile, parse_link
+from fedpipe.wire.backend import SessionRequest
 from fedpipe.wire.link_client import StageClient
 from fedpipe_bench.load import DeviceEmulation, LoadDevice, LoadShape, ServerProcess, device_split
 from fedpipe_bench.server_probe import CallRecord, window_stats
@@ -248,12 +249,15 @@ def _emulated_loop(settings: ServerBenchSettings, link: LinkProfile) -> DeviceLo
         address: str, device_id: str, seed: int, round_: int, barrier: threading.Barrier
     ) -> list[Span]:
         with StageClient(address) as client:
-            session = client.open_session(
-                device_id=device_id,
-                round_=round_,
-                microbatch_size=shape.rows,
-                seq_len=shape.tokens,
-                split=split,
+            session = client.open(
+                SessionRequest(
+                    device_id=device_id,
+                    round=round_,
+                    microbatch_size=shape.rows,
+                    seq_len=shape.tokens,
+                    split=split,
+                    learning_rate=1e-3,
+                ),
                 link=link,
                 link_seed=device_id,
             )
@@ -309,13 +313,15 @@ def _real_loop(settings: ServerBenchSettings, link: LinkProfile) -> DeviceLoop:
         ids = torch.randint(0, 256, (total, config.train.batch_size, shape.tokens), generator=gen)
         spans: list[Span] = []
         with StageClient(address) as client:
-            session = client.open_session(
-                device_id=device_id,
-                round_=round_,
-                lr=config.train.lr,
-                microbatch_size=shape.rows,
-                seq_len=shape.tokens,
-                split=trainer.split,
+            session = client.open(
+                SessionRequest(
+                    device_id=device_id,
+                    round=round_,
+                    learning_rate=config.train.lr,
+                    microbatch_size=shape.rows,
+                    seq_len=shape.tokens,
+                    split=trainer.split,
+                ),
                 link=link,
                 link_seed=device_id,
             )

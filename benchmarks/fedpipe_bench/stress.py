@@ -56,6 +56,7 @@ from fedpipe.config.codecs import CODECS
 from fedpipe.errors import CorruptMessageError
 from fedpipe.launch.processes import with_parent_death_signal
 from fedpipe.messages import Kind, StageMsg
+from fedpipe.wire.backend import SessionRequest
 from fedpipe.wire.link_client import StageClient
 from fedpipe_bench.load import LoadDevice, LoadShape, ServerProcess, _tensor, device_split
 
@@ -125,18 +126,20 @@ def _device_run(address: str, mix: DeviceMix, seed: int, steps: int, round_: int
     """One device's session: ``steps`` steps and an evaluation forward, every reply hashed."""
     digest, shape = hashlib.sha256(), LoadShape()
     with StageClient(address) as client:
-        session = client.open_session(
-            device_id=f"stress-{seed}-r{round_}",
-            round_=round_,
-            lr=1e-2,
-            uplink_codec=mix.uplink,
-            downlink_codec=mix.downlink,
-            gradient_codec=mix.downlink,
+        session = client.open(
+            SessionRequest(
+                device_id=f"stress-{seed}-r{round_}",
+                round=round_,
+                learning_rate=1e-2,
+                uplink_codec=mix.uplink,
+                downlink_codec=mix.downlink,
+                gradient_codec=mix.downlink,
+                microbatch_size=shape.rows,
+                seq_len=shape.tokens,
+                split=device_split(),
+            ),
             link=mix.link,
             link_seed=seed,
-            microbatch_size=shape.rows,
-            seq_len=shape.tokens,
-            split=device_split(),
         )
         with session:
             device = LoadDevice(session, seed, shape, digest=digest)

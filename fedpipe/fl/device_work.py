@@ -39,6 +39,7 @@ from fedpipe.emulation import DeviceProfile, parse_device_profile
 from fedpipe.fl.eval_generate import questions
 from fedpipe.models import load_tokenizer
 from fedpipe.privacy import LinkAccountant, releases_so_far
+from fedpipe.wire.backend import SessionRequest
 from fedpipe.wire.link_client import StageClient
 
 __all__ = [
@@ -353,12 +354,9 @@ def evaluate_split(
     with StageClient(
         run.stage_address, root_certificates=roots, certificate_chain=chain, private_key=key
     ) as client:
-        session = client.open_session(
-            device_id="evaluator",
-            token=token,
-            round_=round_,
+        session = client.open(
+            SessionRequest(device_id="evaluator", token=token, round=round_, split=trainer.split),
             timeout_s=cfg.pipeline.timeout_s,
-            split=trainer.split,
         )
         with session:
             runtime = DeviceRuntime(

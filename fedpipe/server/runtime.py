@@ -165,35 +165,6 @@ class StageRuntime:
         self._reaper.start()
 
     # -- sessions ---------------------------------------------------------------------------
-    def open_session(
-        self,
-        device_id: str,
-        round_: int,
-        *,
-        lr: float = 0.0,
-        weight_decay: float = 0.0,
-        microbatch_size: int = 0,
-        seq_len: int = 0,
-        codecs: tuple[str, str] = ("fp32", ""),
-        frozen_head: bool = False,
-        blocks: tuple[int, ...] | None = None,
-    ) -> str:
-        """:meth:`open` a session whose request is spelt here as keywords (``lr``: its
-        ``learning_rate``; ``codecs``: its downlink and gradient codecs), for callers that
-        drive a runtime without a StageServer (tests, benches)."""
-        request = SessionRequest(
-            device_id=device_id,
-            round=round_,
-            learning_rate=lr,
-            weight_decay=weight_decay,
-            microbatch_size=microbatch_size,
-            seq_len=seq_len,
-            downlink_codec=codecs[0],
-            gradient_codec=codecs[1],
-            frozen_head=frozen_head,
-        )
-        return self.open(request, blocks=blocks)
-
     def open(self, request: SessionRequest, *, blocks: tuple[int, ...] | None = None) -> str:
         """Start a session on a fresh copy of the global adapter; replaces the device's old one.
 
@@ -231,10 +202,18 @@ class StageRuntime:
         finally:
             with self._lock:
                 self._opening -= 1
-        info = SessionInfo(session_id, device_id, round_, opt, rows, tokens, codecs)
-        info.frozen_head = frozen_head  # frozen-device mode
-        info.blocks = blocks
-        info.frozen_below = frozen_below
+        info = SessionInfo(
+            session_id,
+            device_id,
+            round_,
+            opt,
+            rows,
+            tokens,
+            codecs,
+            frozen_head=frozen_head,  # frozen-device mode
+            frozen_below=frozen_below,
+            blocks=blocks,
+        )
         with self._lock:
             for old in self._replaced_by(device_id, round_):
                 self._drop(old, reason="replaced by a newer session")  # a concurrent open

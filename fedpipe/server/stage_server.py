@@ -129,6 +129,7 @@ class StageServer:
         options = StreamOptions(
             request.error_feedback,
             request.delta_cache_bytes,
+            uplink_codec=request.uplink_codec,
             run_id=view.run_id,
             stochastic=request.stochastic_rounding,
             seed=rounding_seed(request.device_id, request.round, "server"),
@@ -152,7 +153,6 @@ class StageServer:
         Keyed by ``request.device_id``, which authentication (when the server has a secret)
         has bound to the session token: a device can only ever resume its own cache.
         """
-        options.uplink_codec = request.uplink_codec
         wanted = request.delta_identity
         got = self.delta_store.take(
             request.device_id,

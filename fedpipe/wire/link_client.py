@@ -25,7 +25,6 @@ from fedpipe.errors import StageLinkError
 from fedpipe.messages import Kind, StageMsg
 from fedpipe.proto import stage_pb2 as pb
 from fedpipe.proto import stage_pb2_grpc as pb_grpc
-from fedpipe.split.agreement import SplitLike
 from fedpipe.trace import Tracer
 from fedpipe.wire.backend import SessionRequest
 from fedpipe.wire.channels import (
@@ -95,80 +94,6 @@ class StageClient:
             self.channel = grpc.insecure_channel(address, options=options)
         self.stub = pb_grpc.StageLinkStub(self.channel)
 
-    def open_session(
-        self,
-        *,
-        device_id: str,
-        token: str = "",
-        round_: int = 0,
-        lr: float = 1e-3,
-        weight_decay: float = 0.0,
-        uplink_codec: str = "fp32",
-        downlink_codec: str = "fp32",
-        gradient_codec: str = "",
-        error_feedback: bool = False,
-        delta_cache_bytes: int = 0,
-        delta: DeltaEncoder | None = None,
-        delta_codec: str = "",
-        stochastic_rounding: bool = False,
-        microbatch_size: int = 0,
-        seq_len: int = 0,
-        link: LinkProfile | str | None = None,
-        link_seed: int | str | None = None,
-        tracer: Tracer | None = None,
-        timeout_s: float = 120.0,
-        split: SplitLike | None = None,
-        frozen_head: bool = False,
-    ) -> StageSession:
-        """:meth:`open` a session whose :class:`SessionRequest` is spelt here as keywords
-        (``lr`` and ``round_`` are its ``learning_rate`` and ``round``): for callers that
-        write a request inline (tests, benches); a device builds its request from its settings.
-
-        ``split`` is what the device built (model fingerprint and cut); the server refuses a
-        session without one, or one that differs from its own, with FAILED_PRECONDITION.
-
-        ``microbatch_size`` and ``seq_len`` declare the largest tensors the device will send
-        (0: the server's bounds); the server refuses larger ones with INVALID_ARGUMENT.
-        ``frozen_head``: the device trains nothing before the cut, so no input gradient comes back.
-
-        ``error_feedback`` keeps quantised gradients' residuals on both sides (the device for
-        its output gradients, the server for its input gradients); ``delta_cache_bytes`` > 0
-        delta-codes activations that carry their token ids against mirrored caches of that
-        size on both sides (see :mod:`fedpipe.wire.stream_codec`). ``delta`` is the
-        device's encoder kept across sessions (its cache and salt): the server resumes its
-        copy of that cache if their identities match (``session.delta_resumed``); if not, this
-        call clears ``delta``'s cache, as the server starts an empty one. None: a cache for
-        this session only, which the server keeps nothing of. ``delta_codec`` (if set) codes
-        the activations whose rows all go as differences.
-        ``stochastic_rounding`` rounds int4/int2 gradients stochastically on both sides.
-        """
-        request = SessionRequest(
-            device_id=device_id,
-            round=round_,
-            token=token,
-            split=split,
-            downlink_codec=downlink_codec,
-            gradient_codec=gradient_codec,
-            uplink_codec=uplink_codec,
-            learning_rate=lr,
-            weight_decay=weight_decay,
-            microbatch_size=microbatch_size,
-            seq_len=seq_len,
-            frozen_head=frozen_head,
-            error_feedback=error_feedback,
-            stochastic_rounding=stochastic_rounding,
-            delta_cache_bytes=delta_cache_bytes,
-        )
-        return self.open(
-            request,
-            delta=delta,
-            delta_codec=delta_codec,
-            link=link,
-            link_seed=link_seed,
-            tracer=tracer,
-            timeout_s=timeout_s,
-        )
-
     def open(
         self,
         request: SessionRequest,
@@ -182,7 +107,14 @@ class StageClient:
     ) -> StageSession:
         """Open the session ``request`` asks for (retrying while the server is unavailable) and
         start its stream; the request goes as it is, but for the delta cache's identity, which
-        ``delta`` (the device's encoder, kept across sessions) gives.
+        ``delta`` (the device's encoder, kept across sessions) gives: the server resumes its
+        copy of that cache if their identities match (``session.delta_resumed``); if not, this
+        call clears ``delta``'s cache, as the server starts an empty one. None: a cache for
+        this session only, which the server keeps nothing of.
+
+        The server refuses a request without ``split`` (what the device built: model
+        fingerprint and cut), or one that differs from its own, with FAILED_PRECONDITION, and
+        tensors larger than its ``microbatch_size`` and ``seq_len`` with INVALID_ARGUMENT.
 
         The rest is this device's side of the session: ``delta_codec`` codes the activations
         whose rows all go as differences, ``link`` the emulated link (``link_seed`` its

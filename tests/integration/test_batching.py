@@ -25,6 +25,7 @@ from fedpipe.models import resolve_model
 from fedpipe.server.build import build_runtime
 from fedpipe.server.streams import StreamHandle
 from fedpipe.trace import Tracer
+from fedpipe.wire.backend import SessionRequest
 
 TIMEOUT = 30.0
 SHAPES = {"a": (1, 9), "b": (3, 16), "c": (2, 5)}  # rows, tokens: they differ within a call
@@ -53,7 +54,10 @@ class Run:
         self.gate = threading.Event()
         self._held = hold_compute(self.runtime, self.gate, timeout=TIMEOUT)
         self._held.__enter__()  # the worker waits for the gate before each compute call
-        self.ids = {n: self.runtime.open_session(f"dev-{n}", 1, lr=5e-3) for n in SHAPES}
+        self.ids = {
+            n: self.runtime.open(SessionRequest(device_id=f"dev-{n}", round=1, learning_rate=5e-3))
+            for n in SHAPES
+        }
         self.streams: dict[str, StreamHandle] = {
             n: self.runtime.attach(sid) for n, sid in self.ids.items()
         }

@@ -34,6 +34,7 @@ from fedpipe.lora import (
 )
 from fedpipe.models import load_causal_lm, load_tokenizer, model_family, resolve_model
 from fedpipe.server.build import build_runtime
+from fedpipe.wire.backend import SessionRequest
 from fedpipe.wire.link_client import StageClient
 
 LR = 1e-2
@@ -247,7 +248,9 @@ def test_evaluation_through_the_split_model_equals_unsplit(setups, model: str, s
     trainer.load_adapters({k: v for k, v in setup.adapter.items() if k not in setup.server_keys})
     before = setup.runtime.bank.global_state()
     with StageClient(setup.server.address) as client:
-        with client.open_session(device_id="evaluator", split=trainer.split) as session:
+        with client.open(
+            SessionRequest(device_id="evaluator", round=0, split=trainer.split, learning_rate=1e-3)
+        ) as session:
             runtime = DeviceRuntime(
                 trainer.head, trainer.tail, session, optimizer=None, microbatches=4
             )
@@ -511,7 +514,9 @@ def test_packed_rows_over_the_wire_train_as_padded_rows_in_the_unsplit_model(
     trainer = DeviceTrainer(config, device_id="evaluator", folder=setup.folder)
     trainer.load_adapters({k: v for k, v in setup.adapter.items() if k not in setup.server_keys})
     with StageClient(setup.server.address) as client:
-        with client.open_session(device_id="evaluator", split=trainer.split) as session:
+        with client.open(
+            SessionRequest(device_id="evaluator", round=0, split=trainer.split, learning_rate=1e-3)
+        ) as session:
             runtime = DeviceRuntime(
                 trainer.head, trainer.tail, session, optimizer=None, microbatches=2
             )

@@ -611,11 +611,12 @@ _KILLED_DEVICE = textwrap.dedent(
     from fedpipe.config import FedpipeConfig, ModelConfig
     from fedpipe.edge.trainer import split_terms
     from fedpipe.models import resolve_model
+    from fedpipe.wire.backend import SessionRequest
     from fedpipe.wire.link_client import StageClient
     config = FedpipeConfig(model=ModelConfig(tail_layers=1))
     split = split_terms(config, resolve_model("tiny-llama"))
     client = StageClient(sys.argv[1])
-    session = client.open_session(device_id="killed", lr=1e-2, split=split)
+    session = client.open(SessionRequest(device_id="killed", round=0, learning_rate=1e-2, split=split))
     session.send(StageMsg(Kind.ACTIVATION, 0, 0, tensor=torch.randn(2, 16, 64)))
     session.receive(Kind.OUTPUT, 0, 0)
     print("mid-step", flush=True)

@@ -21,6 +21,7 @@ from fedpipe.emulation import DeviceProfile, LinkProfile
 from fedpipe.messages import Kind, StageMsg
 from fedpipe.server.sessions import RuntimeLimits
 from fedpipe.server.stage_server import StageServer
+from fedpipe.wire.backend import SessionRequest
 from fedpipe.wire.link_client import StageClient
 
 BATCH, SEQ, HIDDEN = 4, 16, 64  # tiny-llama's hidden size is 64
@@ -42,11 +43,15 @@ def _batch() -> dict[str, torch.Tensor]:
 
 
 def _session(client: StageClient, trainer: DeviceTrainer, link: LinkProfile | None = None):  # type: ignore[no-untyped-def]
-    return client.open_session(
-        device_id=trainer.device_id,
-        split=trainer.split,
-        microbatch_size=BATCH,
-        seq_len=SEQ,
+    return client.open(
+        SessionRequest(
+            device_id=trainer.device_id,
+            round=0,
+            split=trainer.split,
+            microbatch_size=BATCH,
+            seq_len=SEQ,
+            learning_rate=1e-3,
+        ),
         link=link,
         timeout_s=20.0,
     )

@@ -27,6 +27,7 @@ from fedpipe.proto import stage_pb2 as pb
 from fedpipe.proto import stage_pb2_grpc as pb_grpc
 from fedpipe.server.build import build_stage_server
 from fedpipe.server.stage_server import StageServer
+from fedpipe.wire.backend import SessionRequest
 from fedpipe.wire.control_client import StageControlClient
 from fedpipe.wire.link_client import StageClient
 
@@ -187,11 +188,14 @@ def test_a_token_is_valid_on_its_own_replica_only() -> None:
         other = pair[1 - route.replica].address
         token = issue_token(SECRET, run_id=route.run_id, round=1, device_id=device)
         with StageClient(other) as client, pytest.raises(grpc.RpcError) as refused:
-            client.open_session(
-                device_id=device,
-                token=token,
-                round_=1,
-                split=split_terms(cfg, resolve_model(cfg.model.name)),
+            client.open(
+                SessionRequest(
+                    device_id=device,
+                    token=token,
+                    round=1,
+                    split=split_terms(cfg, resolve_model(cfg.model.name)),
+                    learning_rate=1e-3,
+                ),
                 timeout_s=10.0,
             )
         _train(cfg, device, route.address, route.run_id)

@@ -22,6 +22,7 @@ from fedpipe.models import resolve_model
 from fedpipe.proto import stage_pb2 as pb
 from fedpipe.proto import stage_pb2_grpc as pb_grpc
 from fedpipe.server.build import build_stage_server
+from fedpipe.wire.backend import SessionRequest
 from fedpipe.wire.control_client import StageControlClient
 from fedpipe.wire.link_client import StageClient
 
@@ -52,11 +53,14 @@ def test_round_status_counts_the_steps_each_session_completed() -> None:
         with StageClient(server.address) as client:
             report = trainer.train_round(client, _batches(2), round_=1, token=_token("1"))
             assert len(report.steps) == 2
-            with client.open_session(
-                device_id="2",
-                token=_token("2"),
-                round_=1,
-                split=split_terms(CONFIG, folder),
+            with client.open(
+                SessionRequest(
+                    device_id="2",
+                    token=_token("2"),
+                    round=1,
+                    split=split_terms(CONFIG, folder),
+                    learning_rate=1e-3,
+                ),
                 timeout_s=20.0,
             ):
                 status = control.round_status(1)
@@ -121,11 +125,14 @@ def test_steps_with_no_microbatch_count_nothing_and_earn_no_merge() -> None:
         trainer = DeviceTrainer(CONFIG, device_id="1", folder=folder)
         with StageClient(server.address) as client:
             trainer.train_round(client, _batches(2), round_=1, token=_token("1"))
-            with client.open_session(
-                device_id="2",
-                token=_token("2"),
-                round_=1,
-                split=split_terms(CONFIG, folder),
+            with client.open(
+                SessionRequest(
+                    device_id="2",
+                    token=_token("2"),
+                    round=1,
+                    split=split_terms(CONFIG, folder),
+                    learning_rate=1e-3,
+                ),
                 timeout_s=20.0,
             ) as empty:
                 for step in range(3):

@@ -30,6 +30,7 @@ from fedpipe.proto import stage_pb2 as pb
 from fedpipe.proto import stage_pb2_grpc as pb_grpc
 from fedpipe.server.runtime import StageRuntime
 from fedpipe.server.stage_server import StageServer
+from fedpipe.wire.backend import SessionRequest
 from fedpipe.wire.link_client import StageClient
 from fedpipe.wire.serde import seal, split_to_proto
 
@@ -255,8 +256,11 @@ def test_vanished_device_leaves_nothing_and_others_train_on(server: StageServer,
     alone = _train(server.address, folder, "alone", batches)
 
     with ThreadPoolExecutor(1) as pool, StageClient(server.address) as client:
-        session = client.open_session(
-            device_id="vanisher", lr=1e-2, timeout_s=RPC_TIMEOUT, split=split_terms(CONFIG, folder)
+        session = client.open(
+            SessionRequest(
+                device_id="vanisher", round=0, learning_rate=1e-2, split=split_terms(CONFIG, folder)
+            ),
+            timeout_s=RPC_TIMEOUT,
         )
         activation = torch.randn(2, SEQ, HIDDEN)
         for mb in range(2):

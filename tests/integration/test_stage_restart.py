@@ -20,6 +20,7 @@ import pytest
 from fedpipe.config import FedpipeConfig
 from fedpipe.edge.trainer import split_terms
 from fedpipe.server.stage_server import StageServer
+from fedpipe.wire.backend import SessionRequest
 from fedpipe.wire.control_client import StageControlClient
 from fedpipe.wire.link_client import StageClient
 
@@ -67,7 +68,9 @@ def test_device_reconnects_to_a_restarted_stage_server(
     first = serve(CONFIG, folder=folder)
     port = first.port
     with StageClient(first.address, reconnect_s=120) as client:
-        client.open_session(device_id="d0", split=split, timeout_s=10).close()
+        client.open(
+            SessionRequest(device_id="d0", round=0, split=split, learning_rate=1e-3), timeout_s=10
+        ).close()
         first.stop(grace=None)  # the server goes away
         opened: list[str] = []
         failed: list[BaseException] = []
@@ -75,7 +78,10 @@ def test_device_reconnects_to_a_restarted_stage_server(
         def reopen() -> None:
             try:
                 opened.append(
-                    client.open_session(device_id="d0", split=split, timeout_s=10).session_id
+                    client.open(
+                        SessionRequest(device_id="d0", round=0, split=split, learning_rate=1e-3),
+                        timeout_s=10,
+                    ).session_id
                 )
             except BaseException as exc:  # reported by the assertions below
                 failed.append(exc)
@@ -96,7 +102,10 @@ def test_device_reconnects_to_a_restarted_stage_server(
 def test_device_gives_up_after_its_reconnect_budget(split, retries: _Retries) -> None:  # type: ignore[no-untyped-def]
     with StageClient("127.0.0.1:1", reconnect_s=0.5) as client:  # nothing listens on port 1
         with pytest.raises(grpc.RpcError) as info:
-            client.open_session(device_id="d0", split=split, timeout_s=5)
+            client.open(
+                SessionRequest(device_id="d0", round=0, split=split, learning_rate=1e-3),
+                timeout_s=5,
+            )
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
 
 

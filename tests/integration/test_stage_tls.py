@@ -20,6 +20,7 @@ from harness.stage import stage_server
 from fedpipe.auth.tokens import issue_token
 from fedpipe.config import FedpipeConfig, load_config
 from fedpipe.edge.trainer import DeviceTrainer
+from fedpipe.wire.backend import SessionRequest
 from fedpipe.wire.control_client import StageControlClient
 from fedpipe.wire.link_client import StageClient
 
@@ -70,7 +71,9 @@ def test_stage_link_over_tls(certs: Path) -> None:
         assert len(report.steps) == 1 and report.steps[0].loss > 0
         with StageClient(server.address, reconnect_s=0) as plaintext:
             with pytest.raises(grpc.RpcError) as info:
-                plaintext.open_session(device_id="plain", timeout_s=5)
+                plaintext.open(
+                    SessionRequest(device_id="plain", round=0, learning_rate=1e-3), timeout_s=5
+                )
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
@@ -114,7 +117,10 @@ def test_mutual_tls_admits_only_clients_with_a_certificate_from_the_ca(
             with _client(server.address, folder, name) as stranger:
                 stranger.reconnect_s = 0  # a refused handshake is UNAVAILABLE: do not wait
                 with pytest.raises(grpc.RpcError) as info:
-                    stranger.open_session(device_id="device-1", timeout_s=5)
+                    stranger.open(
+                        SessionRequest(device_id="device-1", round=0, learning_rate=1e-3),
+                        timeout_s=5,
+                    )
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE, name
 
 

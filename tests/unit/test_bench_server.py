@@ -25,6 +25,7 @@ from fedpipe_bench.server import (
 from fedpipe_bench.server_probe import ComputeProbe, window_stats
 
 from fedpipe.messages import Kind, StageMsg
+from fedpipe.wire.backend import SessionRequest
 
 CONTRACT = {"mb_per_s", "tokens_per_s", "step_p50_s", "step_p95_s", "busy", "mean_batch"}
 
@@ -116,7 +117,9 @@ def test_probe_times_every_compute_call_of_a_real_runtime() -> None:
     runtime = _runtime()
     probe = ComputeProbe(runtime).install()
     try:
-        session = runtime.open_session("d0", 0, microbatch_size=2, seq_len=8)
+        session = runtime.open(
+            SessionRequest(device_id="d0", round=0, microbatch_size=2, seq_len=8)
+        )
         handle = runtime.attach(session)
         x = torch.randn(2, 8, runtime.hidden_size)
         for mb in range(2):

@@ -22,6 +22,7 @@ from fedpipe.server.executor import StageExecutor
 from fedpipe.server.runtime import StageRuntime
 from fedpipe.server.sessions import RuntimeLimits
 from fedpipe.split import build_stage, split_layout
+from fedpipe.wire.backend import SessionRequest
 
 CPU = torch.device("cpu")
 SETTINGS = LoraSettings(r=4, alpha=8, seed=3)
@@ -166,7 +167,9 @@ def _runtime(stage: torch.nn.Module, copies: DeviceCopies | None) -> StageRuntim
 
 def _one_step(runtime: StageRuntime, seed: int) -> list[StageMsg]:
     """Two microbatches forward and backward, then the step end: every reply, in order."""
-    handle = runtime.attach(runtime.open_session("dev", 1, microbatch_size=4, seq_len=16))
+    handle = runtime.attach(
+        runtime.open(SessionRequest(device_id="dev", round=1, microbatch_size=4, seq_len=16))
+    )
     gen = torch.Generator().manual_seed(seed)
     xs = [torch.randn(2, 9, 64, generator=gen) for _ in range(2)]
     grads = [torch.randn(2, 9, 64, generator=gen) for _ in range(2)]
@@ -210,7 +213,9 @@ def test_a_non_finite_reply_is_refused_with_staged_copies(folder: Path) -> None:
     plan = split_layout(load_config(folder))
     runtime = _runtime(build_stage(folder, plan, "middle"), DeviceCopies(CPU, staged=True))
     try:
-        handle = runtime.attach(runtime.open_session("dev", 1, microbatch_size=4, seq_len=16))
+        handle = runtime.attach(
+            runtime.open(SessionRequest(device_id="dev", round=1, microbatch_size=4, seq_len=16))
+        )
         x = torch.randn(1, 4, 64)
         x[0, 1, 2] = float("inf")  # (the transport's decoder refuses this; the runtime must too)
         handle.submit(StageMsg(Kind.ACTIVATION, 0, 0, tensor=x))
@@ -275,7 +280,9 @@ def test_cuda_a_call_makes_no_synchronising_call(folder: Path) -> None:
         bank, mode="u", hidden_size=64, device=device, dtype=torch.bfloat16, max_positions=128
     )
     try:
-        handle = runtime.attach(runtime.open_session("dev", 1, microbatch_size=4, seq_len=16))
+        handle = runtime.attach(
+            runtime.open(SessionRequest(device_id="dev", round=1, microbatch_size=4, seq_len=16))
+        )
         x = torch.randn(2, 9, 64)
         runtime.copies.prefetch(x)
         torch.cuda.set_sync_debug_mode("error")  # an .item(), .cpu() or pageable copy raises

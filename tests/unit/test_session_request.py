@@ -46,7 +46,7 @@ REQUEST = SessionRequest(
 
 
 def _as_before(r: SessionRequest) -> pb.OpenSessionRequest:
-    """OpenSessionRequest as StageClient.open_session built it field by field before the
+    """OpenSessionRequest as the device client built it field by field before the
     request had a type (the wire format the raw-protobuf tests speak)."""
     request = pb.OpenSessionRequest(
         split=split_to_proto(r.split),
