@@ -602,6 +602,10 @@ class FederatedConfig:
     # > 0: each round's evaluation also generates greedy answers to this many held-out
     # prompt/completion examples and scores them as `fedpipe eval` does (exact match, contains)
     eval_generate: int = 0
+    # Evaluate the global adapters (held-out loss, the round's record, a checkpoint) after
+    # every `eval_every`-th round or version and after the last; 1: after every one. Async
+    # versions come often and an evaluation on the server's host is not free.
+    eval_every: int = 1
     proximal_mu: float = 0.01
     server_lr: float = 0.1
     # Robust strategies (fedmedian, fedtrimmedavg, krum, multikrum) run on both sides.
@@ -645,6 +649,10 @@ class FederatedConfig:
     def __post_init__(self) -> None:
         _check(self.rounds >= 1, f"federated.rounds must be >= 1, got {self.rounds}")
         self._check_async()
+        _check(
+            self.eval_every >= 1,
+            f"federated.eval_every must be >= 1 (1: after every round), got {self.eval_every}",
+        )
         _check(
             self.eval_generate >= 0,
             f"federated.eval_generate must be >= 0 (0: off), got {self.eval_generate}",

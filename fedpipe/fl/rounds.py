@@ -178,6 +178,8 @@ class FedpipeStrategy(Strategy):
         under ``federated.mode = async``, ``num_rounds`` versions of buffered aggregation
         (:class:`~fedpipe.fl.buffered.BufferedRounds`) over the same grid."""
         fed = self.policy
+        if evaluate_fn is not None and fed.eval_every > 1:
+            evaluate_fn = _every(evaluate_fn, fed.eval_every, num_rounds)
         if fed.mode == "async":
             return BufferedRounds(self).run(arrays, versions=num_rounds, evaluate_fn=evaluate_fn)
         return self.start(
@@ -522,3 +524,17 @@ def _round_stats(said: list[TrainReply], failed: int) -> dict[str, float | int]:
     if losses:
         stats["train_loss"] = sum(losses) / len(losses)
     return stats
+
+
+def _every(
+    evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None], every: int, last: int
+) -> Callable[[int, ArrayRecord], MetricRecord | None]:
+    """``evaluate_fn`` for the seeded model, every ``every``-th round and the last
+    (``federated.eval_every``); None for the others, which Flower and BufferedRounds skip."""
+
+    def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+        if server_round == 0 or server_round % every == 0 or server_round == last:
+            return evaluate_fn(server_round, arrays)
+        return None
+
+    return evaluate

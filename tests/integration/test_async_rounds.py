@@ -59,6 +59,7 @@ def _run(
     grid_of: Callable[[LocalDevices], LocalGrid] | None = None,
     resumed: Resumed | None = None,
     arrays: State | None = None,
+    evaluated: list[int] | None = None,
 ) -> dict[str, Any]:
     """The run's versions over a real StageServer; its records, result, grid and server."""
     server = serve(cfg)
@@ -79,7 +80,12 @@ def _run(
         )
         rounds.begin_on_server()
         start = time.monotonic()
-        result = rounds.run(arrays or initial, num_rounds=fed.rounds)
+
+        def evaluate(server_round: int, _: Any) -> None:
+            if evaluated is not None:
+                evaluated.append(rounds.number_of(server_round))
+
+        result = rounds.run(arrays or initial, num_rounds=fed.rounds, evaluate_fn=evaluate)
         return {
             "records": records,
             "device": result.arrays.to_torch_state_dict(),
@@ -202,11 +208,14 @@ def test_k_equal_n_at_one_version_is_fedavg_on_both_halves(
     """Every device replies for version v before v is aggregated (K = N, one at a time): each
     version is a synchronous round, and both sides end where sync FedAvg ends."""
     extra = {"federated.rounds": 2, "federated.staleness": "constant"}
+    evaluated: list[int] = []  # sync through Flower's loop, evaluating every second round
     sync = _run(
-        _config(2, **extra, **{"federated.mode": "sync"}),
+        _config(2, **extra, **{"federated.mode": "sync", "federated.eval_every": 2}),
         serve,
         grid_of=lambda d: LocalGrid(d.nodes()),
+        evaluated=evaluated,
     )
+    assert evaluated == [0, 2]
     buffered = _run(_config(2, **extra, **{"federated.buffer": 2}), serve)
     versions = _events(buffered["records"], "version")
     assert [v["staleness"] for v in versions] == [[0, 0], [0, 0]]
@@ -236,9 +245,13 @@ def test_k_1_and_k_n_run_and_train(serve: Callable[..., StageServer], buffer: in
     assert any(not torch.equal(got["device"][k], v) for k, v in initial.items())
 
 
-def test_a_resumed_async_run_goes_on_from_its_version(serve: Callable[..., StageServer]) -> None:
-    cfg = _config(2, **{"federated.rounds": 2})
-    got = _run(cfg, serve, resumed=Resumed(5))
+def test_a_resumed_async_run_goes_on_from_its_version_evaluating_every_second(
+    serve: Callable[..., StageServer],
+) -> None:
+    cfg = _config(2, **{"federated.rounds": 3, "federated.eval_every": 2})
+    evaluated: list[int] = []
+    got = _run(cfg, serve, resumed=Resumed(5), evaluated=evaluated)
     versions = [v["round"] for v in _events(got["records"], "version")]
-    assert versions == [6, 7]
-    assert {r["round"] for r in _events(got["records"], "train")} <= {6, 7}
+    assert versions == [6, 7, 8]
+    assert {r["round"] for r in _events(got["records"], "train")} <= {6, 7, 8}
+    assert evaluated == [5, 7, 8]  # the resumed global, every second version, the last

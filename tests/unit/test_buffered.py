@@ -69,6 +69,7 @@ def test_an_unknown_staleness_rule_is_one_line_naming_it(text: str) -> None:
         ({"pipeline.freeze": "progressive"}, "cannot hold pipeline.freeze = progressive"),
         ({"privacy.adapter_dp": "server"}, "cannot hold privacy.adapter_dp = server"),
         ({"federated.buffer_lr": 0}, "federated.buffer_lr must be > 0"),
+        ({"federated.eval_every": 0}, "federated.eval_every must be >= 1"),
     ],
 )
 def test_async_settings_it_cannot_hold_are_refused_by_name(
