@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from harness.close import assert_close_to_scale
 
 from fedpipe.errors import InvalidRequestError
 from fedpipe.lora import GLOBAL_ADAPTER, BatchedAdapterBank, Group, LoraSettings
@@ -311,5 +312,4 @@ def test_cuda_bf16_outputs_stay_within_tolerance_of_fp32(folder: Path) -> None:
         hidden = copies.to_device(x, dtype)
         (out,) = bank.run([Group(GLOBAL_ADAPTER, hidden)])
         outs[name] = copies.to_host([out.float()])[0]
-    scale = outs["fp32"].abs().max()
-    assert (outs["bf16"] - outs["fp32"]).abs().max() <= 0.05 * scale
+    assert_close_to_scale(outs["bf16"], outs["fp32"], rel=0.05)
