@@ -49,10 +49,7 @@ Batch = dict[str, torch.Tensor]
 KEYS = StreamKeys()  # the stream key of each session these tests open
 
 
-@pytest.fixture(scope="module")
-def server(folder) -> Iterator[StageServer]:  # type: ignore[no-untyped-def]
-    with stage_server(CONFIG, folder=folder) as served:
-        yield served
+SERVER_CONFIG = CONFIG  # for the `server` fixture (conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from transformers import MistralConfig
 
 from fedpipe.lora import AdapterBank, BatchedAdapterBank, Group, LoraSettings
 from fedpipe.lora.batched_blocks import Tape
-from fedpipe.models import load_config, resolve_model
+from fedpipe.models import load_config
 from fedpipe.models.families import FAMILIES
 from fedpipe.split import MiddleStage, build_stage, split_layout
 
@@ -38,11 +38,6 @@ TOL = {"rel": 1e-5, "atol": 1e-5}  # harness.close: relative to the scale
 SHAPES = [("a", 1, 7), ("b", 3, 12), ("c", 2, 4), ("a", 2, 12), ("b", 1, 4)]
 Grads = list[torch.Tensor | None]
 FAMILY_CASES = ["tiny-llama", *CASES]  # tiny-llama, then each other family batched
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return resolve_model("tiny-llama", cache_dir=tmp_path_factory.mktemp("cache"))
 
 
 def _banks(

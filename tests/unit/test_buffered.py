@@ -28,7 +28,7 @@ from fedpipe.fl.replies import METRIC_KEYS, TrainReply
 from fedpipe.lora import AdapterBank, LoraSettings
 from fedpipe.lora.aggregation import aggregate_held, apply_updates
 from fedpipe.lora.batched_bank import BatchedAdapterBank
-from fedpipe.models import load_config, resolve_model
+from fedpipe.models import load_config
 from fedpipe.split import build_stage, split_layout
 
 SETTINGS = LoraSettings(r=4, alpha=8, seed=3)
@@ -124,11 +124,6 @@ def test_apply_updates_from_fresh_starts_is_the_weighted_mean() -> None:
     mean, _ = aggregate_held(states, weights, "separate", scale=1.0, initial={})
     for key in keys:
         assert_close_to_scale(moved[key], mean[key], rel=1e-6)
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return resolve_model("tiny-llama", cache_dir=tmp_path_factory.mktemp("cache"))
 
 
 @pytest.mark.parametrize("bank_type", [AdapterBank, BatchedAdapterBank])

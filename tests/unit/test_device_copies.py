@@ -17,7 +17,7 @@ from harness.close import assert_close_to_scale
 from fedpipe.errors import InvalidRequestError
 from fedpipe.lora import GLOBAL_ADAPTER, BatchedAdapterBank, Group, LoraSettings
 from fedpipe.messages import Kind, StageMsg
-from fedpipe.models import load_config, resolve_model
+from fedpipe.models import load_config
 from fedpipe.server.device_copies import DeviceCopies, PinnedPool
 from fedpipe.server.executor import StageExecutor
 from fedpipe.server.runtime import StageRuntime
@@ -148,11 +148,6 @@ def test_bad_settings_are_refused_with_the_reason() -> None:
 
 
 # -- through the runtime ---------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return resolve_model("tiny-llama", cache_dir=tmp_path_factory.mktemp("cache"))
-
-
 def _runtime(stage: torch.nn.Module, copies: DeviceCopies | None) -> StageRuntime:
     bank = BatchedAdapterBank(copy.deepcopy(stage), SETTINGS, family="llama")
     return StageRuntime(

@@ -45,11 +45,6 @@ SHAPES = [("a", 1, 7), ("b", 3, 12), ("c", 2, 4), ("a", 2, 12)]
 FAMILY_CASES = ["tiny-llama", *CASES]
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return resolve_model("tiny-llama", cache_dir=tmp_path_factory.mktemp("cache"))
-
-
 def _stage(family: str, folder: Path, mode: str = "u") -> torch.nn.Module:
     """The server's stage of ``family`` in split ``mode``: tiny-llama's from its folder, the
     others' tiny random blocks 1 and 2 (the loss stage in mode "two")."""

@@ -21,7 +21,6 @@ from fedpipe.config import SERVER_WEIGHTS, FedpipeConfig, load_config
 from fedpipe.lora import AdapterBank, BatchedAdapterBank, Group, LoraSettings
 from fedpipe.messages import Kind, StageMsg
 from fedpipe.models import load_config as load_hf_config
-from fedpipe.models import resolve_model
 from fedpipe.server.build import build_runtime
 from fedpipe.server.sessions import SessionInfo
 from fedpipe.split import build_stage, split_layout
@@ -39,11 +38,6 @@ BOUNDS = {
     "int4": (3e-2, 4e-2, 0.5),
 }
 STORED = tuple(BOUNDS)
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return resolve_model("tiny-llama", cache_dir=tmp_path_factory.mktemp("cache"))
 
 
 def _bank(folder: Path, weights: str, *, batched: bool) -> AdapterBank | BatchedAdapterBank:
