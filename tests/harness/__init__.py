@@ -6,6 +6,8 @@
 - :mod:`harness.certs`: the certificate maker (CA, loopback certificates, node keys);
 - :mod:`harness.faults`: devices that die or go silent in a simulation (a test ClientApp);
 - :mod:`harness.waits`: ``wait_for``;
+- :mod:`harness.close`: ``assert_close_to_scale``, the one rule for comparing two float
+  computations (relative to the tensor's scale), and its state-dict form;
 - :mod:`harness.export`: tiny models of every family, run folders with trained-looking
   checkpoints, and the split model's logits for them (the export tests);
 - :mod:`harness.flower_toy`: a toy Flower app for the engine tests;

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 import torch
 from harness.batches import random_batches
-from harness.stage import stage_server
 from safetensors.torch import load_file, save_file
 
 from fedpipe.config import FedpipeConfig, ModelConfig, PipelineConfig, TrainConfig
@@ -37,10 +35,7 @@ def _config(head: int = 1, tail: int = 1, model: str = "tiny-llama") -> FedpipeC
     )
 
 
-@pytest.fixture(scope="module")
-def server(folder: Path) -> Iterator[StageServer]:
-    with stage_server(_config(1, 1), folder=folder) as served:
-        yield served
+SERVER_CONFIG = _config(1, 1)  # for the `server` fixture (conftest.py)
 
 
 def _copy(folder: Path, dest: Path) -> Path:

@@ -23,6 +23,7 @@ import torch
 from fedpipe_bench.local_devices import LocalDevices
 from fedpipe_bench.local_grid import LocalGrid, ThreadedGrid
 from fedpipe_bench.quality import QUICK_SIZE
+from harness.close import assert_close_to_scale
 
 from fedpipe.config import FedpipeConfig
 from fedpipe.fl.device_work import DeviceWork, RunSettings
@@ -223,14 +224,7 @@ def test_k_equal_n_at_one_version_is_fedavg_on_both_halves(
         for key, value in sync[side].items():
             # relative to the tensor's scale: the async devices run side by side, so the server
             # batches their microbatches together where sync's ran one device at a time
-            scale = float(value.abs().max())
-            torch.testing.assert_close(
-                buffered[side][key],
-                value,
-                rtol=0,
-                atol=1e-3 * scale,
-                msg=lambda m, k=f"{side} {key}": f"{k}: {m}",
-            )
+            assert_close_to_scale(buffered[side][key], value, rel=1e-3, msg=f"{side} {key}")
 
 
 @pytest.mark.parametrize("buffer", [1, 3])

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from harness.close import assert_close_to_scale
 from harness.stage import hold_compute
 from harness.tiny_families import CASES, save_tiny
 from harness.waits import wait_for
@@ -109,7 +110,7 @@ def _same(got: StageMsg | BaseException, want: StageMsg | BaseException) -> None
     assert (got.kind, got.step, got.microbatch) == (want.kind, want.step, want.microbatch)
     if want.tensor is not None:
         assert got.tensor is not None
-        torch.testing.assert_close(got.tensor, want.tensor, atol=1e-5, rtol=1e-5)
+        assert_close_to_scale(got.tensor, want.tensor, atol=1e-5, rel=1e-5)
 
 
 def test_batched_runtime_equals_one_at_a_time(folder: Path) -> None:
@@ -131,8 +132,8 @@ def test_batched_runtime_equals_one_at_a_time(folder: Path) -> None:
                 _same(got, want)
             sid_b, sid_p = batched.ids[name], plain.ids[name]
             for key, value in plain.runtime.bank.state_dict(sid_p).items():
-                torch.testing.assert_close(
-                    batched.runtime.bank.state_dict(sid_b)[key], value, atol=1e-5, rtol=1e-5
+                assert_close_to_scale(
+                    batched.runtime.bank.state_dict(sid_b)[key], value, rel=1e-5, atol=1e-5, msg=key
                 )
         assert batched.runtime.session(batched.ids["c"]).steps_done == 1  # its failed step undone
         assert batched.runtime.session(batched.ids["a"]).steps_done == 2

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import grpc
 import pytest
 import torch
 from harness.batches import random_batches
-from harness.stage import stage_server
 
 from fedpipe.config import FedpipeConfig, PipelineConfig, TrainConfig
 from fedpipe.data.rows import pack_examples
@@ -25,11 +22,8 @@ PIPELINE = PipelineConfig(microbatches=2, schedule="gpipe", timeout_s=20.0)
 TRAIN = TrainConfig(batch_size=BATCH, seq_len=SEQ, lr=1e-2)
 
 
-@pytest.fixture(scope="module")
-def server(folder) -> Iterator[StageServer]:  # type: ignore[no-untyped-def]
-    config = FedpipeConfig(pipeline=PIPELINE, train=TRAIN)
-    with stage_server(config, folder=folder) as served:
-        yield served
+# for the `server` fixture (conftest.py)
+SERVER_CONFIG = FedpipeConfig(pipeline=PIPELINE, train=TRAIN)
 
 
 def _batches() -> list[dict[str, torch.Tensor]]:

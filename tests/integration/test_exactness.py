@@ -17,6 +17,7 @@ from dataclasses import replace
 import pytest
 import torch
 from harness.batches import random_batches
+from harness.close import assert_close_to_scale
 from harness.stage import stage_server
 
 from fedpipe.config import FedpipeConfig, ModelConfig, PipelineConfig, TrainConfig
@@ -188,12 +189,12 @@ def test_pipelined_step_equals_unsplit(
     assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
     assert set(grads) == set(ref_grads)
     for key, grad in ref_grads.items():
-        torch.testing.assert_close(grads[key], grad, rtol=1e-4, atol=1e-6, msg=f"grad {key}")
+        assert_close_to_scale(grads[key], grad, rel=1e-4, atol=1e-6, msg=f"grad {key}")
     assert set(weights) == set(ref_weights)
     for key, value in ref_weights.items():
         # AdamW divides by sqrt(v): a gradient element near 0 turns fp32 rounding into up to
         # ~1e-5 of weight change, so weights get 1% of one step (lr) as absolute tolerance.
-        torch.testing.assert_close(weights[key], value, rtol=1e-4, atol=LR * 1e-2, msg=key)
+        assert_close_to_scale(weights[key], value, rel=1e-4, atol=LR * 1e-2, msg=key)
 
 
 # Lossy codecs: the loss of one step stays within these relative errors of the fp32 loss.
@@ -292,7 +293,7 @@ def test_sliding_window_model_over_the_wire_equals_unsplit(
     losses, grads, _ = _pipelined(setup, _config(windowed_folder, "u", schedule, 4), batches)
     assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
     for key, grad in ref_grads.items():
-        torch.testing.assert_close(grads[key], grad, rtol=1e-4, atol=1e-6, msg=f"grad {key}")
+        assert_close_to_scale(grads[key], grad, rel=1e-4, atol=1e-6, msg=f"grad {key}")
 
 
 @pytest.mark.parametrize("split", ["u", "two"])
@@ -313,7 +314,7 @@ def test_consecutive_steps_without_step_end_wait_equal_unsplit(
     assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
     assert len(set(losses)) == len(losses)  # every step saw updated weights
     for key, value in ref_weights.items():
-        torch.testing.assert_close(weights[key], value, rtol=1e-4, atol=LR * 1e-2, msg=key)
+        assert_close_to_scale(weights[key], value, rel=1e-4, atol=LR * 1e-2, msg=key)
 
 
 class _FailingAdamW(torch.optim.AdamW):
@@ -408,9 +409,9 @@ def test_every_family_over_the_wire_equals_unsplit(
     assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
     assert set(grads) == set(ref_grads)
     for key, grad in ref_grads.items():
-        torch.testing.assert_close(grads[key], grad, rtol=1e-4, atol=1e-6, msg=f"grad {key}")
+        assert_close_to_scale(grads[key], grad, rel=1e-4, atol=1e-6, msg=f"grad {key}")
     for key, value in ref_weights.items():
-        torch.testing.assert_close(weights[key], value, rtol=1e-4, atol=LR * 1e-2, msg=key)
+        assert_close_to_scale(weights[key], value, rel=1e-4, atol=LR * 1e-2, msg=key)
 
 
 INSTRUCT_SEQ = 48
@@ -454,9 +455,9 @@ def test_answers_only_rows_train_as_the_unsplit_model(setups, model: str, split:
     losses, grads, weights = _pipelined(setup, config, batches)
     assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
     for key, grad in ref_grads.items():
-        torch.testing.assert_close(grads[key], grad, rtol=1e-4, atol=1e-6, msg=f"grad {key}")
+        assert_close_to_scale(grads[key], grad, rel=1e-4, atol=1e-6, msg=f"grad {key}")
     for key, value in ref_weights.items():
-        torch.testing.assert_close(weights[key], value, rtol=1e-4, atol=LR * 1e-2, msg=key)
+        assert_close_to_scale(weights[key], value, rel=1e-4, atol=LR * 1e-2, msg=key)
 
 
 def _example_batches(vocab: int) -> tuple[list[dict[str, torch.Tensor]], list[dict]]:
@@ -504,9 +505,9 @@ def test_packed_rows_over_the_wire_train_as_padded_rows_in_the_unsplit_model(
     assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
     assert set(grads) == set(ref_grads)
     for key, grad in ref_grads.items():
-        torch.testing.assert_close(grads[key], grad, rtol=1e-4, atol=1e-6, msg=f"grad {key}")
+        assert_close_to_scale(grads[key], grad, rel=1e-4, atol=1e-6, msg=f"grad {key}")
     for key, value in ref_weights.items():
-        torch.testing.assert_close(weights[key], value, rtol=1e-4, atol=LR * 1e-2, msg=key)
+        assert_close_to_scale(weights[key], value, rel=1e-4, atol=LR * 1e-2, msg=key)
     load_lora_state_dict(setup.reference, setup.adapter)
     setup.runtime.bank.set_global_state({k: setup.adapter[k] for k in setup.server_keys})
     with torch.no_grad():

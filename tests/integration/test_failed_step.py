@@ -8,12 +8,10 @@ bit for bit in fp32 (before the fix the stale half-gradient was added to the nex
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from harness.stage import stage_server
 
 from fedpipe.config import FedpipeConfig, ModelConfig, PipelineConfig, TrainConfig
 from fedpipe.edge.runtime import StepResult
@@ -56,10 +54,7 @@ class BreaksOnce:
         return self.session.receive(kind, step, microbatch)
 
 
-@pytest.fixture(scope="module")
-def server(folder: Path) -> Iterator[StageServer]:
-    with stage_server(CONFIG, folder=folder) as served:
-        yield served
+SERVER_CONFIG = CONFIG  # for the `server` fixture (conftest.py)
 
 
 def _batch() -> dict[str, torch.Tensor]:

@@ -58,10 +58,7 @@ def _config(split: str = "u", **server: object) -> FedpipeConfig:
 KEYS = StreamKeys()  # the stream key of each session these tests open
 
 
-@pytest.fixture(scope="module")
-def server(folder) -> Iterator[StageServer]:  # type: ignore[no-untyped-def]
-    with stage_server(_config(), folder=folder) as served:
-        yield served
+SERVER_CONFIG = _config()  # for the `server` fixture (conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ import torch
 from fedpipe_bench.local_devices import FIRST_NODE, LocalDevices
 from fedpipe_bench.local_grid import LocalGrid
 from flwr.app import ArrayRecord, Error, Message, MetricRecord
+from harness.close import assert_close_to_scale
 
 from fedpipe.config import load_config
 from fedpipe.fl.device_work import DeviceWork, RunSettings
@@ -145,4 +146,4 @@ def test_a_tampered_reply_is_refused_and_the_aggregate_is_the_honest_devices_alo
     for got, expected in ((device, honest_alone[0]), (server, honest_alone[1])):
         assert got.keys() == expected.keys()  # no key of the hostile device's own
         for key in expected:
-            torch.testing.assert_close(got[key], expected[key], rtol=0, atol=1e-6)
+            assert_close_to_scale(got[key], expected[key], rel=0, atol=1e-6)

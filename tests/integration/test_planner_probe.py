@@ -7,8 +7,6 @@ speed up), not against wall-clock limits.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import grpc
 import pytest
 import torch
@@ -31,10 +29,7 @@ CONFIG = FedpipeConfig(
 )
 
 
-@pytest.fixture(scope="module")
-def server(folder) -> Iterator[StageServer]:  # type: ignore[no-untyped-def]
-    with stage_server(CONFIG, folder=folder) as served:
-        yield served
+SERVER_CONFIG = CONFIG  # for the `server` fixture (conftest.py)
 
 
 def _batch() -> dict[str, torch.Tensor]:

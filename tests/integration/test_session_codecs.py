@@ -9,12 +9,10 @@ codec the server used.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 
 import grpc
 import pytest
 import torch
-from harness.stage import stage_server
 
 from fedpipe.config import FedpipeConfig
 from fedpipe.edge.trainer import DeviceTrainer, split_terms
@@ -31,10 +29,7 @@ _FIELDS = 8
 SIZE = {"train.batch_size": 2, "train.seq_len": 64, "pipeline.microbatches": 1}
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[StageServer]:
-    with stage_server(FedpipeConfig().with_overrides(SIZE)) as served:
-        yield served
+SERVER_CONFIG = FedpipeConfig().with_overrides(SIZE)  # for the `server` fixture (conftest.py)
 
 
 def _bytes_down(server: StageServer, downlink: str, gradients: str = "") -> int:

@@ -7,11 +7,8 @@ for INPUT_GRAD, via OpenSession).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
-from harness.stage import stage_server
 
 from fedpipe.config import FedpipeConfig
 from fedpipe.edge.trainer import DeviceTrainer
@@ -30,10 +27,7 @@ SIZE = {
 }
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[StageServer]:
-    with stage_server(FedpipeConfig().with_overrides(SIZE)) as served:
-        yield served
+SERVER_CONFIG = FedpipeConfig().with_overrides(SIZE)  # for the `server` fixture (conftest.py)
 
 
 def _losses(server: StageServer, settings: dict[str, object]) -> tuple[list[float], int, int]:

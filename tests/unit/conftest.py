@@ -1,15 +1,21 @@
 """Unit tier: in-process only. A test here that opens a network socket, a gRPC server or
-channel, or starts a subprocess fails, saying that it belongs in tests/integration."""
+channel, or starts a subprocess fails, saying that it belongs in tests/integration.
+
+The tier's shared fixture: ``folder``, the bundled tiny-llama in a private cache, one per module
+(a module that needs another model defines its own ``folder``)."""
 
 from __future__ import annotations
 
 import socket
 import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
+
+from fedpipe.models import resolve_model
 
 _SUBPROCESS_EVENTS = {"subprocess.Popen", "os.system", "os.posix_spawn", "os.exec", "os.spawn"}
 _SOCKET_EVENTS = {"socket.bind", "socket.connect"}
@@ -58,3 +64,9 @@ def _in_process(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         yield
     finally:
         _guarding = False
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The bundled tiny-llama, resolved into this module's own cache folder."""
+    return resolve_model("tiny-llama", cache_dir=tmp_path_factory.mktemp("cache"))

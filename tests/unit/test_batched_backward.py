@@ -19,38 +19,25 @@ from typing import Any
 
 import pytest
 import torch
+from harness.close import assert_close_to_scale
 from harness.tiny_families import CASES, lora_targets, tiny_stage
 from transformers import MistralConfig
 
 from fedpipe.lora import AdapterBank, BatchedAdapterBank, Group, LoraSettings
 from fedpipe.lora.batched_blocks import Tape
-from fedpipe.models import load_config, resolve_model
+from fedpipe.models import load_config
 from fedpipe.models.families import FAMILIES
 from fedpipe.split import MiddleStage, build_stage, split_layout
 
 torch.set_num_threads(1)
 SETTINGS = LoraSettings(r=4, alpha=8, seed=3, targets=("q_proj", "v_proj", "o_proj", "up_proj"))
-TOL = {"atol": 1e-5, "rtol": 1e-5}
-
-
-def _assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
-    """Equal to fp32 rounding: within 1e-5 of the tensor's own scale (its largest value, at
-    least 1). The families' gradients reach ~200 on these tiny models, where summing in
-    another order moves an element by a few 1e-5 (a few 1e-7 of the scale; measured on a
-    Xeon with AVX-512 kernels): an absolute 1e-5 would test the CPU, not the code."""
-    scale = max(1.0, float(want.abs().max())) if want.numel() else 1.0
-    torch.testing.assert_close(got, want, atol=TOL["atol"] * scale, rtol=TOL["rtol"])
+TOL = {"rel": 1e-5, "atol": 1e-5}  # harness.close: relative to the scale
 
 
 # (adapter, rows, tokens): different sizes and lengths, adapter "a" twice.
 SHAPES = [("a", 1, 7), ("b", 3, 12), ("c", 2, 4), ("a", 2, 12), ("b", 1, 4)]
 Grads = list[torch.Tensor | None]
 FAMILY_CASES = ["tiny-llama", *CASES]  # tiny-llama, then each other family batched
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return resolve_model("tiny-llama", cache_dir=tmp_path_factory.mktemp("cache"))
 
 
 def _banks(
@@ -98,7 +85,7 @@ def _close(got: Grads, want: Grads) -> None:
     for g, w in zip(got, want, strict=True):
         assert (g is None) == (w is None)
         if g is not None:
-            _assert_close(g, w)
+            assert_close_to_scale(g, w, **TOL)
 
 
 def _solo(
@@ -125,7 +112,7 @@ def _check(
     want, grads = _solo(solo, cases, picked)
     for g, w in zip(got, want, strict=True):
         assert g is not None
-        _assert_close(g, w)
+        assert_close_to_scale(g, w, **TOL)
     for name in "abc":
         _close(_take(batched, name), grads[name])
 
@@ -142,7 +129,7 @@ def test_one_backward_over_every_session_equals_solo(folder: Path, family: str) 
     cases = _cases(64)
     taped = _forward(batched, cases)
     for (y, _), (name, x, _) in zip(taped, cases, strict=True):
-        _assert_close(y, solo.run([Group(name, x)])[0].detach())
+        assert_close_to_scale(y, solo.run([Group(name, x)])[0].detach(), **TOL)
     got = batched.backward([(tape, g) for (_, tape), (_, _, g) in zip(taped, cases, strict=True)])
     _check(solo, batched, cases, list(range(len(cases))), got)
 
@@ -203,7 +190,7 @@ def test_each_family_with_and_without_the_fused_attention_kernel(family: str, fu
     want, grads = _solo(solo, cases, list(range(len(cases))))
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         if i != 1:
-            _assert_close(g, w)
+            assert_close_to_scale(g, w, **TOL)
     for name in "abc":
         _close(_take(batched, name), grads[name])
 
@@ -241,7 +228,11 @@ def test_each_layout_field_changes_the_numbers(
     ((got, tape),) = batched.run_taped([Group("a", x.detach())])
     (dx,) = batched.backward([(tape, g)])
     assert dx is not None and x.grad is not None
-    differs = not torch.allclose(got, y.detach(), **TOL) or not torch.allclose(dx, x.grad, **TOL)
+    # a negative check (some element differs), per element as it was
+    apart = {"rtol": 1e-5, "atol": 1e-5}
+    differs = not torch.allclose(got, y.detach(), **apart) or not torch.allclose(
+        dx, x.grad, **apart
+    )
     assert differs, f"{family} without {field} computes the same numbers"
 
 
@@ -261,11 +252,11 @@ def test_a_group_with_its_own_block_range_skips_the_others_in_backward(folder: P
     (dx, _) = batched.backward([(ta, gx), (tb, go)])
     ((_, tr),) = reference.run_taped([Group("a", x)])
     (want,) = reference.backward([(tr, gx)])
-    _assert_close(dx, want)
+    assert_close_to_scale(dx, want, **TOL)
     got = batched.named_parameters("a")
     for key, p in reference.named_parameters("a").items():
         assert p.grad is not None
-        _assert_close(got[key].grad, p.grad)
+        assert_close_to_scale(got[key].grad, p.grad, **TOL)
     skipped = [p for k, p in got.items() if k.startswith(f"layers.{held[0]}.")]
     assert skipped and all(p.grad is None for p in skipped)
 
@@ -278,7 +269,7 @@ def test_frozen_heads_get_no_input_gradient_and_the_same_adapter_gradients(folde
     got = batched.backward([(tape, g) for (_, tape), (_, _, g) in zip(taped, cases, strict=True)])
     assert got[0] is None and got[2] is None and got[1] is not None
     want, grads = _solo(solo, cases, [0, 1, 2])
-    _assert_close(got[1], want[1])
+    assert_close_to_scale(got[1], want[1], **TOL)
     for name in "abc":
         _close(_take(batched, name), grads[name])
 

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 from flwr.app import Message
+from harness.close import assert_close_to_scale
 
 from fedpipe.config import FederatedConfig, FedpipeConfig, parse_staleness
 from fedpipe.fl.buffered import Buffer, BufferedRounds, Staleness
@@ -27,16 +28,10 @@ from fedpipe.fl.replies import METRIC_KEYS, TrainReply
 from fedpipe.lora import AdapterBank, LoraSettings
 from fedpipe.lora.aggregation import aggregate_held, apply_updates
 from fedpipe.lora.batched_bank import BatchedAdapterBank
-from fedpipe.models import load_config, resolve_model
+from fedpipe.models import load_config
 from fedpipe.split import build_stage, split_layout
 
 SETTINGS = LoraSettings(r=4, alpha=8, seed=3)
-
-
-def _close(got: torch.Tensor, want: torch.Tensor, rtol: float = 1e-6) -> None:
-    """Equal to ``rtol`` of ``want``'s scale (its largest magnitude)."""
-    scale = float(want.abs().max()) or 1.0
-    torch.testing.assert_close(got, want, rtol=0, atol=rtol * scale)
 
 
 def test_staleness_weights() -> None:
@@ -115,9 +110,9 @@ def test_apply_updates_moves_the_global_by_the_weighted_mean_update() -> None:
     moved = apply_updates(current, starts, states, weights, server_lr=0.5)
     mean_a = sum(w * (s["a"] - t["a"]) for w, s, t in zip(weights, states, starts, strict=True))
     mean_a = mean_a / 6.0
-    _close(moved["a"], current["a"] + 0.5 * mean_a)
+    assert_close_to_scale(moved["a"], current["a"] + 0.5 * mean_a, rel=1e-6)
     mean_b = (1.0 * (states[0]["b"] - starts[0]["b"]) + 3.0 * (states[1]["b"] - starts[1]["b"])) / 4
-    _close(moved["b"], current["b"] + 0.5 * mean_b)
+    assert_close_to_scale(moved["b"], current["b"] + 0.5 * mean_b, rel=1e-6)
 
 
 def test_apply_updates_from_fresh_starts_is_the_weighted_mean() -> None:
@@ -128,12 +123,7 @@ def test_apply_updates_from_fresh_starts_is_the_weighted_mean() -> None:
     moved = apply_updates(current, [current] * 3, states, weights)
     mean, _ = aggregate_held(states, weights, "separate", scale=1.0, initial={})
     for key in keys:
-        _close(moved[key], mean[key])
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return resolve_model("tiny-llama", cache_dir=tmp_path_factory.mktemp("cache"))
+        assert_close_to_scale(moved[key], mean[key], rel=1e-6)
 
 
 @pytest.mark.parametrize("bank_type", [AdapterBank, BatchedAdapterBank])
@@ -157,7 +147,7 @@ def test_both_banks_merge_older_versions_updates_by_the_same_rule(
     want = apply_updates(now, [old, now], [trained["v1"], trained["v2"]], [1.0, 3.0], server_lr=0.7)
     got = bank.global_state()
     for key, value in want.items():
-        _close(got[key], value)
+        assert_close_to_scale(got[key], value, rel=1e-6)
     for name in ("v1", "v2"):  # merged sessions are gone from the bank
         with pytest.raises((KeyError, ValueError)):
             bank.state_dict(name)

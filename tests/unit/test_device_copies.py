@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from harness.close import assert_close_to_scale
 
 from fedpipe.errors import InvalidRequestError
 from fedpipe.lora import GLOBAL_ADAPTER, BatchedAdapterBank, Group, LoraSettings
 from fedpipe.messages import Kind, StageMsg
-from fedpipe.models import load_config, resolve_model
+from fedpipe.models import load_config
 from fedpipe.server.device_copies import DeviceCopies, PinnedPool
 from fedpipe.server.executor import StageExecutor
 from fedpipe.server.runtime import StageRuntime
@@ -147,11 +148,6 @@ def test_bad_settings_are_refused_with_the_reason() -> None:
 
 
 # -- through the runtime ---------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return resolve_model("tiny-llama", cache_dir=tmp_path_factory.mktemp("cache"))
-
-
 def _runtime(stage: torch.nn.Module, copies: DeviceCopies | None) -> StageRuntime:
     bank = BatchedAdapterBank(copy.deepcopy(stage), SETTINGS, family="llama")
     return StageRuntime(
@@ -311,5 +307,4 @@ def test_cuda_bf16_outputs_stay_within_tolerance_of_fp32(folder: Path) -> None:
         hidden = copies.to_device(x, dtype)
         (out,) = bank.run([Group(GLOBAL_ADAPTER, hidden)])
         outs[name] = copies.to_host([out.float()])[0]
-    scale = outs["fp32"].abs().max()
-    assert (outs["bf16"] - outs["fp32"]).abs().max() <= 0.05 * scale
+    assert_close_to_scale(outs["bf16"], outs["fp32"], rel=0.05)

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from harness.close import assert_close_to_scale
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -208,12 +209,12 @@ def test_split_loss_and_every_gradient_equal_the_unsplit_model(
     stages = _split_stages(folder, *cut)
     loss = _split_loss(stages, ids)
     loss.backward()
-    torch.testing.assert_close(loss, reference, rtol=1e-6, atol=1e-6)
+    assert_close_to_scale(loss, reference, rel=1e-6, atol=1e-6)
     expected = dict(whole.named_parameters())
     grads = _grads(stages, tied="lm_head.weight" not in expected)
     assert sorted(grads) == sorted(expected)
     for key, grad in grads.items():
-        torch.testing.assert_close(grad, expected[key].grad, rtol=1e-4, atol=1e-5, msg=key)
+        assert_close_to_scale(grad, expected[key].grad, rel=1e-4, atol=1e-5, msg=key)
 
 
 @pytest.mark.parametrize(
@@ -273,7 +274,7 @@ def test_default_lora_targets_are_the_family_attention_and_exact(
     got = {k: v for s in stages for k, v in s.named_parameters() if "lora_" in k}
     assert len(got) == len(expected) > 0
     for key, param in got.items():
-        torch.testing.assert_close(param.grad, expected[f"model.{key}"].grad, atol=1e-6, rtol=1e-4)
+        assert_close_to_scale(param.grad, expected[f"model.{key}"].grad, atol=1e-6, rel=1e-4)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -302,11 +303,11 @@ def test_the_batched_bank_computes_every_family_as_peft_does(
         x = x.clone().requires_grad_(True)
         want = solo.run([Group("a", x)])[0]
         want.backward(g)
-        torch.testing.assert_close(y, want.detach(), rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(dx, x.grad, rtol=1e-5, atol=1e-5)
+        assert_close_to_scale(y, want.detach(), rel=1e-5, atol=1e-5)
+        assert_close_to_scale(dx, x.grad, rel=1e-5, atol=1e-5)
     want_grads = {k: p.grad for k, p in solo.named_parameters("a").items()}
     for key, param in batched.named_parameters("a").items():
-        torch.testing.assert_close(param.grad, want_grads[key], rtol=1e-5, atol=1e-5, msg=key)
+        assert_close_to_scale(param.grad, want_grads[key], rel=1e-5, atol=1e-5, msg=key)
 
 
 def test_the_batched_bank_refuses_families_it_does_not_compute(

@@ -1,6 +1,7 @@
 """FedProx on the device: the proximal term's gradient is added before each optimizer step."""
 
 import torch
+from harness.close import FLOAT32_ATOL, FLOAT32_REL, assert_close_to_scale
 
 from fedpipe.edge.trainer import _add_proximal_term
 
@@ -14,7 +15,9 @@ def test_proximal_term_pulls_towards_the_round_start() -> None:
     w.grad = torch.zeros(2)
     opt.step()
     # grad = mu * (w - anchor) = 0.5 * (1, 1); w <- w - 0.1 * grad
-    torch.testing.assert_close(w.detach(), torch.tensor([2.0 - 0.05, -1.0 - 0.05]))
+    assert_close_to_scale(
+        w.detach(), torch.tensor([2.0 - 0.05, -1.0 - 0.05]), rel=FLOAT32_REL, atol=FLOAT32_ATOL
+    )
 
 
 def test_no_proximal_gradient_at_the_anchor() -> None:
@@ -23,4 +26,4 @@ def test_no_proximal_gradient_at_the_anchor() -> None:
     _add_proximal_term(opt, [w], mu=10.0)
     w.grad = torch.tensor([0.25])
     opt.step()
-    torch.testing.assert_close(w.detach(), torch.tensor([2.75]))
+    assert_close_to_scale(w.detach(), torch.tensor([2.75]), rel=FLOAT32_REL, atol=FLOAT32_ATOL)

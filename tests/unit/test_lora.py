@@ -7,6 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from harness.close import (
+    FLOAT32_ATOL,
+    FLOAT32_REL,
+    assert_close_to_scale,
+    assert_states_close_to_scale,
+)
 
 from fedpipe.lora import (
     AdapterBank,
@@ -78,13 +84,13 @@ def test_lora_split_loss_and_grads_equal_unsplit(
     loss_sum, count = stages[-1](hidden, ids)
     (loss_sum / count).backward()
 
-    torch.testing.assert_close(loss_sum / count, reference, rtol=1e-6, atol=1e-6)
+    assert_close_to_scale(loss_sum / count, reference, rel=1e-6, atol=1e-6)
     assert reference.item() != pytest.approx(load_causal_lm(folder)(ids, labels=ids).loss.item())
     expected = lora_grads(whole)
     got = {k: v for s in stages for k, v in lora_grads(s).items()}
     assert got.keys() == expected.keys()
     for key in expected:
-        torch.testing.assert_close(got[key], expected[key], rtol=1e-4, atol=1e-6, msg=key)
+        assert_close_to_scale(got[key], expected[key], rel=1e-4, atol=1e-6, msg=key)
 
 
 @pytest.mark.parametrize("name", list(FAMILY))
@@ -139,7 +145,12 @@ def test_load_is_strict(folders: dict[str, Path]) -> None:
 
 def test_average_state_dicts() -> None:
     a, b = {"x": torch.tensor([0.0, 4.0])}, {"x": torch.tensor([4.0, 0.0])}
-    torch.testing.assert_close(average_state_dicts([a, b], [1, 3])["x"], torch.tensor([3.0, 1.0]))
+    assert_close_to_scale(
+        average_state_dicts([a, b], [1, 3])["x"],
+        torch.tensor([3.0, 1.0]),
+        rel=FLOAT32_REL,
+        atol=FLOAT32_ATOL,
+    )
     with pytest.raises(ValueError, match="one weight per state dict"):
         average_state_dicts([a, b], [1.0])
     with pytest.raises(KeyError, match="different keys"):
@@ -162,7 +173,9 @@ def test_bank_add_activate_remove(bank: AdapterBank) -> None:
     bank.activate("dev1")
     assert not torch.allclose(bank.stage(x), base)
     bank.activate("dev0")
-    torch.testing.assert_close(bank.stage(x), base)  # B == 0 like the global adapter
+    assert_close_to_scale(
+        bank.stage(x), base, rel=FLOAT32_REL, atol=FLOAT32_ATOL
+    )  # B == 0 like the global adapter
     assert all(p.requires_grad for p in bank.parameters("dev1"))
     assert not any(p.requires_grad for p in bank.parameters("global"))
     with pytest.raises(ValueError, match="already exists"):
@@ -194,8 +207,17 @@ def test_bank_merge_is_the_weighted_average(bank: AdapterBank) -> None:
         bank.add(name, init=state)
     merged = bank.merge({"a": 1.0, "b": 3.0})
     for key, value in merged.items():
-        torch.testing.assert_close(value, 0.25 * states["a"][key] + 0.75 * states["b"][key])
-        torch.testing.assert_close(bank.global_state()[key], value)
+        assert_close_to_scale(
+            value,
+            0.25 * states["a"][key] + 0.75 * states["b"][key],
+            rel=FLOAT32_REL,
+            atol=FLOAT32_ATOL,
+        )
+        assert_close_to_scale(
+            bank.global_state()[key], value, rel=FLOAT32_REL, atol=FLOAT32_ATOL, msg=key
+        )
     assert bank.names() == ["c"]
     bank.add("d")
-    torch.testing.assert_close(bank.state_dict("d"), merged)  # new adapters start from the merge
+    assert_states_close_to_scale(
+        bank.state_dict("d"), merged, rel=FLOAT32_REL, atol=FLOAT32_ATOL
+    )  # new adapters start from the merge

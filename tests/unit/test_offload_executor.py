@@ -15,7 +15,7 @@ import torch
 
 from fedpipe.lora import AdapterBank, BatchedAdapterBank, Group, LoraSettings
 from fedpipe.messages import Kind, StageMsg
-from fedpipe.models import load_config, resolve_model
+from fedpipe.models import load_config
 from fedpipe.server.executor import StageExecutor
 from fedpipe.server.sessions import SessionInfo
 from fedpipe.server.stash import FETCHED, Stash
@@ -24,11 +24,6 @@ from fedpipe.split import build_stage, split_layout
 torch.set_num_threads(1)
 SETTINGS = LoraSettings(r=4, alpha=8, seed=3)
 SHAPES = {"a": (1, 7), "b": (3, 12), "c": (2, 4)}  # rows, tokens per session
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return resolve_model("tiny-llama", cache_dir=tmp_path_factory.mktemp("cache"))
 
 
 class Side:

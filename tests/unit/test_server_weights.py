@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from harness.close import assert_close_to_scale
 
 from fedpipe.config import SERVER_WEIGHTS, FedpipeConfig, load_config
 from fedpipe.lora import AdapterBank, BatchedAdapterBank, Group, LoraSettings
 from fedpipe.messages import Kind, StageMsg
 from fedpipe.models import load_config as load_hf_config
-from fedpipe.models import resolve_model
 from fedpipe.server.build import build_runtime
 from fedpipe.server.sessions import SessionInfo
 from fedpipe.split import build_stage, split_layout
@@ -38,11 +38,6 @@ BOUNDS = {
     "int4": (3e-2, 4e-2, 0.5),
 }
 STORED = tuple(BOUNDS)
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return resolve_model("tiny-llama", cache_dir=tmp_path_factory.mktemp("cache"))
 
 
 def _bank(folder: Path, weights: str, *, batched: bool) -> AdapterBank | BatchedAdapterBank:
@@ -88,7 +83,7 @@ def test_a_stored_middle_stays_near_fp32_and_both_banks_agree(folder: Path, weig
     )
     assert 0 < _relative(batched[0], reference[0])  # it is stored rounded, not fp32 again
     for got, want in zip(peft, batched, strict=True):  # one base, two banks: fp32 rounding
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        assert_close_to_scale(got, want, rel=1e-5, atol=1e-6)
 
 
 def test_a_lone_sessions_batched_backward_on_a_stored_base_equals_peft(folder: Path) -> None:
@@ -104,10 +99,10 @@ def test_a_lone_sessions_batched_backward_on_a_stored_base_equals_peft(folder: P
     xp = x.clone().requires_grad_(True)
     peft.run([Group("a", xp)])[0].backward(dy)
     assert dx is not None and xp.grad is not None
-    torch.testing.assert_close(dx, xp.grad, rtol=1e-5, atol=1e-6)
+    assert_close_to_scale(dx, xp.grad, rel=1e-5, atol=1e-6)
     for got, want in zip(batched.parameters("a"), peft.parameters("a"), strict=True):
         assert got.grad is not None and want.grad is not None
-        torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-6)
+        assert_close_to_scale(got.grad, want.grad, rel=1e-5, atol=1e-6)
 
 
 def test_fp32_builds_the_plain_stage_as_before(folder: Path) -> None:
