@@ -136,7 +136,7 @@ def _runtime(
     from fedpipe.lora import adapter_bank, lora_settings
     from fedpipe.models.loading import model_family
     from fedpipe.server.batch_policy import BatchPolicy
-    from fedpipe.server.runtime import StageRuntime
+    from fedpipe.server.runtime import StageRuntime, StageSettings
     from fedpipe.server.sessions import RuntimeLimits
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -146,8 +146,7 @@ def _runtime(
     runner = getattr(bank, "_runner", None)
     if runner is not None:
         runner.grouped = grouped
-    runtime = StageRuntime(
-        bank,
+    settings = StageSettings(
         mode="u",
         hidden_size=int(config.hidden_size),
         device=device,
@@ -157,6 +156,7 @@ def _runtime(
         policy=BatchPolicy(enabled=batched),
         offload=offload,
     )
+    runtime = StageRuntime(bank, settings)
     probe = ComputeProbe(runtime, cuda_events=device.type == "cuda", stash=stash).install()
     return runtime, probe
 

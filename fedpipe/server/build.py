@@ -16,7 +16,7 @@ from fedpipe.errors import AuthError
 from fedpipe.lora import BatchedAdapterBank, adapter_bank, lora_settings
 from fedpipe.models import load_config, model_family, model_fingerprint, resolve_model
 from fedpipe.server.batch_policy import BatchPolicy
-from fedpipe.server.runtime import StageRuntime
+from fedpipe.server.runtime import StageRuntime, StageSettings
 from fedpipe.server.sessions import RuntimeLimits
 from fedpipe.server.stage_server import StageServer
 from fedpipe.split import TailStage, build_stage, split_layout
@@ -111,8 +111,7 @@ def build_runtime(
     bank = adapter_bank(stage, lora_settings(config), family=family, batched=server.batching)
     if server.input_grad_first and not isinstance(bank, BatchedAdapterBank):
         log.info("server.input_grad_first: peft's adapters compute both gradients together")
-    runtime = StageRuntime(
-        bank,
+    settings = StageSettings(
         mode=layout.mode,
         hidden_size=int(hf_config.hidden_size),
         device=device,
@@ -123,6 +122,7 @@ def build_runtime(
         offload=server.offload == "auto",
         input_grad_first=server.input_grad_first,
     )
+    runtime = StageRuntime(bank, settings)
     split = SplitInfo(
         model=config.model.name,
         num_layers=layout.num_layers,

@@ -15,11 +15,10 @@ import torch
 from fedpipe.messages import Kind, StageMsg
 from fedpipe.server.batch_policy import BatchChoice, Item, Lane, QueueView, SessionView
 from fedpipe.server.fair_queue import Snapshot
-from fedpipe.server.streams import StreamHandle
+from fedpipe.server.streams import RESET, StreamHandle
 
 __all__ = ["RESET", "TRACE_NAMES", "QueueItem", "policy_item", "queue_view", "trace_args"]
 
-RESET = object()  # queue marker: forget the session's unfinished step
 # (the stream it came on, or None for a marker; a StageMsg, END or RESET)
 QueueItem = tuple[StreamHandle | None, object]
 # Trace event names by lane: optimizer steps (O), server backwards (Sb) and forwards (Sf)

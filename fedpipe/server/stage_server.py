@@ -229,7 +229,7 @@ class StageServer:
             self.runtime.set_aggregation(aggregation, AggregationRule.parse(rule))
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from None
-        self.runtime.frozen_below = frozen_below  # pipeline.freeze: sessions opened from now on
+        self.runtime.freeze_below(frozen_below)  # pipeline.freeze: sessions opened from now on
         self.runtime.begin_version(round_, window)  # async rounds: each version's adapter
         self.rounds.begin(round_, run_id, window=window)
         self.delta_store.begin_run(run_id)  # devices' delta caches never cross into another run

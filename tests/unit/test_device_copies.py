@@ -20,7 +20,7 @@ from fedpipe.messages import Kind, StageMsg
 from fedpipe.models import load_config
 from fedpipe.server.device_copies import DeviceCopies, PinnedPool
 from fedpipe.server.executor import StageExecutor
-from fedpipe.server.runtime import StageRuntime
+from fedpipe.server.runtime import StageRuntime, StageSettings
 from fedpipe.server.sessions import RuntimeLimits
 from fedpipe.split import build_stage, split_layout
 from fedpipe.wire.backend import SessionRequest
@@ -150,15 +150,14 @@ def test_bad_settings_are_refused_with_the_reason() -> None:
 # -- through the runtime ---------------------------------------------------------------------
 def _runtime(stage: torch.nn.Module, copies: DeviceCopies | None) -> StageRuntime:
     bank = BatchedAdapterBank(copy.deepcopy(stage), SETTINGS, family="llama")
-    return StageRuntime(
-        bank,
+    settings = StageSettings(
         mode="u",
         hidden_size=64,
         device=CPU,
         limits=RuntimeLimits(max_microbatch_size=4),
         max_positions=128,
-        copies=copies,
     )
+    return StageRuntime(bank, settings, copies=copies)
 
 
 def _one_step(runtime: StageRuntime, seed: int) -> list[StageMsg]:
@@ -272,9 +271,10 @@ def test_cuda_a_call_makes_no_synchronising_call(folder: Path) -> None:
     plan = split_layout(load_config(folder))
     stage = build_stage(folder, plan, "middle", dtype=torch.bfloat16, device=device)
     bank = BatchedAdapterBank(stage, SETTINGS, family="llama")
-    runtime = StageRuntime(
-        bank, mode="u", hidden_size=64, device=device, dtype=torch.bfloat16, max_positions=128
+    settings = StageSettings(
+        mode="u", hidden_size=64, device=device, dtype=torch.bfloat16, max_positions=128
     )
+    runtime = StageRuntime(bank, settings)
     try:
         handle = runtime.attach(
             runtime.open(SessionRequest(device_id="dev", round=1, microbatch_size=4, seq_len=16))
