@@ -2,7 +2,7 @@
 
 - ``settings_reference()``: every setting of ``fedpipe.config.FedpipeConfig``, one table per
   section, with its type, its default (read from the dataclasses) and what it does (the comment
-  on or above the field in ``fedpipe/config/settings.py``, then :data:`NOTES`).
+  on or above the field in ``fedpipe/config/<section>.py``, then :data:`NOTES`).
 - ``cli_reference()``: every ``fedpipe`` command and option, walked from the real argparse
   parser (``fedpipe.cli.parser.build_parser``), ``fedpipe bench`` commands included.
 - ``profiles_reference()``: every named device profile and link (``fedpipe.config.profiles``).
@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO_ROOT / "scripts"))  # render_bench_docs, beside this
 
 from render_bench_docs import escape_pipes  # noqa: E402
 
-# What a setting does, where its field in fedpipe/config/settings.py carries no comment of its
+# What a setting does, where its field (fedpipe/config/<section>.py) carries no comment of its
 # own, shares one with its neighbours, or needs a pointer to its guide; a note replaces the
 # field's comment. Links are relative to docs/reference/.
 NOTES: dict[str, str] = {

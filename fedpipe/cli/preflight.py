@@ -23,8 +23,8 @@ from fedpipe.cli.probes import (
     split_address,
 )
 from fedpipe.config import FedpipeConfig, PrivacyConfig, parse_cuts
+from fedpipe.config.device import parse_device_weights
 from fedpipe.config.privacy_spec import parse_privacy_spec
-from fedpipe.config.settings import parse_device_weights
 from fedpipe.data import default_corpus, load_documents, partition, train_eval_split
 from fedpipe.emulation import link_names, parse_device_profile, parse_link
 from fedpipe.errors import SettingsError

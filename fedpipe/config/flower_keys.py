@@ -3,7 +3,7 @@
 Flower hands a ClientApp or ServerApp two flat dicts of scalars:
 
 - the **run config**: every setting by its dotted name (``pipeline.microbatches``, see
-  :mod:`fedpipe.config.settings`) plus the run's own keys, ``run.*`` (:class:`RunSettings`:
+  :mod:`fedpipe.config.fedpipe_config`) plus the run's own keys, ``run.*`` (:class:`RunSettings`:
   the run folder, the StageServer's address, the secret file, the run's id);
 - the **node config** of a device's SuperNode (:class:`NodeSettings`: its partition, its
   own profile, data, cut, defences and TLS files; ``fedpipe client`` writes it).
@@ -21,7 +21,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, get_type_hints
 
-from fedpipe.config.settings import FedpipeConfig, coerce_value
+from fedpipe.config.convert import coerce_value
+from fedpipe.config.fedpipe_config import FedpipeConfig
 
 __all__ = [
     "NodeSettings",

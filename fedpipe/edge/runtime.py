@@ -32,7 +32,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from fedpipe.config.settings import DEVICE_DTYPES
+from fedpipe.config.device import DEVICE_DTYPES
 from fedpipe.edge.schedules import Action, Op, Schedule, make_schedule
 from fedpipe.messages import Kind, StageMsg
 from fedpipe.trace import Tracer

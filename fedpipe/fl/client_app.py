@@ -16,8 +16,8 @@ from typing import Any
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
+from fedpipe.config.federated import parse_profiles
 from fedpipe.config.flower_keys import NodeSettings
-from fedpipe.config.settings import parse_profiles
 from fedpipe.fl.adapter_codec import adapter_codec_mod
 from fedpipe.fl.adapter_dp import adapter_clipping_mod
 from fedpipe.fl.device_round import train_round

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from fedpipe.config import FedpipeConfig
-from fedpipe.config.settings import LIST_SETTINGS, canonical_list_text
+from fedpipe.config.lists import LIST_SETTINGS, canonical_list_text
 
 __all__ = ["FROZEN", "ResumeRefused", "resume_settings"]
 

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from fedpipe.config.settings import TrainConfig
+from fedpipe.config.train import TrainConfig
 
 __all__ = ["DEFAULT_LOSS_CHUNK", "IGNORE_INDEX", "chunked_loss_sum", "shifted_loss_sum"]
 

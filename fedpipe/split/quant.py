@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.pytorch_utils import Conv1D
 
-from fedpipe.config.settings import DEVICE_WEIGHTS
+from fedpipe.config.device import DEVICE_WEIGHTS
 
 __all__ = [
     "DEVICE_WEIGHTS",

@@ -12,7 +12,7 @@ import torch
 from harness.stage import stage_server
 
 from fedpipe.config import FedpipeConfig, ModelConfig, PipelineConfig, TrainConfig
-from fedpipe.config.settings import DeviceConfig
+from fedpipe.config.device import DeviceConfig
 from fedpipe.edge.trainer import DeviceTrainer
 from fedpipe.fl.replies import ReplyRules, TrainReply, check_reply, device_keys
 from fedpipe.server.build import build_runtime
