@@ -6,6 +6,7 @@ back by ``to_flat`` as a string that Flower carries and the ClientApp reads to t
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from flwr.app import Context, RecordDict
@@ -205,3 +206,25 @@ def test_a_resume_takes_a_list_saved_with_spaces_as_unchanged() -> None:
     saved = {**cfg.to_flat(), "model.cuts": "2+1, 1+2"}  # as an earlier version saved it
     resolved, changes = resume_settings(saved, cfg, explicit=set())
     assert resolved == cfg and changes == []
+
+
+def test_the_client_app_names_a_device_from_the_typed_settings() -> None:
+    """A TOML array of profiles reaches the ClientApp as to_flat's string; it names devices
+    by the typed settings, and by REFUSED when those settings are refused (the round says
+    why, in full)."""
+    from fedpipe.fl.client_app import REFUSED
+
+    cfg = FedpipeConfig().with_overrides({"federated.profiles": ["bw=10", "rtt=5ms,bw=20"]})
+
+    def name(run_config: dict[str, Any], partition: int) -> str:
+        context = Context(
+            run_id=1,
+            node_id=1,
+            node_config={"partition-id": partition},
+            state=RecordDict(),
+            run_config=run_config,
+        )
+        return _device_profile_name(context)[1]
+
+    assert [name(cfg.to_flat(), p) for p in range(3)] == ["bw=10", "rtt=5ms,bw=20", "bw=10"]
+    assert name({**cfg.to_flat(), "federated.profiles": "phone-lte,rpi-wfi"}, 0) == REFUSED
