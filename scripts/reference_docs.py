@@ -56,8 +56,8 @@ NOTES: dict[str, str] = {
     "(../guides/compression.md))",
     "pipeline.downlink_codec": "codec of tensors the StageServer sends down",
     "pipeline.timeout_s": "seconds a device waits for one reply before the step fails",
-    "pipeline.plan_codecs": "codecs the planner may choose among (comma-separated; fp32 always "
-    "one) ([Per-device planning](../guides/planning.md))",
+    "pipeline.plan_codecs": "codecs the planner may choose among (a list or comma-separated; "
+    "fp32 always one) ([Per-device planning](../guides/planning.md))",
     "pipeline.replan_drift": "re-plan when the link's RTT or a message's time either way moves "
     "by more than this fraction",
     "pipeline.memory_cap_mb": "the device's memory for its parameters plus stashed activations "

@@ -20,11 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from fedpipe.cli.parser import build_parser
-from fedpipe.config import FedpipeConfig, load_config, parse_overrides
+from fedpipe.config import FedpipeConfig, parse_overrides
+from fedpipe.config.loading import load_given
 from fedpipe.errors import FedpipeError
 from fedpipe.launch.processes import ProcessStartError
 
-__all__ = ["config_from_args", "describe_error", "main"]
+__all__ = ["config_from_args", "describe_error", "given_from_args", "main"]
 
 log = logging.getLogger("fedpipe")
 
@@ -43,9 +44,15 @@ def _setup_logging(verbose: bool) -> None:
 
 def config_from_args(args: argparse.Namespace, **flags: Any) -> FedpipeConfig:
     """Defaults, then ``--config``, then ``--set``, then the command's own flags (not None)."""
+    return given_from_args(args, **flags)[0]
+
+
+def given_from_args(args: argparse.Namespace, **flags: Any) -> tuple[FedpipeConfig, set[str]]:
+    """:func:`config_from_args`, and the settings this command line gives: the flags (not
+    None), ``--set`` and the ``--config`` file's keys (the file read once)."""
     overrides: dict[str, Any] = parse_overrides(getattr(args, "set", None) or [])
     overrides.update({k: v for k, v in flags.items() if v is not None})
-    return load_config(getattr(args, "config", None), overrides)
+    return load_given(getattr(args, "config", None), overrides)
 
 
 # -- errors -------------------------------------------------------------------------------------

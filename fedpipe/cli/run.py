@@ -6,9 +6,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from fedpipe.cli.main import config_from_args
+from fedpipe.cli.main import given_from_args
 from fedpipe.cli.preflight import RunTarget, check_run
-from fedpipe.cli.run_args import as_resumed, explicit_settings, report, run_name, stop_like_ctrl_c
+from fedpipe.cli.run_args import as_resumed, report, run_name, stop_like_ctrl_c
 from fedpipe.launch.engines import FlowerRunError
 from fedpipe.launch.run import deploy_run
 from fedpipe.runs.resume import ResumeRefused
@@ -25,9 +25,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         "federated.mode": args.mode,
         "server.tls_ca": args.tls_ca,  # the ServerApp verifies the StageServer with it
     }
-    config = config_from_args(args, **flags)
+    config, explicit = given_from_args(args, **flags)
     superlink_ca = args.tls_ca or args.root_certificates
-    name, explicit = run_name(args), explicit_settings(args, flags)
+    name = run_name(args)
     try:
         checked = as_resumed(args, config, explicit)
     except ResumeRefused as exc:

@@ -1,5 +1,6 @@
-"""What ``fedpipe simulate`` and ``fedpipe run`` share: the settings a command line gives, a
-``--resume``'s settings, the run's name, stopping like Ctrl-C, and the final report."""
+"""What ``fedpipe simulate`` and ``fedpipe run`` share: a ``--resume``'s settings, the run's
+name, stopping like Ctrl-C, and the final report (the settings a command line gives:
+:func:`fedpipe.cli.main.given_from_args`)."""
 
 from __future__ import annotations
 
@@ -7,27 +8,15 @@ import argparse
 import signal
 import sys
 import time
-import tomllib
 from pathlib import Path
 from typing import Any
 
-from fedpipe.config import FedpipeConfig, parse_overrides
+from fedpipe.config import FedpipeConfig
 from fedpipe.runs.folder import RunFolder
 from fedpipe.runs.report import report_lines
 from fedpipe.runs.resume import resume_settings
 
-__all__ = ["as_resumed", "explicit_settings", "report", "run_name", "stop_like_ctrl_c"]
-
-
-def explicit_settings(args: argparse.Namespace, flags: dict[str, Any]) -> set[str]:
-    """The settings this command line gives: flags, ``--set`` and a ``--config`` file's keys."""
-    keys = {k for k, v in flags.items() if v is not None}
-    keys |= set(parse_overrides(getattr(args, "set", None) or []))
-    if getattr(args, "config", None) is not None:
-        with open(args.config, "rb") as fh:
-            data = tomllib.load(fh)
-        keys |= {f"{s}.{k}" for s, t in data.items() if isinstance(t, dict) for k in t}
-    return keys
+__all__ = ["as_resumed", "report", "run_name", "stop_like_ctrl_c"]
 
 
 def report(summary: dict[str, Any], folder: Path) -> int:

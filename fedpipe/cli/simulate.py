@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from fedpipe.cli.main import config_from_args
+from fedpipe.cli.main import given_from_args
 from fedpipe.cli.preflight import check_simulate
-from fedpipe.cli.run_args import as_resumed, explicit_settings, report, run_name, stop_like_ctrl_c
+from fedpipe.cli.run_args import as_resumed, report, run_name, stop_like_ctrl_c
 from fedpipe.launch.run import simulate
 from fedpipe.runs.resume import ResumeRefused
 
@@ -24,8 +24,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         "federated.mode": args.mode,
         "federated.data": args.data,
     }
-    config = config_from_args(args, **flags)
-    name, explicit = run_name(args), explicit_settings(args, flags)
+    config, explicit = given_from_args(args, **flags)
+    name = run_name(args)
     try:
         check_simulate(as_resumed(args, config, explicit))
         stop_like_ctrl_c()

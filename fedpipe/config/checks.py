@@ -6,7 +6,7 @@ from typing import Any
 
 from fedpipe.config.codecs import check_codec
 
-__all__ = ["check", "is_codec", "list_entries"]
+__all__ = ["check", "is_codec", "list_entries", "split_entries"]
 
 
 def check(ok: bool, message: str) -> None:
@@ -27,3 +27,16 @@ def is_codec(name: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def split_entries(value: Any, key: str, what: str, sep: str = ",") -> tuple[str, ...]:
+    """A list setting of strings: a ``sep``-separated string (blank entries skipped) or a
+    list or tuple, each entry one ``what`` (a string, not blank, without ``sep``), stripped."""
+    if isinstance(value, str):
+        return tuple(e.strip() for e in value.split(sep) if e.strip())
+    out = []
+    for item in list_entries(value, key):
+        ok = isinstance(item, str) and bool(item.strip()) and sep not in item
+        check(ok, f"{key}: entry {item!r} is not one {what}")
+        out.append(item.strip())
+    return tuple(out)

@@ -17,7 +17,6 @@ from fedpipe.config.lists import list_text
 from fedpipe.config.model import ModelConfig
 from fedpipe.config.pipeline import PipelineConfig
 from fedpipe.config.privacy import PrivacyConfig
-from fedpipe.config.privacy_spec import parse_privacy_specs
 from fedpipe.config.server import ServerConfig
 from fedpipe.config.train import TrainConfig
 
@@ -61,7 +60,7 @@ class FedpipeConfig:
                 f"federated.mode = async cannot hold {what}: it decides per round what every "
                 "device trains or adds; set it off or use mode = sync",
             )
-        for entry in ({}, *parse_privacy_specs(self.privacy.devices, "privacy.devices")):
+        for entry in ({}, *self.privacy.device_specs):
             self._check_device_privacy(self.privacy.for_device(entry))
         stored = [w for w in self.device.weights if w != "fp32"] or [""]
         check(
@@ -125,7 +124,7 @@ class FedpipeConfig:
 
     def device_privacy(self, partition: int) -> dict[str, Any]:
         """Simulated device ``partition``'s overrides: ``privacy.devices`` cycled ({} = none)."""
-        entries = parse_privacy_specs(self.privacy.devices, "privacy.devices")
+        entries = self.privacy.device_specs
         if partition < 0 or not entries:
             return {}
         return entries[partition % len(entries)]

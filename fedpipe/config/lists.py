@@ -9,6 +9,9 @@ from typing import Any
 from fedpipe.config.cuts import format_cuts, parse_cuts
 from fedpipe.config.device import parse_device_weights
 from fedpipe.config.federated import parse_profiles
+from fedpipe.config.model import parse_lora_targets
+from fedpipe.config.pipeline import parse_plan_codecs
+from fedpipe.config.privacy import parse_privacy_devices
 from fedpipe.config.profile_spec import join_specs
 
 __all__ = ["LIST_SETTINGS", "canonical_list_text", "list_text"]
@@ -16,8 +19,11 @@ __all__ = ["LIST_SETTINGS", "canonical_list_text", "list_text"]
 # How each list setting's entries are written as one string (the inverse of its parser).
 _LIST_TEXT: dict[str, Callable[[Any], str]] = {
     "model.cuts": format_cuts,
+    "model.lora_targets": ",".join,
+    "pipeline.plan_codecs": ",".join,
     "federated.device_cuts": format_cuts,
     "federated.profiles": join_specs,  # with "; " where commas alone would regroup the specs
+    "privacy.devices": "; ".join,  # a spec's own commas stay inside it
     "device.weights": ",".join,
 }
 
@@ -25,8 +31,11 @@ _LIST_TEXT: dict[str, Callable[[Any], str]] = {
 # Each list setting's parser (a comma string or a list of entries -> the checked tuple).
 _LIST_PARSE: dict[str, Callable[[Any, str], tuple[Any, ...]]] = {
     "model.cuts": parse_cuts,
+    "model.lora_targets": parse_lora_targets,
+    "pipeline.plan_codecs": parse_plan_codecs,
     "federated.device_cuts": parse_cuts,
     "federated.profiles": parse_profiles,
+    "privacy.devices": parse_privacy_devices,
     "device.weights": parse_device_weights,
 }
 LIST_SETTINGS = tuple(_LIST_TEXT)

@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from fedpipe.config.checks import check
+from fedpipe.config.checks import check, split_entries
 from fedpipe.config.cuts import parse_cuts
 
-__all__ = ["ModelConfig"]
+__all__ = ["ModelConfig", "parse_lora_targets"]
+
+
+def parse_lora_targets(value: Any, key: str = "model.lora_targets") -> tuple[str, ...]:
+    """``"q_proj, v_proj"`` or ``["q_proj", "v_proj"]`` -> ("q_proj", "v_proj"); () for none
+    (the family's default targets)."""
+    return split_entries(value, key, "module name")
 
 
 @dataclass(frozen=True)
@@ -24,7 +31,8 @@ class ModelConfig:
     cuts: tuple[tuple[int, int], ...] = ()
     lora_r: int = 8
     lora_alpha: int = 16
-    lora_targets: str = ""  # comma-separated module names; "" = the family's default
+    # Module names LoRA wraps, a list or comma-separated; none: the family's default
+    lora_targets: tuple[str, ...] = ()
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -33,6 +41,7 @@ class ModelConfig:
         check(self.tail_layers >= 0, f"model.tail_layers must be >= 0, got {self.tail_layers}")
         check(self.lora_r >= 1, f"model.lora_r must be >= 1, got {self.lora_r}")
         object.__setattr__(self, "cuts", parse_cuts(self.cuts, "model.cuts"))
+        object.__setattr__(self, "lora_targets", parse_lora_targets(self.lora_targets))
 
     @property
     def offered_cuts(self) -> tuple[tuple[int, int], ...]:

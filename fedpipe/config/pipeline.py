@@ -3,15 +3,25 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from fedpipe.config.checks import check, is_codec
+from fedpipe.config.checks import check, is_codec, split_entries
 from fedpipe.config.codecs import codec_bits, codec_help
 
-__all__ = ["FREEZE_MODES", "SCHEDULE_NAMES", "PipelineConfig"]
+__all__ = ["FREEZE_MODES", "SCHEDULE_NAMES", "PipelineConfig", "parse_plan_codecs"]
 
 # The device schedules (fedpipe.edge.schedules builds them; a test keeps the two in step).
 SCHEDULE_NAMES = ("sequential", "gpipe", "1f1b", "greedy")
 FREEZE_MODES = ("off", "progressive")  # pipeline.freeze (fedpipe.fl.freeze)
+
+
+def parse_plan_codecs(value: Any, key: str = "pipeline.plan_codecs") -> tuple[str, ...]:
+    """``"fp32, int8"`` or ``["fp32", "int8"]`` -> ("fp32", "int8"), each a codec name."""
+    entries = split_entries(value, key, "codec name")
+    bad = [c for c in entries if not is_codec(c)]
+    text = value.strip() if isinstance(value, str) else ",".join(entries)
+    check(not bad, f"{key} {text!r}: unknown {bad}; list some of {codec_help()}")
+    return entries
 
 
 @dataclass(frozen=True)
@@ -42,7 +52,7 @@ class PipelineConfig:
     # listed), re-planning when the link's RTT or a rate moves by more than replan_drift;
     # memory_cap_mb (0: none) bounds the device's parameters plus stashed activations.
     plan: str = "fixed"
-    plan_codecs: str = "fp32"
+    plan_codecs: tuple[str, ...] = ("fp32",)  # a list or comma-separated
     replan_drift: float = 0.25
     memory_cap_mb: float = 0.0
     # off, or progressive: after each round the ServerApp freezes the lowest blocks whose
@@ -89,12 +99,7 @@ class PipelineConfig:
             self.plan in ("fixed", "auto"),
             f"pipeline.plan must be fixed or auto, got {self.plan!r}",
         )
-        bad = [c for c in self.codec_choices if not is_codec(c)]
-        check(
-            bool(self.codec_choices) and not bad,
-            f"pipeline.plan_codecs {self.plan_codecs!r}: unknown {bad}; list some of "
-            f"{codec_help()}",
-        )
+        object.__setattr__(self, "plan_codecs", parse_plan_codecs(self.plan_codecs))
         check(self.replan_drift > 0, f"pipeline.replan_drift must be > 0, got {self.replan_drift}")
         check(
             self.memory_cap_mb >= 0,
@@ -126,5 +131,4 @@ class PipelineConfig:
     @property
     def codec_choices(self) -> tuple[str, ...]:
         """``plan_codecs`` as a tuple; fp32 (lossless) is always a choice."""
-        listed = [c.strip() for c in self.plan_codecs.split(",") if c.strip()]
-        return tuple(dict.fromkeys(["fp32", *listed]))
+        return tuple(dict.fromkeys(["fp32", *self.plan_codecs]))

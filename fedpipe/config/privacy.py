@@ -5,10 +5,29 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from fedpipe.config.checks import check
-from fedpipe.config.privacy_spec import MECHANISMS, parse_privacy_spec, parse_privacy_specs
+from fedpipe.config.checks import check, list_entries
+from fedpipe.config.privacy_spec import MECHANISMS, parse_privacy_spec
 
-__all__ = ["PrivacyConfig"]
+__all__ = ["PrivacyConfig", "parse_privacy_devices"]
+
+
+def parse_privacy_devices(value: Any, key: str = "privacy.devices") -> tuple[str, ...]:
+    """``"off; ; decorrelation=1"`` or ``["off", "", "decorrelation=1"]`` -> the specs, each
+    checked (:func:`~fedpipe.config.privacy_spec.parse_privacy_spec`); an empty entry keeps
+    the run's defences, a blank string (or one empty entry) means none."""
+    if isinstance(value, str):
+        entries = tuple(e.strip() for e in value.split(";")) if value.strip() else ()
+    else:
+        items = list_entries(value, key)
+        for item in items:
+            check(
+                isinstance(item, str) and ";" not in item,
+                f"{key}: entry {item!r} is not one device's spec (key=value pairs joined by ',')",
+            )
+        entries = tuple(e.strip() for e in items)
+    for entry in entries:
+        parse_privacy_spec(entry, key)
+    return () if entries == ("",) else entries
 
 
 @dataclass(frozen=True)
@@ -43,7 +62,9 @@ class PrivacyConfig:
     gradient_noise: float = 0.0  # as activation_noise, on the output gradients
     decorrelation: float = 0.0  # weight of the head's distance-correlation penalty; 0 = off
     label_resample: float = 0.0  # share of positions whose upward gradient uses a drawn label
-    devices: str = ""  # per-device overrides, cycled over simulated devices ("" = the run's)
+    # Per-device overrides, cycled over simulated devices: a list, or specs separated by ";"
+    # (an empty entry: the run's own); none: every device runs the run's
+    devices: tuple[str, ...] = ()
     delta: float = 1e-5  # the delta of the reported (epsilon, delta)
     adapter_dp: str = "off"  # off | server | client: Flower's fixed-clipping DP on adapters
     adapter_noise: float = 1.0  # Flower's noise_multiplier (with adapter_dp)
@@ -78,9 +99,10 @@ class PrivacyConfig:
             0 <= self.label_resample < 1,
             f"privacy.label_resample must be in [0, 1) (0 = off), got {self.label_resample}",
         )
-        for entry in parse_privacy_specs(self.devices, "privacy.devices"):
+        object.__setattr__(self, "devices", parse_privacy_devices(self.devices))
+        for entry in self.device_specs:
             try:
-                replace(self, devices="", **entry)
+                replace(self, devices=(), **entry)
             except ValueError as exc:
                 raise ValueError(f"privacy.devices entry {entry}: {exc}") from None
         check(0 < self.delta < 1, f"privacy.delta must be in (0, 1), got {self.delta}")
@@ -103,4 +125,9 @@ class PrivacyConfig:
     def for_device(self, spec: str | dict[str, Any]) -> PrivacyConfig:
         """The run's settings with a device's own overrides (a spec string or parsed)."""
         entry = parse_privacy_spec(spec, "--privacy") if isinstance(spec, str) else spec
-        return replace(self, devices="", **entry) if entry else self
+        return replace(self, devices=(), **entry) if entry else self
+
+    @property
+    def device_specs(self) -> tuple[dict[str, Any], ...]:
+        """``devices`` parsed: each device's overrides ({} = the run's own)."""
+        return tuple(parse_privacy_spec(entry, "privacy.devices") for entry in self.devices)

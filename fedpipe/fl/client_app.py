@@ -16,7 +16,6 @@ from typing import Any
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
-from fedpipe.config.federated import parse_profiles
 from fedpipe.config.flower_keys import NodeSettings
 from fedpipe.fl.adapter_codec import adapter_codec_mod
 from fedpipe.fl.adapter_dp import adapter_clipping_mod
@@ -34,19 +33,22 @@ client_app = ClientApp(mods=[adapter_codec_mod, adapter_clipping_mod])
 
 
 _TrainFn = Callable[[Message, Context], Message]
+# The profile a device is named by when the run's settings are refused (the error says why).
+REFUSED = "settings refused"
 
 
 def _device_profile_name(context: Context) -> tuple[int, str]:
-    """This node's partition and profile name, as DeviceWork picks them (cheaply)."""
+    """This node's partition and profile name, as DeviceWork picks them: its own
+    ``--profile``, else the run's ``federated.profiles`` dealt in turn, read from the typed
+    settings (:func:`run_settings`: built once per run config, as the round builds them)."""
     node = NodeSettings.from_node_config(context.node_config)
     if node.profile:
         return node.partition_id, node.profile
-    profiles = context.run_config.get("federated.profiles", "")
-    try:  # the run config's string, split as the settings split it
-        entries = parse_profiles(str(profiles))
-    except ValueError:  # refused again, in full, when the device's settings are built
-        entries = (str(profiles),)
-    return node.partition_id, partition_profile(entries, node.partition_id)
+    try:
+        cfg, _ = run_settings(context.run_config)
+    except ValueError:  # refused again, in full, when the round builds the device's settings
+        return node.partition_id, REFUSED
+    return node.partition_id, partition_profile(cfg.federated.profiles, node.partition_id)
 
 
 def _says_who(train: _TrainFn) -> _TrainFn:

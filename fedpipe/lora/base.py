@@ -80,7 +80,7 @@ class LoraSettings:
 
 def lora_settings(config: FedpipeConfig) -> LoraSettings:
     """The LoRA settings both sides derive from one config."""
-    targets = tuple(t.strip() for t in config.model.lora_targets.split(",") if t.strip())
+    targets = config.model.lora_targets
     return LoraSettings(
         r=config.model.lora_r,
         alpha=config.model.lora_alpha,

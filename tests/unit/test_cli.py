@@ -226,3 +226,34 @@ def test_interrupted_run_says_where_and_how_to_resume(tmp_path: Path) -> None:
     line = _interrupted(args, argv)
     assert "after round 2" in line
     assert line.endswith(f"fedpipe simulate --runs-dir {tmp_path} --rounds 5 --name r1 --resume")
+
+
+def test_the_settings_a_command_line_gives_come_from_one_read_of_its_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`fedpipe simulate`/`run`: the config and the keys a --resume keeps (flags, --set, the
+    --config file's) come from one read of the TOML file."""
+    import tomllib
+
+    from fedpipe.cli.main import given_from_args
+    from fedpipe.config import loading
+
+    toml = tmp_path / "run.toml"
+    toml.write_text('[train]\nlr = 0.001\n[pipeline]\nplan_codecs = ["fp32", "int8"]\n')
+    reads = []
+    load = tomllib.load
+    monkeypatch.setattr(loading.tomllib, "load", lambda fh: reads.append(1) or load(fh))
+    args = build_parser().parse_args(
+        ["simulate", "--config", str(toml), "--set", "pipeline.microbatches=2", "--rounds", "5"]
+    )
+    flags = {"federated.rounds": args.rounds, "federated.num_devices": args.devices}
+    config, given = given_from_args(args, **flags)
+    assert reads == [1]
+    assert given == {
+        "train.lr",
+        "pipeline.plan_codecs",
+        "pipeline.microbatches",
+        "federated.rounds",
+    }
+    assert config.train.lr == 0.001 and config.pipeline.plan_codecs == ("fp32", "int8")
+    assert config.pipeline.microbatches == 2 and config.federated.rounds == 5

@@ -1,10 +1,12 @@
-"""List settings (model.cuts, federated.device_cuts, federated.profiles, device.weights): a
+"""List settings (model.cuts, model.lora_targets, pipeline.plan_codecs, federated.device_cuts,
+federated.profiles, privacy.devices, device.weights): a
 comma string or a TOML array, parsed once into a tuple when the config is built, and written
 back by ``to_flat`` as a string that Flower carries and the ClientApp reads to the same entries."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from flwr.app import Context, RecordDict
@@ -26,9 +28,14 @@ STRINGS = """
 head_layers = 1
 tail_layers = 1
 cuts = "2+1, 1+2"
+lora_targets = "q_proj, v_proj"
+[pipeline]
+plan_codecs = "fp32,int8"
 [federated]
 profiles = "phone-lte,up=10,down=25,rtt=50ms,rpi-wifi"
 device_cuts = "2+1,1+1"
+[privacy]
+devices = "off; ; decorrelation=1,label_resample=0.1"
 [device]
 weights = "int8, fp32"
 """
@@ -37,9 +44,14 @@ LISTS = """
 head_layers = 1
 tail_layers = 1
 cuts = ["2+1", "1+2"]
+lora_targets = ["q_proj", "v_proj"]
+[pipeline]
+plan_codecs = ["fp32", "int8"]
 [federated]
 profiles = ["phone-lte", "up=10,down=25,rtt=50ms", "rpi-wifi"]
 device_cuts = ["2+1", "1+1"]
+[privacy]
+devices = ["off", "", "decorrelation=1,label_resample=0.1"]
 [device]
 weights = ["int8", "fp32"]
 """
@@ -60,6 +72,11 @@ def test_toml_strings_and_toml_arrays_load_to_the_same_tuples(tmp_path: Path) ->
     assert lists.federated.device_cuts == ((2, 1), (1, 1))
     assert lists.federated.profiles == ("phone-lte", "up=10,down=25,rtt=50ms", "rpi-wifi")
     assert lists.device.weights == ("int8", "fp32")
+    assert lists.model.lora_targets == ("q_proj", "v_proj")
+    assert lists.pipeline.plan_codecs == ("fp32", "int8")
+    assert lists.pipeline.codec_choices == ("fp32", "int8")
+    assert lists.privacy.devices == ("off", "", "decorrelation=1,label_resample=0.1")
+    assert lists.device_privacy(1) == {} and lists.device_privacy(2)["decorrelation"] == 1.0
     assert [lists.device_weights(p) for p in (-1, 0, 1, 2)] == ["fp32", "int8", "fp32", "int8"]
     assert [lists.device_cut(p) for p in (0, 1, 2)] == [(2, 1), (1, 1), (2, 1)]
 
@@ -94,6 +111,13 @@ def test_device_1_of_an_inline_spec_list_runs_the_inline_spec(given: object) -> 
         ("federated.profiles", ["phone-lte", 3], "federated.profiles must be a list of strings"),
         ("device.weights", ["int8", "int3"], "device.weights 'int3' unknown"),
         ("device.weights", 8, "device.weights must be a list of strings"),
+        ("model.lora_targets", ["q_proj", ""], "model.lora_targets: entry '' is not one module"),
+        ("model.lora_targets", ["q_proj,v_proj"], "model.lora_targets: entry 'q_proj,v_proj'"),
+        ("pipeline.plan_codecs", ["int8", "fp8"], "pipeline.plan_codecs 'int8,fp8': unknown"),
+        ("pipeline.plan_codecs", "int8, fp8", "pipeline.plan_codecs 'int8, fp8': unknown"),
+        ("privacy.devices", ["off; off"], "privacy.devices: entry 'off; off' is not one"),
+        ("privacy.devices", ["noise=1"], "privacy.devices: unknown key 'noise'"),
+        ("privacy.devices", "off; noise=1", "privacy.devices: unknown key 'noise'"),
     ],
 )
 def test_a_bad_entry_is_refused_in_one_line_naming_the_key(
@@ -106,8 +130,19 @@ def test_a_bad_entry_is_refused_in_one_line_naming_the_key(
 
 
 def test_set_flags_keep_taking_comma_strings() -> None:
-    flags = parse_overrides([f"federated.profiles={INLINE}", "model.cuts=2+1,1+2"])
+    flags = parse_overrides(
+        [
+            f"federated.profiles={INLINE}",
+            "model.cuts=2+1,1+2",
+            "pipeline.plan_codecs=fp32,int8",
+            "model.lora_targets=q_proj,v_proj",
+            "privacy.devices=off; decorrelation=1",
+        ]
+    )
     cfg = load_config(None, {**flags, "federated.device_cuts": "1+2"})
+    assert cfg.pipeline.plan_codecs == ("fp32", "int8")
+    assert cfg.model.lora_targets == ("q_proj", "v_proj")
+    assert cfg.privacy.devices == ("off", "decorrelation=1")
     assert cfg.federated.profiles == ("phone-lte", "up=10,down=25,rtt=50ms", "rpi-wifi")
     assert cfg.model.cuts == ((2, 1), (1, 2)) and cfg.federated.device_cuts == ((1, 2),)
 
@@ -124,6 +159,12 @@ ROUND_TRIPS = [
         "federated.device_cuts": ["3+0", "2+1"],
         "device.weights": ["int4", "fp32", "bf16"],
     },
+    {
+        "model.lora_targets": ["q_proj", "v_proj"],
+        "pipeline.plan_codecs": ["int8", "bf16"],
+        "privacy.devices": ["off", "", "decorrelation=1,label_resample=0.1", ""],
+    },
+    {"privacy.devices": [""], "pipeline.plan_codecs": [], "model.lora_targets": []},
 ]
 
 
@@ -154,6 +195,8 @@ def test_messages_and_to_flat_print_a_list_as_it_is_written() -> None:
     flat = cfg.to_flat()
     assert flat["model.cuts"] == "2+1,1+1" and flat["federated.profiles"] == "phone-lte,rpi-wifi"
     assert flat["device.weights"] == "fp32" and flat["federated.device_cuts"] == ""
+    assert flat["pipeline.plan_codecs"] == "fp32" and flat["model.lora_targets"] == ""
+    assert flat["privacy.devices"] == ""
     with pytest.raises(ValueError, match="^model.cuts '2\\+1,1\\+1' lets devices hold"):
         cfg.with_overrides({"privacy.adapter_dp": "server"})
 
@@ -163,3 +206,25 @@ def test_a_resume_takes_a_list_saved_with_spaces_as_unchanged() -> None:
     saved = {**cfg.to_flat(), "model.cuts": "2+1, 1+2"}  # as an earlier version saved it
     resolved, changes = resume_settings(saved, cfg, explicit=set())
     assert resolved == cfg and changes == []
+
+
+def test_the_client_app_names_a_device_from_the_typed_settings() -> None:
+    """A TOML array of profiles reaches the ClientApp as to_flat's string; it names devices
+    by the typed settings, and by REFUSED when those settings are refused (the round says
+    why, in full)."""
+    from fedpipe.fl.client_app import REFUSED
+
+    cfg = FedpipeConfig().with_overrides({"federated.profiles": ["bw=10", "rtt=5ms,bw=20"]})
+
+    def name(run_config: dict[str, Any], partition: int) -> str:
+        context = Context(
+            run_id=1,
+            node_id=1,
+            node_config={"partition-id": partition},
+            state=RecordDict(),
+            run_config=run_config,
+        )
+        return _device_profile_name(context)[1]
+
+    assert [name(cfg.to_flat(), p) for p in range(3)] == ["bw=10", "rtt=5ms,bw=20", "bw=10"]
+    assert name({**cfg.to_flat(), "federated.profiles": "phone-lte,rpi-wfi"}, 0) == REFUSED

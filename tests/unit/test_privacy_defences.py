@@ -100,7 +100,7 @@ def test_privacy_devices_cycle_over_partitions_on_top_of_the_run() -> None:
     assert cfg.for_device_privacy(cfg.device_privacy(1)) is cfg  # the run's own
     own = cfg.for_device_privacy(cfg.device_privacy(2)).privacy
     assert (own.mechanism, own.activation_noise, own.decorrelation) == ("token", 0.2, 2.0)
-    assert own.devices == ""  # a device's settings hold no list of others
+    assert own.devices == ()  # a device's settings hold no list of others
     # an entry that does not fit the run is refused before anything starts
     with pytest.raises(ValueError, match="privacy.devices entry .*activation_clip"):
         load_config(None, {"privacy.mechanism": "token", "privacy.devices": "activation_clip=1"})
